@@ -1,0 +1,417 @@
+"""One typed Config for octjepa: defaults, YAML loading, --flag overrides, validation, derived values.
+
+Precedence: dataclass defaults < YAML file (--config FILE) < command-line flags.
+Every field is a flag: `--base_lr 1e-4`, `--base_lr=1e-4`, lists as `--image_size 64,384,384`,
+`none`/`null` (any case) for an optional field, a bare `--dry_run` for a bool.
+Problems raise ConfigError naming the field and the fix; train.py turns that into exit code 2.
+"""
+import dataclasses
+import difflib
+import math
+import os
+import sys
+import typing
+import warnings
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem: the message names the field and how to fix it."""
+
+
+@dataclass
+class Config:
+    # --- data ---
+    data_root: Optional[str] = None  # folder, glob or gs:// prefix of DICOM files; None = built-in phantoms
+    manifest_path: Optional[str] = None  # TSV/CSV with a `filepath` column (relative to data_root)
+    index_path: Optional[str] = None  # JSONL index written by `python data.py scan` (reused if given)
+    phantom_dir: str = "data/phantoms"  # where the built-in demo phantoms are written when data_root is None
+    phantom_count: int = 48  # volumes in the built-in phantom set
+    sop_classes: str = "oct"  # oct | any
+    image_size: List[int] = field(default_factory=lambda: [16, 64, 64])  # [D, H, W] voxels fed to the model
+    patch_size: List[int] = field(default_factory=lambda: [4, 8, 8])  # tubelet [pd, ph, pw]
+    target_spacing: Optional[List[float]] = None  # [dz, dy, dx] mm to resample to; None = resize to image_size
+    missing_spacing: str = "resize"  # resize | skip: what to do with a volume whose spacing is missing/garbled
+    clip_percentiles: List[float] = field(default_factory=lambda: [0.5, 99.5])  # robust intensity clip
+    flip_prob: float = 0.5  # random flip across the lateral axis (train only)
+    intensity_jitter: float = 0.1  # random intensity scale/shift amplitude after normalization (train only)
+    val_fraction: float = 0.1  # share of patients held out for validation
+    cache_dir: Optional[str] = None  # decoded-volume cache (python data.py prepare); None = decode on the fly
+    workers: int = 2  # DataLoader worker processes
+    max_bad_fraction: float = 0.2  # stop (exit 3) when more than this share of files is unusable
+    # --- masking ---
+    mask_type: str = "multiblock"  # multiblock | random
+    mask_ratio: float = 0.6  # share of tokens that are prediction targets
+    mask_block_scale: List[float] = field(default_factory=lambda: [0.1, 0.3])  # block size as share of tokens
+    mask_block_aspect: float = 1.5  # max aspect ratio distortion of a block per axis pair
+    # --- model ---
+    embed_dim: int = 96
+    depth: int = 4
+    num_heads: int = 4
+    pred_embed_dim: int = 64
+    pred_depth: int = 2
+    pred_num_heads: int = 4
+    mlp_ratio: float = 4.0
+    loss: str = "l1"  # l1 | mse
+    grad_checkpointing: bool = False
+    # --- optimization ---
+    global_batch_size: Optional[int] = 8
+    per_core_batch_size: Optional[int] = 8
+    grad_accum_steps: Optional[int] = None  # derived from the two batch sizes and the world size when None
+    epochs: int = 30
+    max_steps: Optional[int] = None  # optimizer updates; overrides epochs when set
+    base_lr: float = 5e-4
+    min_lr: float = 1e-5
+    warmup_steps: Optional[int] = None
+    warmup_epochs: Optional[float] = 2.0  # used when warmup_steps is None
+    schedule: str = "cosine"  # cosine | constant
+    weight_decay: float = 0.04
+    weight_decay_end: Optional[float] = None  # cosine-ramped to this value; None = constant weight_decay
+    adam_betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    ema_base: float = 0.996  # EMA momentum at step 0, cosine-ramped to ema_end
+    ema_end: float = 1.0
+    grad_clip: Optional[float] = 1.0  # max total grad norm; None = no clipping (the norm is still logged)
+    use_bf16: bool = False
+    max_consecutive_nonfinite: int = 3  # skipped updates in a row before a rollback
+    max_rollbacks: int = 3  # rollbacks before giving up with exit 4
+    rollback_lr_factor: float = 0.5
+    # --- logging, validation, checkpoints ---
+    log_every_steps: int = 10
+    val_every_steps: int = 100
+    val_batches: int = 4
+    ckpt_dir: Optional[str] = "auto"  # auto = out_dir/run_name/checkpoints; None = no checkpoints
+    ckpt_every_steps: int = 100
+    keep_last: int = 2
+    resume: str = "none"  # none | auto | path to a checkpoint
+    wandb: str = "disabled"  # auto | online | offline | disabled
+    wandb_project: str = "octjepa"
+    wandb_entity: Optional[str] = None
+    # --- run ---
+    device: str = "auto"  # auto | cpu | cuda | xla
+    seed: int = 0
+    out_dir: str = "runs"
+    run_name: Optional[str] = None  # None = a timestamped name
+    dry_run: bool = False
+
+    def grid_size(self) -> List[int]:
+        """Tokens per axis [gd, gh, gw]."""
+        return [s // p for s, p in zip(self.image_size, self.patch_size)]
+
+    def num_tokens(self) -> int:
+        return math.prod(self.grid_size())
+
+    def token_counts(self):
+        """(n_context, n_target): the same for every sample, so batches have static shapes."""
+        n = self.num_tokens()
+        n_target = round(self.mask_ratio * n)
+        return n - n_target, n_target
+
+
+CHOICES = {
+    "sop_classes": ("oct", "any"),
+    "missing_spacing": ("resize", "skip"),
+    "mask_type": ("multiblock", "random"),
+    "loss": ("l1", "mse"),
+    "schedule": ("cosine", "constant"),
+    "wandb": ("auto", "online", "offline", "disabled"),
+    "device": ("auto", "cpu", "cuda", "xla"),
+}
+LIST_LENGTHS = {"image_size": 3, "patch_size": 3, "target_spacing": 3, "clip_percentiles": 2,
+                "mask_block_scale": 2, "adam_betas": 2}
+# Fields naming a file, folder or URL: the string "None" there is a YAML/shell slip, never a path (incident 8).
+PATH_FIELDS = ("data_root", "manifest_path", "index_path", "phantom_dir", "cache_dir", "ckpt_dir",
+               "out_dir", "resume")
+NULL_WORDS = ("none", "null", "~")
+
+FIELD_TYPES = typing.get_type_hints(Config)
+FIELD_NAMES = [f.name for f in dataclasses.fields(Config)]
+
+
+def _unwrap_optional(tp):
+    """(inner type, is_optional) for Optional[X] / X."""
+    if typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0], True
+    return tp, False
+
+
+def _unknown_key_error(key: str, where: str) -> ConfigError:
+    close = difflib.get_close_matches(key, FIELD_NAMES, n=1, cutoff=0.5)
+    hint = f" Did you mean '{close[0]}'?" if close else " See README 'Config reference' for the fields."
+    return ConfigError(f"unknown {where} '{key}'.{hint}")
+
+
+def _convert_scalar(name: str, tp, value, from_cli: bool):
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "yes", "1", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("false", "no", "0", "off"):
+            return False
+        raise ConfigError(f"{name}: expected true or false, got {value!r}.")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{name}: expected an integer, got {value!r}.")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                as_float = float(value)
+            except ValueError:
+                as_float = None
+            if as_float is not None and as_float.is_integer():
+                return int(as_float)
+        raise ConfigError(f"{name}: expected an integer, got {value!r}.")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML reads 1e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{name}: expected a number, got {value!r}.")
+    if tp is str:
+        if isinstance(value, (dict, list)) or value is None:
+            raise ConfigError(f"{name}: expected a string, got {value!r}.")
+        return str(value)
+    raise TypeError(f"unsupported config type {tp} for {name}")
+
+
+def convert_value(name: str, value, from_cli: bool):
+    """Convert a YAML value or a command-line string to the type of field `name`."""
+    tp, optional = _unwrap_optional(FIELD_TYPES[name])
+    if value is None or (from_cli and isinstance(value, str) and value.strip().lower() in NULL_WORDS):
+        if not optional:
+            raise ConfigError(f"{name}: this field cannot be null; give a value "
+                              f"(default {getattr(Config(), name)!r}).")
+        return None
+    if name in PATH_FIELDS and not from_cli and isinstance(value, str) and value.strip().lower() in NULL_WORDS:
+        raise ConfigError(f"{name}: the string {value!r} is not a path. Write `{name}: null` (unquoted) "
+                          f"to leave it unset.")
+    if typing.get_origin(tp) in (list, List):
+        (item_tp,) = typing.get_args(tp)
+        items = value
+        if isinstance(value, str):
+            items = [v for v in value.strip("[]() ").split(",") if v.strip()]
+        if not isinstance(items, (list, tuple)):
+            raise ConfigError(f"{name}: expected a list like 1,2,3, got {value!r}.")
+        out = [_convert_scalar(name, item_tp, v.strip() if isinstance(v, str) else v, from_cli) for v in items]
+        want = LIST_LENGTHS.get(name)
+        if want is not None and len(out) != want:
+            raise ConfigError(f"{name}: expected {want} values, got {len(out)} ({value!r}).")
+        return out
+    return _convert_scalar(name, tp, value, from_cli)
+
+
+def parse_flags(argv: List[str]) -> dict:
+    """Parse `--flag value`, `--flag=value` and bare bool `--flag` into {field: raw string or True}."""
+    flags, i = {}, 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(f"unexpected argument {arg!r}: flags look like --name value or --name=value.")
+        name, eq, value = arg[2:].partition("=")
+        name = name.replace("-", "_")
+        if name != "config" and name not in FIELD_TYPES:
+            raise _unknown_key_error(name, "flag --")
+        if not eq:
+            is_bool = name != "config" and _unwrap_optional(FIELD_TYPES[name])[0] is bool
+            next_is_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
+            if next_is_value:
+                value, i = argv[i + 1], i + 1
+            elif is_bool:
+                value = "true"
+            else:
+                raise ConfigError(f"--{name} needs a value.")
+        flags[name] = value
+        i += 1
+    return flags
+
+
+def load_yaml(path: str) -> dict:
+    """Read a YAML config file into a dict of raw values (unknown keys are errors)."""
+    if not os.path.exists(path):
+        raise ConfigError(f"config: file {path!r} not found.")
+    with open(path) as f:
+        raw = yaml.safe_load(f) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config: {path} must be a mapping of field: value.")
+    for key in raw:
+        if key not in FIELD_TYPES:
+            raise _unknown_key_error(str(key), f"key in {path}:")
+    return raw
+
+
+def load_config(argv: Optional[List[str]] = None, **overrides) -> "Config":
+    """Build a validated Config from `--config FILE`, the other flags in argv, then keyword overrides."""
+    flags = parse_flags(sys.argv[1:] if argv is None else list(argv))
+    values = {}
+    if "config" in flags:
+        for key, value in load_yaml(flags.pop("config")).items():
+            values[key] = convert_value(key, value, from_cli=False)
+    for key, value in flags.items():
+        values[key] = convert_value(key, value, from_cli=True)
+    for key, value in overrides.items():
+        if key not in FIELD_TYPES:
+            raise _unknown_key_error(key, "field")
+        values[key] = convert_value(key, value, from_cli=False)
+    cfg = Config(**values)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Check every rule that does not need the data or the world size; raise ConfigError on the first."""
+    for name, choices in CHOICES.items():
+        if getattr(cfg, name) not in choices:
+            raise ConfigError(f"{name}: {getattr(cfg, name)!r} is not one of {', '.join(choices)}.")
+    for name in PATH_FIELDS:
+        value = getattr(cfg, name)
+        if isinstance(value, str) and value.strip().lower() in NULL_WORDS:
+            raise ConfigError(f"{name}: the string {value!r} is not a path; use null to leave it unset.")
+        if isinstance(value, str) and not value.strip():
+            raise ConfigError(f"{name}: empty path; use null to leave it unset.")
+    for axis, (s, p) in enumerate(zip(cfg.image_size, cfg.patch_size)):
+        if p <= 0 or s <= 0:
+            raise ConfigError(f"image_size/patch_size: sizes must be positive, got {cfg.image_size} / {cfg.patch_size}.")
+        if s % p:
+            raise ConfigError(f"image_size: axis {axis} ({s}) is not divisible by patch_size ({p}); "
+                              f"use a multiple of {p}, e.g. {s - s % p or p}.")
+    if not 0.0 < cfg.mask_ratio < 1.0:
+        raise ConfigError(f"mask_ratio: {cfg.mask_ratio} must be strictly between 0 and 1 (e.g. 0.6).")
+    n_context, n_target = cfg.token_counts()
+    if n_context < 1 or n_target < 1:
+        raise ConfigError(f"mask_ratio: {cfg.mask_ratio} of {cfg.num_tokens()} tokens leaves {n_context} context and "
+                          f"{n_target} target tokens; both must be at least 1.")
+    lo, hi = cfg.mask_block_scale
+    if not 0.0 < lo <= hi <= 1.0:
+        raise ConfigError(f"mask_block_scale: {cfg.mask_block_scale} must satisfy 0 < min <= max <= 1.")
+    if cfg.mask_block_aspect < 1.0:
+        raise ConfigError(f"mask_block_aspect: {cfg.mask_block_aspect} must be >= 1.")
+    p_lo, p_hi = cfg.clip_percentiles
+    if not 0.0 <= p_lo < p_hi <= 100.0:
+        raise ConfigError(f"clip_percentiles: {cfg.clip_percentiles} must satisfy 0 <= low < high <= 100.")
+    if cfg.target_spacing is not None and any(s <= 0 for s in cfg.target_spacing):
+        raise ConfigError(f"target_spacing: {cfg.target_spacing} must be positive mm values [dz, dy, dx].")
+    if cfg.embed_dim % cfg.num_heads or cfg.pred_embed_dim % cfg.pred_num_heads:
+        raise ConfigError("embed_dim/pred_embed_dim: must be divisible by num_heads/pred_num_heads.")
+    for name in ("embed_dim", "depth", "num_heads", "pred_embed_dim", "pred_depth", "pred_num_heads", "epochs",
+                 "log_every_steps", "val_every_steps", "ckpt_every_steps", "keep_last", "max_consecutive_nonfinite",
+                 "phantom_count", "val_batches"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"{name}: must be at least 1, got {getattr(cfg, name)}.")
+    if cfg.workers < 0 or cfg.max_rollbacks < 0:
+        raise ConfigError("workers/max_rollbacks: must be >= 0.")
+    for name in ("global_batch_size", "per_core_batch_size", "grad_accum_steps", "max_steps", "warmup_steps"):
+        value = getattr(cfg, name)
+        if value is not None and value < (0 if name == "warmup_steps" else 1):
+            raise ConfigError(f"{name}: must be positive, got {value}.")
+    if cfg.base_lr <= 0 or not math.isfinite(cfg.base_lr):
+        # incident 3: an LR of 0 trains nothing and reports nothing.
+        raise ConfigError(f"base_lr: {cfg.base_lr} would not train; use a positive value such as 1e-4 "
+                          f"(python sanity.py --lr_sweep measures a good one).")
+    if cfg.min_lr < 0 or cfg.min_lr > cfg.base_lr:
+        raise ConfigError(f"min_lr: {cfg.min_lr} must be between 0 and base_lr ({cfg.base_lr}).")
+    if cfg.warmup_epochs is not None and cfg.warmup_epochs < 0:
+        raise ConfigError(f"warmup_epochs: must be >= 0, got {cfg.warmup_epochs}.")
+    if not 0.0 <= cfg.ema_base <= cfg.ema_end <= 1.0:
+        raise ConfigError(f"ema_base/ema_end: need 0 <= ema_base ({cfg.ema_base}) <= ema_end ({cfg.ema_end}) <= 1.")
+    if cfg.weight_decay < 0 or (cfg.weight_decay_end is not None and cfg.weight_decay_end < 0):
+        raise ConfigError("weight_decay: must be >= 0.")
+    if not all(0.0 <= b < 1.0 for b in cfg.adam_betas):
+        raise ConfigError(f"adam_betas: {cfg.adam_betas} must be in [0, 1).")
+    if not 0.0 < cfg.rollback_lr_factor <= 1.0:
+        raise ConfigError(f"rollback_lr_factor: {cfg.rollback_lr_factor} must be in (0, 1].")
+    if not 0.0 <= cfg.val_fraction < 1.0:
+        raise ConfigError(f"val_fraction: {cfg.val_fraction} must be in [0, 1).")
+    if not 0.0 < cfg.max_bad_fraction <= 1.0:
+        raise ConfigError(f"max_bad_fraction: {cfg.max_bad_fraction} must be in (0, 1].")
+    if cfg.grad_clip is not None:
+        if cfg.grad_clip <= 0:
+            raise ConfigError(f"grad_clip: {cfg.grad_clip} must be positive; use null to disable clipping.")
+        if cfg.grad_clip < 0.05:
+            # incident 4: a tiny clip turns AdamW into a sign-like update and hides a bad LR.
+            warnings.warn(f"grad_clip={cfg.grad_clip} is tiny: almost every update is clipped, which makes AdamW "
+                          f"a sign-like update. Use 1.0 and tune base_lr with `python sanity.py --lr_sweep`.",
+                          stacklevel=2)
+    if cfg.max_steps is None and cfg.warmup_epochs is not None and cfg.warmup_steps is None \
+            and cfg.warmup_epochs >= cfg.epochs:
+        raise ConfigError(f"warmup_epochs: {cfg.warmup_epochs} is not shorter than the run ({cfg.epochs} epochs); "
+                          f"lower warmup_epochs or raise epochs.")
+    if cfg.max_steps is not None and cfg.warmup_steps is not None and cfg.warmup_steps >= cfg.max_steps:
+        raise ConfigError(f"warmup_steps: {cfg.warmup_steps} is not shorter than the run (max_steps "
+                          f"{cfg.max_steps}); lower warmup_steps or raise max_steps.")
+    if cfg.schedule == "constant" and (cfg.warmup_steps or 0) > 0:
+        raise ConfigError("warmup_steps: schedule 'constant' uses base_lr from the first update; "
+                          "set warmup_steps to 0 or use schedule cosine.")
+
+
+@dataclass
+class RunPlan:
+    """Values derived from the config, the world size and the dataset size."""
+    world_size: int
+    per_core_batch_size: int
+    grad_accum_steps: int
+    global_batch_size: int
+    steps_per_epoch: int
+    total_steps: int
+    warmup_steps: int
+
+
+def plan_run(cfg: Config, world_size: int, train_volumes: int) -> RunPlan:
+    """Derive batch sizes, accumulation and the step counts of the schedules; ConfigError when inconsistent."""
+    per_core, accum, global_batch = cfg.per_core_batch_size, cfg.grad_accum_steps, cfg.global_batch_size
+    known = sum(v is not None for v in (per_core, accum, global_batch))
+    if known < 2 and not (per_core is not None and known == 1):
+        raise ConfigError("global_batch_size/per_core_batch_size/grad_accum_steps: give at least "
+                          "per_core_batch_size and one of the other two.")
+    if accum is None:
+        accum = 1 if global_batch is None else global_batch // (per_core * world_size)
+        if global_batch is not None and (accum < 1 or per_core * world_size * accum != global_batch):
+            raise ConfigError(f"global_batch_size: {global_batch} is not a multiple of per_core_batch_size "
+                              f"({per_core}) x world size ({world_size}); use "
+                              f"{max(1, round(global_batch / (per_core * world_size))) * per_core * world_size}.")
+    elif per_core is None:
+        per_core = global_batch // (accum * world_size)
+        if per_core < 1 or per_core * world_size * accum != global_batch:
+            raise ConfigError(f"global_batch_size: {global_batch} is not divisible by grad_accum_steps ({accum}) "
+                              f"x world size ({world_size}).")
+    if global_batch is None:
+        global_batch = per_core * world_size * accum
+    if global_batch != per_core * world_size * accum:
+        raise ConfigError(f"global_batch_size: {global_batch} != per_core_batch_size ({per_core}) x world size "
+                          f"({world_size}) x grad_accum_steps ({accum}) = {per_core * world_size * accum}; "
+                          f"set one of them to null to derive it.")
+    steps_per_epoch = train_volumes // global_batch
+    if cfg.max_steps is None and steps_per_epoch < 1:
+        raise ConfigError(f"global_batch_size: {global_batch} is larger than the {train_volumes} training volumes; "
+                          f"lower the batch size or add data.")
+    total = cfg.max_steps if cfg.max_steps is not None else steps_per_epoch * cfg.epochs
+    if cfg.warmup_steps is not None:
+        warmup = cfg.warmup_steps
+    elif cfg.schedule == "constant":
+        warmup = 0
+    else:
+        warmup = round((cfg.warmup_epochs or 0.0) * max(steps_per_epoch, 1))
+        warmup = min(warmup, total // 2)  # max_steps runs: never let an epoch-based warmup eat the run
+    if cfg.schedule == "cosine" and warmup >= total:
+        raise ConfigError(f"warmup_steps: warmup ({warmup} updates) is not shorter than the run ({total} updates).")
+    return RunPlan(world_size, per_core, accum, global_batch, steps_per_epoch, total, warmup)
+
+
+def config_to_dict(cfg: Config) -> dict:
+    """Plain dict of every field (for config.yaml and checkpoints)."""
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Config, path: str) -> None:
+    """Write the resolved config as YAML that load_config reads back to the same Config."""
+    with open(path, "w") as f:
+        yaml.safe_dump(config_to_dict(cfg), f, sort_keys=False)

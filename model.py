@@ -1,0 +1,267 @@
+"""VJEPA3D: a 3D V-JEPA for OCT volumes.
+
+  volume [B,1,D,H,W] --tubelet Conv3d--> tokens [B,N,E] (+ fixed 3D sin-cos positions)
+  context encoder:  only the visible tokens  x[context_idx] -> [B,Nc,E]
+  predictor:        context tokens + mask tokens at the target positions -> predictions [B,Nt,E]
+  target encoder:   EMA copy of the context encoder over ALL tokens, no gradients,
+                    layer-normed features gathered at target_idx -> [B,Nt,E]
+  loss:             l1 (or mse) between prediction and target, on target tokens only
+
+The context encoder never sees the target tokens and the target encoder moves only through
+update_target(momentum) (incident 12).
+"""
+import copy
+import math
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass
+class JEPAOutput:
+    """What VJEPA3D.forward returns; train.py uses only these fields (incident 7)."""
+    loss: torch.Tensor  # scalar, differentiable
+    pred: torch.Tensor  # [B, Nt, E] predictor output at the target positions
+    target: torch.Tensor  # [B, Nt, E] layer-normed target-encoder features (no grad)
+    target_std: torch.Tensor  # scalar, detached: mean over features of the std over target tokens (collapse -> 0)
+
+
+def sincos_pos_embed_3d(dim: int, grid: Sequence[int]) -> torch.Tensor:
+    """Fixed sin-cos positions [N, dim] for a (gd, gh, gw) grid; each axis gets its own band of dims."""
+    per_axis = (dim // 6) * 2  # an even number of dims per axis; the remainder stays zero
+    if per_axis == 0:
+        raise ValueError(f"embed dim {dim} is too small for 3D sin-cos positions (need >= 6)")
+    omega = 1.0 / 10000 ** (torch.arange(per_axis // 2, dtype=torch.float64) / (per_axis // 2))
+    coords = torch.meshgrid(*[torch.arange(g, dtype=torch.float64) for g in grid], indexing="ij")
+    bands = []
+    for c in coords:
+        angles = c.reshape(-1, 1) * omega.reshape(1, -1)  # [N, per_axis/2]
+        bands += [torch.sin(angles), torch.cos(angles)]
+    emb = torch.cat(bands, dim=1)  # [N, 3*per_axis]
+    return F.pad(emb, (0, dim - emb.shape[1])).float()
+
+
+def gather_tokens(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x [B,N,E], idx [B,K] -> [B,K,E]."""
+    return torch.gather(x, 1, idx.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, num_heads: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        B, N, E = x.shape
+        qkv = self.qkv(x).view(B, N, 3, self.num_heads, E // self.num_heads).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)  # each [B, heads, N, E/heads]
+        x = F.scaled_dot_product_attention(q, k, v)  # fused kernel: no N x N matrix kept for backward
+        return self.proj(x.transpose(1, 2).reshape(B, N, E))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block."""
+
+    def __init__(self, dim: int, num_heads: int, mlp_ratio: float):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = Attention(dim, num_heads)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = MLP(dim, int(dim * mlp_ratio))
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+def run_blocks(blocks: nn.ModuleList, x: torch.Tensor, grad_checkpointing: bool) -> torch.Tensor:
+    for block in blocks:
+        if grad_checkpointing and x.requires_grad:
+            x = checkpoint(block, x, use_reentrant=False)
+        else:
+            x = block(x)
+    return x
+
+
+class Encoder(nn.Module):
+    """Tubelet embedding + ViT. Key layout (export): patch_embed.weight/bias, blocks.{i}.*, norm.*"""
+
+    def __init__(self, image_size, patch_size, dim, depth, num_heads, mlp_ratio):
+        super().__init__()
+        self.grid = [s // p for s, p in zip(image_size, patch_size)]
+        self.patch_embed = nn.Conv3d(1, dim, kernel_size=tuple(patch_size), stride=tuple(patch_size))
+        self.register_buffer("pos_embed", sincos_pos_embed_3d(dim, self.grid), persistent=False)
+        self.blocks = nn.ModuleList([Block(dim, num_heads, mlp_ratio) for _ in range(depth)])
+        self.norm = nn.LayerNorm(dim)
+        self.grad_checkpointing = False
+
+    def forward(self, volume: torch.Tensor, keep_idx: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """volume [B,1,D,H,W] -> features [B,N,E], or [B,K,E] for only the tokens in keep_idx [B,K]."""
+        x = self.patch_embed(volume).flatten(2).transpose(1, 2)  # [B, E, gd, gh, gw] -> [B, N, E]
+        x = x + self.pos_embed
+        if keep_idx is not None:
+            x = gather_tokens(x, keep_idx)
+        return self.norm(run_blocks(self.blocks, x, self.grad_checkpointing))
+
+
+class Predictor(nn.Module):
+    """Narrow transformer: context features + mask tokens at target positions -> target predictions."""
+
+    def __init__(self, grid, enc_dim, dim, depth, num_heads, mlp_ratio):
+        super().__init__()
+        self.embed = nn.Linear(enc_dim, dim)
+        self.mask_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.register_buffer("pos_embed", sincos_pos_embed_3d(dim, grid), persistent=False)
+        self.blocks = nn.ModuleList([Block(dim, num_heads, mlp_ratio) for _ in range(depth)])
+        self.norm = nn.LayerNorm(dim)
+        self.proj = nn.Linear(dim, enc_dim)
+        self.grad_checkpointing = False
+
+    def forward(self, context: torch.Tensor, context_idx: torch.Tensor, target_idx: torch.Tensor) -> torch.Tensor:
+        """context [B,Nc,E], context_idx [B,Nc], target_idx [B,Nt] -> predictions [B,Nt,E]."""
+        B, n_target = target_idx.shape
+        pos = self.pos_embed.unsqueeze(0).expand(B, -1, -1)  # [B, N, P]
+        x = self.embed(context) + gather_tokens(pos, context_idx)  # [B, Nc, P]
+        masks = self.mask_token.expand(B, n_target, -1) + gather_tokens(pos, target_idx)  # [B, Nt, P]
+        x = run_blocks(self.blocks, torch.cat([x, masks], dim=1), self.grad_checkpointing)
+        return self.proj(self.norm(x[:, -n_target:]))
+
+
+class VJEPA3D(nn.Module):
+    def __init__(self, image_size: List[int], patch_size: List[int], embed_dim: int = 384, depth: int = 12,
+                 num_heads: int = 6, pred_embed_dim: int = 192, pred_depth: int = 6, pred_num_heads: int = 6,
+                 mlp_ratio: float = 4.0, loss: str = "l1"):
+        super().__init__()
+        if loss not in ("l1", "mse"):
+            raise ValueError(f"loss must be 'l1' or 'mse', got {loss!r}")
+        self.image_size = list(image_size)
+        self.grid = [s // p for s, p in zip(image_size, patch_size)]
+        self.num_tokens = math.prod(self.grid)
+        self.loss_type = loss
+        self.encoder = Encoder(image_size, patch_size, embed_dim, depth, num_heads, mlp_ratio)
+        self.predictor = Predictor(self.grid, embed_dim, pred_embed_dim, pred_depth, pred_num_heads, mlp_ratio)
+        self.apply(_init_weights)
+        for blocks in (self.encoder.blocks, self.predictor.blocks):
+            for i, block in enumerate(blocks):  # residual projections scaled down with depth (as in I-JEPA)
+                block.attn.proj.weight.data.div_(math.sqrt(2.0 * (i + 1)))
+                block.mlp.fc2.weight.data.div_(math.sqrt(2.0 * (i + 1)))
+        self.target_encoder = copy.deepcopy(self.encoder)
+        self.target_encoder.requires_grad_(False)
+
+    @classmethod
+    def from_config(cls, cfg) -> "VJEPA3D":
+        model = cls(cfg.image_size, cfg.patch_size, cfg.embed_dim, cfg.depth, cfg.num_heads, cfg.pred_embed_dim,
+                    cfg.pred_depth, cfg.pred_num_heads, cfg.mlp_ratio, cfg.loss)
+        model.set_grad_checkpointing(cfg.grad_checkpointing)
+        return model
+
+    def set_grad_checkpointing(self, enabled: bool) -> None:
+        """Recompute block activations in backward: less memory, about a third more compute."""
+        self.encoder.grad_checkpointing = enabled
+        self.predictor.grad_checkpointing = enabled
+
+    def num_trainable_params(self) -> int:
+        """Parameters of the context encoder and predictor (the EMA target is not trained)."""
+        return sum(p.numel() for p in self.parameters() if p.requires_grad)
+
+    def check_inputs(self, volume: torch.Tensor, context_idx: torch.Tensor, target_idx: torch.Tensor) -> None:
+        """Raise ValueError naming expected and actual shapes before any compute (incident 6)."""
+        expected_volume = ["B", 1] + self.image_size
+        if volume.dim() != 5 or volume.shape[1] != 1 or list(volume.shape[2:]) != self.image_size:
+            raise ValueError(f"volume: expected shape {expected_volume}, got {list(volume.shape)}")
+        if not volume.is_floating_point():
+            raise ValueError(f"volume: expected a floating dtype, got {volume.dtype}")
+        B = volume.shape[0]
+        for name, idx in (("context_idx", context_idx), ("target_idx", target_idx)):
+            if idx.dim() != 2 or idx.shape[0] != B:
+                raise ValueError(f"{name}: expected shape [B={B}, num_{name[:-4]}_tokens] of token indices, "
+                                 f"got {list(idx.shape)} (volume {list(volume.shape)})")
+            if idx.dtype != torch.long:
+                raise ValueError(f"{name}: expected dtype torch.int64 (long), got {idx.dtype}")
+        if context_idx.shape[1] + target_idx.shape[1] > self.num_tokens:
+            raise ValueError(f"context_idx {list(context_idx.shape)} + target_idx {list(target_idx.shape)}: "
+                             f"more tokens than the volume has ({self.num_tokens})")
+        if context_idx.device.type == "cpu":  # a range check elsewhere would force a device->host sync
+            for name, idx in (("context_idx", context_idx), ("target_idx", target_idx)):
+                if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.num_tokens):
+                    raise ValueError(f"{name}: indices must be in [0, {self.num_tokens}), got range "
+                                     f"[{int(idx.min())}, {int(idx.max())}]")
+
+    @torch.no_grad()
+    def target_features(self, volume: torch.Tensor, target_idx: torch.Tensor) -> torch.Tensor:
+        """Layer-normed EMA-encoder features at target_idx: [B, Nt, E]."""
+        h = self.target_encoder(volume)  # [B, N, E]
+        h = F.layer_norm(h, h.shape[-1:])
+        return gather_tokens(h, target_idx)
+
+    def forward(self, volume: torch.Tensor, context_idx: torch.Tensor, target_idx: torch.Tensor) -> JEPAOutput:
+        """Predict target-encoder features at target_idx from the context tokens at context_idx."""
+        self.check_inputs(volume, context_idx, target_idx)
+        target = self.target_features(volume, target_idx)
+        context = self.encoder(volume, keep_idx=context_idx)  # [B, Nc, E]: the targets are never seen
+        pred = self.predictor(context, context_idx, target_idx)  # [B, Nt, E]
+        target = target.to(pred.dtype)
+        if self.loss_type == "l1":
+            loss = (pred - target).abs().mean()
+        else:
+            loss = (pred - target).pow(2).mean()
+        return JEPAOutput(loss=loss.float(), pred=pred, target=target, target_std=feature_std(target))
+
+    @torch.no_grad()
+    def update_target(self, momentum) -> None:
+        """EMA: target <- momentum * target + (1 - momentum) * context encoder. momentum: float or 0-d tensor."""
+        target_params = list(self.target_encoder.parameters())
+        online_params = list(self.encoder.parameters())
+        torch._foreach_lerp_(target_params, online_params, 1.0 - momentum)
+
+    @torch.no_grad()
+    def encode(self, volume: torch.Tensor) -> torch.Tensor:
+        """Frozen target-encoder features of whole volumes: [B,1,D,H,W] -> [B, N, E]."""
+        return self.target_encoder(volume)
+
+    def encoder_state_dict(self) -> dict:
+        """The target (EMA) encoder alone, for downstream use. Keys: patch_embed.{weight,bias} (Conv3d),
+        blocks.{i}.{norm1,attn.qkv,attn.proj,norm2,mlp.fc1,mlp.fc2}.{weight,bias}, norm.{weight,bias}."""
+        return {k: v.detach().cpu().clone() for k, v in self.target_encoder.state_dict().items()}
+
+    def param_groups(self, weight_decay: float) -> List[dict]:
+        """AdamW groups: decay on weight matrices/kernels; none on biases, norms, positions, mask tokens."""
+        decay, no_decay = [], []
+        for name, p in self.named_parameters():
+            if not p.requires_grad:
+                continue
+            (no_decay if p.ndim < 2 or "mask_token" in name or "pos_embed" in name else decay).append(p)
+        return [{"params": decay, "weight_decay": weight_decay, "apply_wd": True},
+                {"params": no_decay, "weight_decay": 0.0, "apply_wd": False}]
+
+
+def feature_std(features: torch.Tensor) -> torch.Tensor:
+    """Mean over feature dims of the std over all tokens of the batch: [B,N,E] -> scalar (0 = collapsed)."""
+    flat = features.detach().float().reshape(-1, features.shape[-1])  # [B*N, E]
+    return flat.std(dim=0).mean()
+
+
+def _init_weights(m: nn.Module) -> None:
+    if isinstance(m, (nn.Linear, nn.Conv3d)):
+        nn.init.trunc_normal_(m.weight, std=0.02)
+        if m.bias is not None:
+            nn.init.zeros_(m.bias)
+    elif isinstance(m, nn.LayerNorm):
+        nn.init.ones_(m.weight)
+        nn.init.zeros_(m.bias)
