@@ -85,7 +85,7 @@ class Config:
     ckpt_dir: Optional[str] = "auto"  # auto = out_dir/run_name/checkpoints; None = no checkpoints
     ckpt_every_steps: int = 100
     keep_last: int = 2
-    resume: str = "none"  # none | auto | path to a checkpoint
+    resume: Optional[str] = None  # None | auto (latest in ckpt_dir, if any) | path to a checkpoint
     wandb: str = "disabled"  # auto | online | offline | disabled
     wandb_project: str = "octjepa"
     wandb_entity: Optional[str] = None

@@ -1,0 +1,148 @@
+"""Config: YAML + flags, typed values, and one clear error per problem (incidents 3, 4, 8)."""
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+
+from config import Config, ConfigError, load_config, plan_run, save_config
+
+REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def write_yaml(tmp_path, text):
+    path = tmp_path / "c.yaml"
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+def test_flags_override_yaml_which_overrides_defaults(tmp_path):
+    path = write_yaml(tmp_path, """
+        base_lr: 3.0e-4
+        min_lr: 1e-6
+        epochs: 7
+        image_size: [32, 64, 64]
+    """)
+    cfg = load_config(["--config", path, "--base_lr", "1e-4", "--epochs=9"])
+    assert cfg.base_lr == 1e-4 and cfg.epochs == 9
+    assert cfg.min_lr == 1e-6  # YAML's 1e-6 (read by YAML as a string) is a float
+    assert cfg.image_size == [32, 64, 64]
+    assert cfg.weight_decay == Config().weight_decay
+
+
+def test_every_field_type_parses_from_the_command_line():
+    cfg = load_config(["--image_size", "32,128,128", "--target_spacing=0.2,0.02,0.02", "--use_bf16",
+                       "--dry_run", "false", "--grad_clip", "none", "--max_steps", "1e3", "--run_name", "x"])
+    assert cfg.image_size == [32, 128, 128]
+    assert cfg.target_spacing == [0.2, 0.02, 0.02]
+    assert cfg.use_bf16 is True and cfg.dry_run is False
+    assert cfg.grad_clip is None
+    assert cfg.max_steps == 1000 and isinstance(cfg.max_steps, int)
+
+
+@pytest.mark.parametrize("argv", [["--ckpt_dir", "None"], ["--ckpt_dir", "null"], ["--ckpt_dir=NONE"]])
+def test_ckpt_dir_none_on_the_command_line_disables_checkpoints(argv):
+    assert load_config(argv).ckpt_dir is None
+
+
+def test_ckpt_dir_null_in_yaml_disables_checkpoints(tmp_path):
+    assert load_config(["--config", write_yaml(tmp_path, "ckpt_dir: null\n")]).ckpt_dir is None
+
+
+@pytest.mark.parametrize("value", ['"None"', "'null'", "None"])
+def test_ckpt_dir_string_none_in_yaml_is_an_error(tmp_path, value):
+    with pytest.raises(ConfigError, match="ckpt_dir.*not a path"):
+        load_config(["--config", write_yaml(tmp_path, f"ckpt_dir: {value}\n")])
+
+
+def test_unknown_flag_suggests_the_closest_name():
+    with pytest.raises(ConfigError, match="Did you mean 'base_lr'"):
+        load_config(["--base_lrr", "1e-4"])
+
+
+def test_unknown_yaml_key_suggests_the_closest_name(tmp_path):
+    with pytest.raises(ConfigError, match="Did you mean 'warmup_steps'"):
+        load_config(["--config", write_yaml(tmp_path, "warmup_step: 10\n")])
+
+
+@pytest.mark.parametrize("argv,field", [
+    (["--epochs", "ten"], "epochs"),
+    (["--base_lr", "fast"], "base_lr"),
+    (["--use_bf16", "maybe"], "use_bf16"),
+    (["--image_size", "64,64"], "image_size"),
+    (["--epochs", "none"], "epochs"),
+])
+def test_wrong_type_names_the_field(argv, field):
+    with pytest.raises(ConfigError, match=field):
+        load_config(argv)
+
+
+@pytest.mark.parametrize("overrides,field", [
+    (dict(image_size=[16, 60, 64]), "image_size"),
+    (dict(mask_ratio=0.0), "mask_ratio"),
+    (dict(mask_ratio=1.0), "mask_ratio"),
+    (dict(min_lr=1e-3, base_lr=1e-4), "min_lr"),
+    (dict(base_lr=0.0), "base_lr"),
+    (dict(max_steps=100, warmup_steps=100), "warmup_steps"),
+    (dict(epochs=2, warmup_epochs=5), "warmup_epochs"),
+    (dict(schedule="constant", warmup_steps=10), "warmup_steps"),
+    (dict(schedule="cosin"), "schedule"),
+    (dict(grad_clip=0.0), "grad_clip"),
+])
+def test_invalid_values_are_rejected_with_the_field_named(overrides, field):
+    with pytest.raises(ConfigError, match=field):
+        load_config([], **overrides)
+
+
+def test_tiny_grad_clip_warns_about_sign_sgd():
+    with pytest.warns(UserWarning, match="sign-like"):
+        load_config(["--grad_clip", "0.01"])
+
+
+def test_default_grad_clip_does_not_warn():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config([])
+
+
+def test_batch_sizes_derive_accumulation_from_world_size():
+    cfg = load_config(["--global_batch_size", "32", "--per_core_batch_size", "2"])
+    plan = plan_run(cfg, world_size=4, train_volumes=1000)
+    assert plan.grad_accum_steps == 4 and plan.global_batch_size == 32
+    assert plan.steps_per_epoch == 1000 // 32 and plan.total_steps == 31 * cfg.epochs
+
+
+def test_inconsistent_batch_sizes_are_an_error():
+    cfg = load_config(["--global_batch_size", "32", "--per_core_batch_size", "2", "--grad_accum_steps", "2"])
+    with pytest.raises(ConfigError, match="global_batch_size"):
+        plan_run(cfg, world_size=4, train_volumes=1000)
+
+
+def test_global_batch_is_derived_when_null():
+    cfg = load_config(["--global_batch_size", "none", "--per_core_batch_size", "2", "--grad_accum_steps", "3"])
+    assert plan_run(cfg, world_size=2, train_volumes=100).global_batch_size == 12
+
+
+def test_warmup_epochs_become_steps_and_max_steps_wins_over_epochs():
+    cfg = load_config(["--max_steps", "50", "--warmup_epochs", "1"])
+    plan = plan_run(cfg, world_size=1, train_volumes=80)
+    assert plan.total_steps == 50 and plan.warmup_steps == 10
+
+
+def test_saved_config_loads_back_identically(tmp_path):
+    cfg = load_config(["--ckpt_dir", "none", "--image_size", "32,64,64", "--target_spacing", "0.1,0.02,0.02"])
+    save_config(cfg, tmp_path / "config.yaml")
+    assert load_config(["--config", str(tmp_path / "config.yaml")]) == cfg
+
+
+@pytest.mark.parametrize("name", ["demo", "smoke", "pretrain_single_domain", "pretrain_multi_domain"])
+def test_shipped_configs_are_valid(name):
+    load_config(["--config", str(REPO / "configs" / f"{name}.yaml")])
+
+
+def test_production_config_has_the_documented_settings():
+    cfg = load_config(["--config", str(REPO / "configs" / "pretrain_single_domain.yaml")])
+    assert cfg.image_size == [64, 384, 384] and cfg.patch_size == [4, 16, 16] and cfg.mask_ratio == 0.6
+    assert cfg.global_batch_size == 32 and cfg.base_lr == 1e-4 and cfg.weight_decay == 0.05
+    assert cfg.ema_base == 0.996 and cfg.epochs == 150 and cfg.use_bf16

@@ -1,0 +1,155 @@
+"""VJEPA3D: a real JEPA (incident 12), one output dataclass (incident 7), shape errors before compute (incident 6)."""
+import numpy as np
+import pytest
+import torch
+
+from config import load_config
+from data import MaskGenerator, sample_rng
+from model import JEPAOutput, VJEPA3D, sincos_pos_embed_3d
+
+IMAGE, PATCH = [8, 32, 32], [4, 8, 8]
+
+
+def tiny_model(**kw):
+    torch.manual_seed(0)
+    args = dict(embed_dim=64, depth=2, num_heads=4, pred_embed_dim=48, pred_depth=2, pred_num_heads=4)
+    args.update(kw)
+    return VJEPA3D(IMAGE, PATCH, **args)
+
+
+def masks(model, batch, seed=0, ratio=0.6):
+    gen = MaskGenerator(model.grid, ratio)
+    ctx, tgt = zip(*[gen(sample_rng(seed, 0, i)) for i in range(batch)])
+    return torch.from_numpy(np.stack(ctx)), torch.from_numpy(np.stack(tgt))
+
+
+def test_production_config_has_about_29_4m_trainable_parameters():
+    cfg = load_config(["--config", "configs/pretrain_single_domain.yaml"])
+    with torch.device("meta"):
+        model = VJEPA3D.from_config(cfg)
+    n = model.num_trainable_params()
+    print(f"production VJEPA3D trainable parameters: {n:,}")
+    assert abs(n - 29.4e6) / 29.4e6 < 0.03
+
+
+def test_forward_returns_the_documented_output_with_loss_on_target_tokens():
+    model = tiny_model()
+    ctx, tgt = masks(model, 2)
+    out = model(torch.randn(2, 1, *IMAGE), ctx, tgt)
+    assert isinstance(out, JEPAOutput)
+    assert out.pred.shape == out.target.shape == (2, tgt.shape[1], 64)
+    assert out.loss.ndim == 0 and torch.isfinite(out.loss)
+    assert out.target_std.ndim == 0 and not out.target_std.requires_grad and out.target_std > 0
+    assert torch.allclose(out.loss, (out.pred - out.target).abs().mean())
+
+
+def test_gradients_reach_context_encoder_and_predictor_but_never_the_target():
+    model = tiny_model()
+    ctx, tgt = masks(model, 2)
+    model(torch.randn(2, 1, *IMAGE), ctx, tgt).loss.backward()
+    for name, p in model.named_parameters():
+        if name.startswith("target_encoder."):
+            assert not p.requires_grad and p.grad is None, name
+        else:
+            assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_context_encoder_never_sees_target_tokens():
+    model = tiny_model()
+    ctx, tgt = masks(model, 1)
+    x = torch.randn(1, 1, *IMAGE)
+    before = model.encoder(x, keep_idx=ctx)
+    # Scramble every target tubelet: the context features must not change.
+    grid = model.grid
+    y = x.clone().view(1, 1, grid[0], 4, grid[1], 8, grid[2], 8)
+    for t in tgt[0].tolist():
+        d, rest = divmod(t, grid[1] * grid[2])
+        h, w = divmod(rest, grid[2])
+        y[0, 0, d, :, h, :, w, :] = torch.randn(4, 8, 8) * 10
+    after = model.encoder(y.view_as(x), keep_idx=ctx)
+    assert torch.allclose(before, after, atol=1e-5)
+
+
+def test_update_target_moves_exactly_by_the_given_momentum():
+    model = tiny_model()
+    with torch.no_grad():
+        for p in model.encoder.parameters():
+            p.add_(torch.randn_like(p))
+    old_target = [p.clone() for p in model.target_encoder.parameters()]
+    online = [p.clone() for p in model.encoder.parameters()]
+    model.update_target(0.9)
+    for new, old, o in zip(model.target_encoder.parameters(), old_target, online):
+        torch.testing.assert_close(new, 0.9 * old + 0.1 * o, rtol=1e-6, atol=1e-6)
+    model.update_target(torch.tensor(1.0))
+    for new, old, o in zip(model.target_encoder.parameters(), old_target, online):
+        torch.testing.assert_close(new, 0.9 * old + 0.1 * o, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("make_inputs,expected", [
+    (lambda c, t: (torch.randn(2, *IMAGE), c, t), r"volume: expected shape \['B', 1, 8, 32, 32\], got \[2, 8, 32, 32\]"),
+    (lambda c, t: (torch.randn(2, 1, 8, 32, 16), c, t), r"got \[2, 1, 8, 32, 16\]"),
+    (lambda c, t: (torch.randn(2, 1, *IMAGE), torch.zeros(*IMAGE, dtype=torch.long), t),
+     r"context_idx: expected shape \[B=2, .*got \[8, 32, 32\]"),
+    (lambda c, t: (torch.randn(2, 1, *IMAGE), c, t.int()), r"target_idx: expected dtype torch.int64"),
+    (lambda c, t: (torch.randn(2, 1, *IMAGE), c, t + 1000), r"target_idx: indices must be in \[0, 32\)"),
+    (lambda c, t: (torch.randn(2, 1, *IMAGE), c[:1], t), r"context_idx: expected shape \[B=2"),
+])
+def test_wrong_inputs_raise_value_error_naming_the_shapes(make_inputs, expected):
+    model = tiny_model()
+    ctx, tgt = masks(model, 2)
+    with pytest.raises(ValueError, match=expected):
+        model(*make_inputs(ctx, tgt))
+
+
+def test_positions_are_distinct_for_anisotropic_grids():
+    emb = sincos_pos_embed_3d(96, (3, 5, 7))
+    assert emb.shape == (105, 96)
+    assert torch.cdist(emb, emb).add(torch.eye(105) * 1e3).min() > 1e-3
+
+
+def test_weight_decay_skips_biases_norms_and_mask_token():
+    model = tiny_model()
+    decay, no_decay = model.param_groups(0.05)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert all(p.ndim >= 2 for p in decay["params"])
+    assert any("mask_token" in names[id(p)] for p in no_decay["params"])
+    assert all("target_encoder" not in names[id(p)] for p in decay["params"] + no_decay["params"])
+
+
+def test_encode_and_exported_encoder_give_the_same_features():
+    model = tiny_model()
+    x = torch.randn(2, 1, *IMAGE)
+    feats = model.encode(x)
+    assert feats.shape == (2, model.num_tokens, 64) and not feats.requires_grad
+    fresh = tiny_model(depth=2).target_encoder
+    fresh.load_state_dict(model.encoder_state_dict())
+    torch.testing.assert_close(fresh(x), feats)
+
+
+def test_grad_checkpointing_gives_the_same_gradients():
+    x = torch.randn(2, 1, *IMAGE)
+    grads = []
+    for enabled in (False, True):
+        model = tiny_model()
+        model.set_grad_checkpointing(enabled)
+        ctx, tgt = masks(model, 2)
+        model(x, ctx, tgt).loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    torch.testing.assert_close(grads[0], grads[1])
+
+
+@pytest.mark.slow
+def test_frozen_target_overfits_one_batch():
+    model = tiny_model()
+    ctx, tgt = masks(model, 2)
+    x = torch.randn(2, 1, *IMAGE)
+    opt = torch.optim.AdamW(model.param_groups(0.0), lr=3e-3)
+    first = None
+    for _ in range(400):
+        out = model(x, ctx, tgt)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+        model.update_target(1.0)  # momentum 1.0: the target stays frozen
+        first = first if first is not None else out.loss.item()
+    assert out.loss.item() < 0.1 * first
