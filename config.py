@@ -317,8 +317,12 @@ def validate(cfg: Config) -> None:
         # incident 3: an LR of 0 trains nothing and reports nothing.
         raise ConfigError(f"base_lr: {cfg.base_lr} would not train; use a positive value such as 1e-4 "
                           f"(python sanity.py --lr_sweep measures a good one).")
-    if cfg.min_lr < 0 or cfg.min_lr > cfg.base_lr:
-        raise ConfigError(f"min_lr: {cfg.min_lr} must be between 0 and base_lr ({cfg.base_lr}).")
+    if cfg.min_lr > cfg.base_lr:
+        raise ConfigError(f"min_lr: {cfg.min_lr} must not exceed base_lr ({cfg.base_lr}).")
+    if cfg.min_lr <= 0 and cfg.schedule == "cosine":
+        # incident 3: the last updates of the run would silently learn nothing.
+        raise ConfigError(f"min_lr: {cfg.min_lr} makes the end of the cosine schedule an LR of 0; use a small "
+                          f"positive value such as base_lr / 100 = {cfg.base_lr / 100:g}.")
     if cfg.warmup_epochs is not None and cfg.warmup_epochs < 0:
         raise ConfigError(f"warmup_epochs: must be >= 0, got {cfg.warmup_epochs}.")
     if not 0.0 <= cfg.ema_base <= cfg.ema_end <= 1.0:

@@ -265,3 +265,41 @@ def _init_weights(m: nn.Module) -> None:
     elif isinstance(m, nn.LayerNorm):
         nn.init.ones_(m.weight)
         nn.init.zeros_(m.bias)
+
+
+def _transformer_flops(tokens: int, dim: int, depth: int, mlp_ratio: float) -> float:
+    """Forward FLOPs of `depth` blocks over `tokens` tokens: matmuls (qkv, proj, mlp) and attention (QK^T, AV)."""
+    linear = 2 * tokens * dim * dim * (4 + 2 * mlp_ratio)
+    attention = 2 * 2 * tokens * tokens * dim
+    return depth * (linear + attention)
+
+
+def training_flops_per_sample(cfg) -> dict:
+    """Model FLOPs of one training sample, counted from the architecture (multiply-add = 2 FLOPs).
+
+    Trained parts cost forward + backward (3x forward); the target encoder runs forward only; the
+    patch embedding of the context encoder needs no input gradient (2x forward)."""
+    n_context, n_target = cfg.token_counts()
+    n = n_context + n_target
+    patch_voxels = math.prod(cfg.patch_size)
+    embed = 2 * n * patch_voxels * cfg.embed_dim
+    context = _transformer_flops(n_context, cfg.embed_dim, cfg.depth, cfg.mlp_ratio)
+    predictor = (_transformer_flops(n, cfg.pred_embed_dim, cfg.pred_depth, cfg.mlp_ratio)
+                 + 2 * n_context * cfg.embed_dim * cfg.pred_embed_dim + 2 * n_target * cfg.pred_embed_dim * cfg.embed_dim)
+    target = embed + _transformer_flops(n, cfg.embed_dim, cfg.depth, cfg.mlp_ratio)
+    total = 2 * embed + 3 * (context + predictor) + target
+    return {"context_encoder": 2 * embed + 3 * context, "predictor": 3 * predictor, "target_encoder": target,
+            "total": total}
+
+
+def activation_bytes_per_sample(cfg) -> float:
+    """Estimate of the activations kept for backward per sample (fused attention: no N x N term).
+
+    Per pre-norm block and token: norm in/out (2), qkv (3), attention out, residual, norm2 in/out (2) and the
+    MLP hidden before and after GELU (2 x mlp_ratio) values of the width, in the compute dtype; with
+    grad_checkpointing only the block inputs are kept."""
+    n_context, n_target = cfg.token_counts()
+    bytes_per_value = 2 if cfg.use_bf16 else 4
+    per_block = 1 if cfg.grad_checkpointing else 9 + 2 * cfg.mlp_ratio  # values per token and width
+    values = (n_context * cfg.embed_dim * cfg.depth + (n_context + n_target) * cfg.pred_embed_dim * cfg.pred_depth)
+    return values * per_block * bytes_per_value + math.prod(cfg.image_size) * 4

@@ -84,6 +84,7 @@ def test_wrong_type_names_the_field(argv, field):
     (dict(mask_ratio=1.0), "mask_ratio"),
     (dict(min_lr=1e-3, base_lr=1e-4), "min_lr"),
     (dict(base_lr=0.0), "base_lr"),
+    (dict(min_lr=0.0), "min_lr"),
     (dict(max_steps=100, warmup_steps=100), "warmup_steps"),
     (dict(epochs=2, warmup_epochs=5), "warmup_epochs"),
     (dict(schedule="constant", warmup_steps=10), "warmup_steps"),

@@ -1,0 +1,323 @@
+"""train.py on real short runs: incidents 1-3 and 7-10, resume, NaN guard, exit codes, DDP, W&B, gs://."""
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from config import load_config, plan_run
+from train import (Runtime, ema_at, list_checkpoints, lr_at, main, read_checkpoint, save_checkpoint,
+                   train_update, wd_at)
+
+REPO = Path(__file__).resolve().parents[1]
+SMOKE = str(REPO / "configs" / "smoke.yaml")
+
+
+@pytest.fixture(scope="session")
+def smoke_phantoms(tmp_path_factory):
+    """The smoke config's phantom set, written once for the session."""
+    from data import build_datasets
+    phantom_dir = str(tmp_path_factory.mktemp("smoke_phantoms"))
+    build_datasets(load_config(["--config", SMOKE, "--phantom_dir", phantom_dir]))
+    return phantom_dir
+
+
+def smoke_flags(tmp_path, phantom_dir, *flags):
+    return ["--config", SMOKE, "--phantom_dir", phantom_dir, "--out_dir", str(tmp_path / "runs"),
+            "--run_name", "r", *flags]
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def train_lines(run_dir):
+    return [r for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if r["split"] == "train"]
+
+
+def run_cli(args, cwd=REPO, timeout=600, env=None):
+    return subprocess.run([sys.executable, str(REPO / "train.py"), *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+# --- schedules (incidents 2, 3) ---
+
+def schedule_plan(**overrides):
+    cfg = load_config([], **overrides)
+    return cfg, plan_run(cfg, world_size=1, train_volumes=cfg.global_batch_size * 100)
+
+
+def test_lr_warms_up_then_decays_without_restart_and_holds_min_lr():
+    cfg, plan = schedule_plan(epochs=20, warmup_epochs=2)
+    lrs = [lr_at(s, cfg, plan) for s in range(plan.total_steps + 50)]
+    warm = plan.warmup_steps
+    assert lrs[0] > 0  # the first update already learns (incident 3)
+    assert all(a < b for a, b in zip(lrs[:warm], lrs[1:warm]))
+    assert max(lrs) == pytest.approx(cfg.base_lr)
+    assert all(b <= a for a, b in zip(lrs[warm:], lrs[warm + 1:]))  # never rises again: no restarts (incident 2)
+    assert lrs[plan.total_steps - 1] == pytest.approx(cfg.min_lr)
+    assert all(lr == cfg.min_lr for lr in lrs[plan.total_steps:])
+
+
+def test_constant_schedule_is_base_lr_from_the_first_update():
+    cfg, plan = schedule_plan(schedule="constant", warmup_epochs=None, warmup_steps=0)
+    assert {lr_at(s, cfg, plan) for s in range(plan.total_steps + 5)} == {cfg.base_lr}
+
+
+def test_ema_and_weight_decay_run_on_the_same_clock():
+    cfg, plan = schedule_plan(weight_decay=0.04, weight_decay_end=0.4)
+    emas = [ema_at(s, cfg, plan) for s in range(plan.total_steps + 3)]
+    wds = [wd_at(s, cfg, plan) for s in range(plan.total_steps + 3)]
+    assert emas[0] == cfg.ema_base and emas[-1] == cfg.ema_end
+    assert all(b >= a for a, b in zip(emas, emas[1:])) and all(b >= a for a, b in zip(wds, wds[1:]))
+    assert wds[0] == pytest.approx(0.04) and wds[-1] == pytest.approx(0.4)
+
+
+# --- the update ---
+
+def tiny_update_setup(seed=0):
+    from model import VJEPA3D
+    cfg = load_config(["--config", SMOKE])
+    torch.manual_seed(seed)
+    model = VJEPA3D.from_config(cfg)
+    optimizer = torch.optim.AdamW(model.param_groups(cfg.weight_decay), lr=1e-3)
+    gen_ctx, gen_tgt = cfg.token_counts()
+    rng = np.random.default_rng(seed)
+    perms = np.stack([rng.permutation(cfg.num_tokens()) for _ in range(4)])
+    batch = {"volume": torch.from_numpy(rng.standard_normal((4, 1, *cfg.image_size)).astype(np.float32)),
+             "context_idx": torch.from_numpy(np.sort(perms[:, :gen_ctx], 1)),
+             "target_idx": torch.from_numpy(np.sort(perms[:, gen_ctx:], 1)), "path": ["x"] * 4}
+    return cfg, model, optimizer, batch, Runtime(torch.device("cpu"), "cpu", 1, 0, 1, 1)
+
+
+def split_batch(batch, parts):
+    size = len(batch["volume"]) // parts
+    return [{k: (v[i * size:(i + 1) * size]) for k, v in batch.items()} for i in range(parts)]
+
+
+def test_grad_accumulation_4x1_gives_the_same_update_as_1x4():
+    results = []
+    for parts in (1, 4):
+        cfg, model, optimizer, batch, rt = tiny_update_setup()
+        update = train_update(model, model, optimizer, split_batch(batch, parts), 1e-3, 0.05, 0.99, cfg, rt)
+        results.append((update, torch.cat([p.detach().flatten() for p in model.parameters()])))
+    (one, w_one), (four, w_four) = results
+    torch.testing.assert_close(one.loss, four.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(one.grad_norm, four.grad_norm, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(w_one, w_four, rtol=1e-5, atol=1e-6)
+
+
+def test_grad_norm_is_the_pre_clip_norm_of_the_applied_update():
+    cfg, model, optimizer, batch, rt = tiny_update_setup()
+    update = train_update(model, model, optimizer, [batch], 1e-3, 0.05, 0.99, cfg, rt)
+    # Recompute the same gradients by hand: the logged norm is theirs, before clipping and zero_grad.
+    cfg2, model2, _, _, _ = tiny_update_setup()
+    model2(batch["volume"], batch["context_idx"], batch["target_idx"]).loss.backward()
+    expected = torch.norm(torch.stack([p.grad.norm() for p in model2.parameters() if p.grad is not None]))
+    assert update.applied and update.grad_norm > 0
+    torch.testing.assert_close(update.grad_norm, expected, rtol=1e-5, atol=1e-7)
+    assert all(p.grad is None for p in model.parameters())  # zero_grad came after the measurement
+
+
+@pytest.mark.parametrize("poison", [math.nan, math.inf])
+def test_poisoned_batch_is_skipped_and_changes_nothing(poison):
+    cfg, model, optimizer, batch, rt = tiny_update_setup()
+    train_update(model, model, optimizer, [batch], 1e-3, 0.05, 0.99, cfg, rt)  # optimizer state exists now
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt_before = [{k: v.clone() for k, v in s.items()} for s in optimizer.state.values()]
+    batch["volume"][1, 0, 2, 3, 4] = poison
+    update = train_update(model, model, optimizer, [batch], 1e-3, 0.05, 0.99, cfg, rt)
+    assert not update.applied
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    for s, s_before in zip(optimizer.state.values(), opt_before):
+        assert all(torch.equal(s[k], s_before[k]) for k in s)
+
+
+# --- real short runs ---
+
+def test_short_run_logs_every_contract_field_with_positive_grad_norms(tmp_path, smoke_phantoms):
+    assert main(smoke_flags(tmp_path, smoke_phantoms)) == 0
+    run_dir = tmp_path / "runs" / "r"
+    lines = train_lines(run_dir)
+    assert [r["step"] for r in lines] == list(range(1, 9))  # log_every_steps 1: one line per update
+    for r in lines:
+        assert {"split", "step", "epoch", "loss", "lr", "wd", "ema_momentum", "grad_norm", "target_std",
+                "nonfinite_skipped", "samples_per_s", "step_time_s", "data_time_s"} <= set(r)
+        assert math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0  # incident 1
+        assert r["lr"] > 0  # incident 3
+    lrs = [r["lr"] for r in lines]
+    assert lrs[0] < lrs[1] and all(b <= a for a, b in zip(lrs[1:], lrs[2:]))
+    assert lrs[-1] == pytest.approx(load_config(["--config", SMOKE]).min_lr)
+    val = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["split"] == "val"]
+    assert [r["step"] for r in val] == [4, 8] and all({"loss", "target_std", "rankme"} <= set(r) for r in val)
+    assert (run_dir / "config.yaml").exists() and (run_dir / "training.png").exists()
+    assert load_config(["--config", str(run_dir / "config.yaml")]).max_steps == 8
+    assert [Path(p).name for p in list_checkpoints(str(run_dir / "checkpoints"))] == ["step_0000008.pt",
+                                                                                    "step_0000004.pt"]
+
+
+def test_first_train_metrics_come_before_the_first_validation(tmp_path, smoke_phantoms):
+    assert main(smoke_flags(tmp_path, smoke_phantoms, "--val_every_steps", "1", "--max_steps", "3")) == 0
+    lines = read_jsonl(tmp_path / "runs" / "r" / "metrics.jsonl")
+    assert lines[0]["split"] == "train" and lines[0]["step"] == 1
+
+
+def test_constant_schedule_logs_base_lr_every_update(tmp_path, smoke_phantoms):
+    flags = smoke_flags(tmp_path, smoke_phantoms, "--schedule", "constant", "--warmup_steps", "0")
+    assert main(flags) == 0
+    assert {r["lr"] for r in train_lines(tmp_path / "runs" / "r")} == {load_config(["--config", SMOKE]).base_lr}
+
+
+def test_ckpt_dir_null_disables_checkpoints(tmp_path, smoke_phantoms, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(smoke_flags(tmp_path, smoke_phantoms, "--ckpt_dir", "None")) == 0
+    assert not (tmp_path / "runs" / "r" / "checkpoints").exists()
+    assert not any(p.name == "None" for p in tmp_path.rglob("*"))
+    assert "no checkpoints" in capsys.readouterr().err
+
+
+def test_rerunning_a_finished_run_name_needs_resume(tmp_path, smoke_phantoms, capsys):
+    assert main(smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "4")) == 0
+    assert main(smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "4")) == 2
+    assert "--resume auto" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_interrupted_run_resumes_to_exactly_the_same_losses(tmp_path, smoke_phantoms):
+    flags = ["--max_steps", "40", "--ckpt_every_steps", "5", "--val_every_steps", "20"]
+    straight = run_cli(smoke_flags(tmp_path / "a", smoke_phantoms, *flags))
+    assert straight.returncode == 0, straight.stderr
+    # Kill the second run with SIGKILL once it has written a checkpoint, then resume it.
+    run_dir = tmp_path / "b" / "runs" / "r"
+    proc = subprocess.Popen([sys.executable, str(REPO / "train.py"), *smoke_flags(tmp_path / "b", smoke_phantoms,
+                                                                                    *flags)], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline and not list_checkpoints(str(run_dir / "checkpoints")):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = max(r["step"] for r in train_lines(run_dir))
+    assert killed_at < 40, "the run finished before it could be interrupted"
+    resumed = run_cli(smoke_flags(tmp_path / "b", smoke_phantoms, *flags, "--resume", "auto"))
+    assert resumed.returncode == 0, resumed.stderr
+    events = read_jsonl(run_dir / "events.jsonl")
+    assert any(e["event"] == "resume" for e in events)
+    a, b = train_lines(tmp_path / "a" / "runs" / "r"), train_lines(run_dir)
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert [r["grad_norm"] for r in a] == [r["grad_norm"] for r in b]
+
+
+@pytest.mark.slow
+def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, smoke_phantoms):
+    assert main(smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "4")) == 0
+    ckpt_dir = tmp_path / "runs" / "r" / "checkpoints"
+    good = list_checkpoints(str(ckpt_dir))[0]
+    # A writer killed mid-file (a large payload makes sure the kill lands during the write).
+    writer = subprocess.Popen([sys.executable, "-c", (
+        "import sys, torch; sys.path.insert(0, sys.argv[1]); from train import save_checkpoint; "
+        "save_checkpoint(sys.argv[2], {'big': torch.zeros(400_000_000, dtype=torch.uint8)}, 2, False)"),
+        str(REPO), str(ckpt_dir / "step_0000009.pt")])
+    while not any(p.name.startswith("step_0000009.pt.tmp") for p in ckpt_dir.iterdir()):
+        time.sleep(0.01)
+        assert writer.poll() is None, "the writer finished before it could be killed"
+    writer.send_signal(signal.SIGKILL)
+    writer.wait()
+    assert list_checkpoints(str(ckpt_dir))[0] == good
+    read_checkpoint(good)
+    # Also a damaged step file (copied by hand, say) is skipped by --resume auto, with an event.
+    (ckpt_dir / "step_0000010.pt").write_bytes(Path(good).read_bytes()[:1000])
+    assert main(smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "6", "--resume", "auto")) == 0
+    events = read_jsonl(tmp_path / "runs" / "r" / "events.jsonl")
+    assert any(e["event"] == "unreadable_checkpoint" and e["path"].endswith("step_0000010.pt") for e in events)
+    assert any(e["event"] == "resume" and e["path"] == good for e in events)
+
+
+def test_checkpoints_load_with_weights_only(tmp_path, smoke_phantoms):
+    assert main(smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "4")) == 0
+    path = list_checkpoints(str(tmp_path / "runs" / "r" / "checkpoints"))[0]
+    ckpt = torch.load(path, weights_only=True)
+    assert {"model", "optimizer", "train_state", "rng", "config"} <= set(ckpt)
+    assert ckpt["train_state"]["step"] == 4
+    assert any(k.startswith("target_encoder.") for k in ckpt["model"])
+
+
+@pytest.mark.slow
+def test_a_diverging_run_rolls_back_then_exits_4_with_a_diagnosis(tmp_path, smoke_phantoms):
+    assert main(smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "4")) == 0
+    good = list_checkpoints(str(tmp_path / "runs" / "r" / "checkpoints"))[0]
+    good_bytes = Path(good).read_bytes()
+    # The same weights with an absurd LR: every update after the first overflows.
+    result = run_cli(smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "40", "--resume", good,
+                                 "--base_lr", "1e30", "--min_lr", "1e29", "--ckpt_every_steps", "1000",
+                                 "--max_rollbacks", "2"))
+    assert result.returncode == 4, result.stderr
+    assert "diverged" in result.stderr and "lr" in result.stderr and good in result.stderr
+    assert "recent grad norms" in result.stderr
+    assert Path(good).read_bytes() == good_bytes
+    events = read_jsonl(tmp_path / "runs" / "r" / "events.jsonl")
+    assert sum(e["event"] == "rollback" for e in events) == 2
+    assert any(e["event"] == "nonfinite_skipped" for e in events) and events[-1]["event"] == "diverged"
+
+
+def test_bad_config_exits_2_naming_the_field(tmp_path):
+    result = run_cli(["--mask_ratio", "1.5", "--out_dir", str(tmp_path)])
+    assert result.returncode == 2 and "mask_ratio" in result.stderr
+    result = run_cli(["--lerning_rate", "1e-4"])
+    assert result.returncode == 2 and "Did you mean" in result.stderr
+
+
+def test_folder_without_usable_dicom_exits_3_with_the_reason_table(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.dcm").write_bytes(b"not a dicom file at all" * 10)
+    (data / "b.dcm").write_bytes(b"")
+    result = run_cli(["--config", SMOKE, "--data_root", str(data), "--out_dir", str(tmp_path / "runs")])
+    assert result.returncode == 3, result.stderr
+    assert "not_dicom" in result.stderr
+
+
+def test_dry_run_prints_the_preflight_and_saves_pictures(tmp_path, smoke_phantoms, capsys):
+    assert main(smoke_flags(tmp_path, smoke_phantoms, "--dry_run")) == 0
+    out = capsys.readouterr().out
+    for word in ("parameters", "tokens/sample", "FLOPs/sample", "activations", "schedule"):
+        assert word in out
+    run_dir = tmp_path / "runs" / "r"
+    assert (run_dir / "schedules.png").exists() and (run_dir / "mask.png").exists()
+    assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_match_one_process(tmp_path, smoke_phantoms):
+    flags = ["--max_steps", "6", "--ckpt_dir", "none", "--val_every_steps", "100"]
+    single = run_cli(smoke_flags(tmp_path / "one", smoke_phantoms, *flags, "--per_core_batch_size", "4"))
+    assert single.returncode == 0, single.stderr
+    ddp = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=0",
+                          str(REPO / "train.py"), *smoke_flags(tmp_path / "two", smoke_phantoms, *flags,
+                                                               "--per_core_batch_size", "2")],
+                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert ddp.returncode == 0, ddp.stderr
+    one, two = train_lines(tmp_path / "one" / "runs" / "r"), train_lines(tmp_path / "two" / "runs" / "r")
+    assert [r["step"] for r in one] == [r["step"] for r in two]
+    np.testing.assert_allclose([r["loss"] for r in one], [r["loss"] for r in two], rtol=1e-4)
+    np.testing.assert_allclose([r["grad_norm"] for r in one], [r["grad_norm"] for r in two], rtol=1e-3)
+
+
+@pytest.mark.slow
+def test_demo_run_completes_and_its_loss_falls(tmp_path):
+    """`python train.py` with no arguments, as in the README (shortened a little by flags: same code path)."""
+    result = run_cli(["--run_name", "demo"], cwd=tmp_path, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = train_lines(tmp_path / "runs" / "demo")
+    assert lines[-1]["loss"] < 0.7 * lines[0]["loss"]
+    assert "done:" in result.stderr and "metrics" in result.stderr

@@ -1,0 +1,794 @@
+"""Train a 3D V-JEPA on OCT volumes. The loop is spelled out top to bottom in main().
+
+    python train.py                                   # the built-in demo (phantoms, CPU, a few minutes)
+    python train.py --config configs/pretrain_single_domain.yaml --data_root gs://bucket/oct
+    python train.py --config ... --dry_run            # preflight: sizes, FLOPs, memory, schedules; runs nothing
+    torchrun --nproc_per_node=8 train.py --config ... # DDP on GPUs
+
+Outputs go to out_dir/run_name/: config.yaml, metrics.jsonl, events.jsonl, checkpoints/, plots.
+Exit codes: 0 done, 2 bad config, 3 no usable data, 4 diverged beyond recovery.
+"""
+import contextlib
+import glob
+import io
+import json
+import math
+import os
+import random
+import re
+import sys
+import time
+from dataclasses import dataclass
+from typing import List, Optional
+
+import numpy as np
+import torch
+
+from config import Config, ConfigError, RunPlan, config_to_dict, load_config, plan_run, save_config
+from model import VJEPA3D, activation_bytes_per_sample, training_flops_per_sample
+
+EXIT_OK, EXIT_CONFIG, EXIT_NO_DATA, EXIT_DIVERGED = 0, 2, 3, 4
+
+
+class Diverged(Exception):
+    """Training cannot recover from non-finite updates; the message is the diagnosis (exit 4)."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Schedules: pure functions of the optimizer-update count (incidents 2, 3). No state, no restarts.
+# ----------------------------------------------------------------------------------------------------------
+
+def cosine_ramp(step: int, start_step: int, end_step: int, start: float, end: float) -> float:
+    """Half-cosine from `start` at start_step to `end` at end_step; holds `end` afterwards."""
+    if step >= end_step:
+        return end
+    progress = max(0.0, (step - start_step) / max(1, end_step - start_step))
+    return end + 0.5 * (start - end) * (1.0 + math.cos(math.pi * progress))
+
+
+def lr_at(step: int, cfg: Config, plan: RunPlan) -> float:
+    """LR of update number `step` (0-based): linear warmup to base_lr, cosine to min_lr, then min_lr.
+    The first update (step 0) already uses a non-zero LR: base_lr / warmup_steps."""
+    if cfg.schedule == "constant":
+        return cfg.base_lr
+    if step < plan.warmup_steps:
+        return cfg.base_lr * (step + 1) / plan.warmup_steps
+    return cosine_ramp(step, plan.warmup_steps, plan.total_steps - 1, cfg.base_lr, cfg.min_lr)
+
+
+def wd_at(step: int, cfg: Config, plan: RunPlan) -> float:
+    """Weight decay of update `step`: cosine from weight_decay to weight_decay_end (constant when None)."""
+    end = cfg.weight_decay if cfg.weight_decay_end is None else cfg.weight_decay_end
+    return cosine_ramp(step, 0, plan.total_steps - 1, cfg.weight_decay, end)
+
+
+def ema_at(step: int, cfg: Config, plan: RunPlan) -> float:
+    """EMA momentum of the target update after update `step`: cosine from ema_base to ema_end."""
+    return cosine_ramp(step, 0, plan.total_steps - 1, cfg.ema_base, cfg.ema_end)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Devices and processes
+# ----------------------------------------------------------------------------------------------------------
+
+@dataclass
+class Runtime:
+    device: torch.device
+    kind: str  # cpu | cuda | xla
+    world_size: int  # data-parallel replicas (DDP processes, or XLA devices)
+    process_index: int
+    process_count: int
+    local_replicas: int  # replicas fed by this process (XLA SPMD: its devices; DDP: 1)
+
+    @property
+    def is_master(self) -> bool:
+        return self.process_index == 0
+
+
+def setup_runtime(cfg: Config) -> Runtime:
+    """Pick the device (auto: xla if configured, else cuda, else cpu) and join the process group if any."""
+    kind = cfg.device
+    if kind == "auto":
+        kind = "xla" if _xla_configured() else "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device: cuda was asked for but torch sees no CUDA device; use --device cpu or auto.")
+    if kind == "xla":
+        return _setup_xla()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if kind == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if world > 1:
+        torch.distributed.init_process_group("nccl" if kind == "cuda" else "gloo")
+    device = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
+    return Runtime(device, kind, world, rank, world, 1)
+
+
+def _xla_configured() -> bool:
+    if not os.environ.get("PJRT_DEVICE"):
+        return False
+    try:
+        import torch_xla  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _setup_xla() -> Runtime:
+    try:
+        import torch_xla.core.xla_model as xm
+        import torch_xla.runtime as xr
+    except ImportError as e:
+        raise ConfigError(f"device: xla needs torch_xla ({e}); install requirements-xla.txt or use --device cpu.")
+    xr.use_spmd()
+    devices = xr.global_runtime_device_count()
+    return Runtime(xm.xla_device(), "xla", devices, xr.process_index(), xr.process_count(),
+                   devices // xr.process_count())
+
+
+def reduce_mean(value: torch.Tensor, rt: Runtime) -> torch.Tensor:
+    """Mean of a tensor over DDP processes (XLA SPMD tensors are already global)."""
+    if rt.kind != "xla" and rt.world_size > 1:
+        value = value.clone()
+        torch.distributed.all_reduce(value)
+        value /= rt.world_size
+    return value
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Run directory, logs, checkpoints
+# ----------------------------------------------------------------------------------------------------------
+
+class RunLog:
+    """metrics.jsonl, events.jsonl, console and W&B; everything is a no-op off the master process."""
+
+    def __init__(self, run_dir: str, cfg: Config, active: bool):
+        self.active = active
+        self.run_dir = run_dir
+        self.wandb_run = None
+        self.history: List[dict] = []
+        if active:
+            os.makedirs(run_dir, exist_ok=True)
+            self.wandb_run = start_wandb(cfg, run_dir)
+
+    def metrics(self, record: dict) -> None:
+        """Append one metrics line (and send it to W&B)."""
+        if not self.active:
+            return
+        record = {k: _json_number(v) for k, v in record.items()}
+        self.history.append(record)
+        _append_jsonl(os.path.join(self.run_dir, "metrics.jsonl"), record)
+        if self.wandb_run is not None:
+            self.wandb_run.log({f"{record['split']}/{k}": v for k, v in record.items()
+                                if k not in ("split", "step") and v is not None}, step=record["step"])
+
+    def event(self, kind: str, step: int, **fields) -> None:
+        """Append one line to events.jsonl (skips, rollbacks, unreadable files, resumes...)."""
+        if self.active:
+            _append_jsonl(os.path.join(self.run_dir, "events.jsonl"),
+                          {"event": kind, "step": step, "time": time.time(), **fields})
+
+    def print(self, *args) -> None:
+        if self.active:
+            from tqdm import tqdm
+            tqdm.write(" ".join(str(a) for a in args))
+
+    def close(self) -> None:
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+
+def _json_number(v):
+    if isinstance(v, torch.Tensor):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None  # JSON has no NaN; null marks a non-finite measurement
+    return v
+
+
+def _append_jsonl(path: str, record: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def start_wandb(cfg: Config, run_dir: str):
+    """A W&B run, or None. auto = online when WANDB_API_KEY is set, else offline; never waits on a network."""
+    mode = cfg.wandb
+    if mode == "auto":
+        mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+    if mode == "disabled":
+        return None
+    import wandb
+    settings = wandb.Settings(init_timeout=30, silent=True)
+    try:
+        return wandb.init(project=cfg.wandb_project, entity=cfg.wandb_entity, name=os.path.basename(run_dir),
+                          dir=run_dir, mode=mode, config=config_to_dict(cfg), settings=settings)
+    except Exception as e:  # an unreachable server must not stop the run: log offline instead
+        if mode != "online":
+            raise
+        print(f"wandb online failed ({e}); logging offline to {run_dir}/wandb", file=sys.stderr)
+        return wandb.init(project=cfg.wandb_project, name=os.path.basename(run_dir), dir=run_dir,
+                          mode="offline", config=config_to_dict(cfg), settings=settings)
+
+
+def _fs(path: str):
+    """(filesystem, path) for a local path or a gs:// URL."""
+    if path.startswith("gs://"):
+        from data import gcs_filesystem
+        return gcs_filesystem(), path
+    return None, path
+
+
+def write_bytes_atomic(path: str, payload: bytes) -> None:
+    """Write a file so that readers see either the old state or the complete new file, never a part."""
+    fs, path = _fs(path)
+    if fs is not None:
+        fs.pipe_file(path, payload)  # a GCS object appears only once its upload is complete
+        return
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(payload)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def list_checkpoints(ckpt_dir: str) -> List[str]:
+    """Step checkpoints in ckpt_dir, newest first (temp files of interrupted writes are ignored)."""
+    fs, root = _fs(ckpt_dir)
+    pattern = root.rstrip("/") + "/step_*.pt"
+    paths = ["gs://" + p for p in fs.glob(pattern)] if fs is not None else glob.glob(pattern)
+    paths = [p for p in paths if re.search(r"step_\d+\.pt$", p)]
+    return sorted(paths, key=lambda p: int(re.search(r"step_(\d+)\.pt$", p).group(1)), reverse=True)
+
+
+def read_checkpoint(path: str) -> dict:
+    """Load a checkpoint to CPU tensors (weights_only: no code runs on load)."""
+    fs, p = _fs(path)
+    payload = fs.cat_file(p) if fs is not None else open(p, "rb").read()
+    return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+
+
+def checkpoint_path(ckpt_dir: str, step: int) -> str:
+    return f"{ckpt_dir.rstrip('/')}/step_{step:07d}.pt"
+
+
+def save_checkpoint(path: str, state: dict, keep_last: int, best: bool) -> None:
+    """Write the checkpoint atomically (and best.pt beside it), then drop older step files beyond keep_last."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    payload = buffer.getvalue()
+    ckpt_dir = path.rsplit("/", 1)[0]
+    fs, root = _fs(ckpt_dir)
+    if fs is None:
+        os.makedirs(root, exist_ok=True)
+    write_bytes_atomic(path, payload)
+    if best:
+        write_bytes_atomic(f"{ckpt_dir}/best.pt", payload)
+    for old in list_checkpoints(ckpt_dir)[keep_last:]:
+        if fs is not None:
+            fs.rm(old)
+        else:
+            os.remove(old)
+
+
+def rng_state() -> dict:
+    """torch, numpy and python RNG states as tensors and plain types (loadable with weights_only)."""
+    np_state = np.random.get_state()
+    py_version, py_internal, py_gauss = random.getstate()
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
+                      "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
+            "python": {"version": py_version, "internal": list(py_internal), "gauss": py_gauss}}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    p = state["python"]
+    random.setstate((p["version"], tuple(p["internal"]), p["gauss"]))
+
+
+def to_cpu(obj):
+    """Copy a (nested) state to CPU tensors, so a checkpoint from CUDA or XLA loads anywhere."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The optimizer update
+# ----------------------------------------------------------------------------------------------------------
+
+@dataclass
+class TrainState:
+    """Everything besides weights and optimizer that a resume needs."""
+    step: int = 0  # optimizer updates done (skipped non-finite updates count: the data moved on)
+    data_skip: int = 0  # updates' worth of batches skipped by rollbacks (moves past offending data)
+    lr_scale: float = 1.0  # lowered by each rollback
+    rollbacks: int = 0
+    nonfinite_skipped: int = 0  # cumulative
+    consecutive_nonfinite: int = 0
+    best_val_loss: float = math.inf
+
+
+def set_hyperparameters(optimizer: torch.optim.Optimizer, lr: float, wd: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+        group["weight_decay"] = wd if group["apply_wd"] else 0.0
+
+
+def forward_backward(model, ddp_model, micro_batches: list, cfg: Config, rt: Runtime):
+    """Accumulate gradients over the micro-batches; return (mean loss, mean target_std) as device tensors."""
+    loss_sum = torch.zeros((), device=rt.device)
+    std_sum = torch.zeros((), device=rt.device)
+    for i, batch in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        sync = contextlib.nullcontext() if last or ddp_model is model else ddp_model.no_sync()
+        autocast = torch.autocast(rt.kind, dtype=torch.bfloat16, enabled=cfg.use_bf16)
+        with sync, autocast:
+            out = ddp_model(batch["volume"], batch["context_idx"], batch["target_idx"])
+            (out.loss / len(micro_batches)).backward()
+        loss_sum += out.loss.detach()
+        std_sum += out.target_std
+    return loss_sum / len(micro_batches), std_sum / len(micro_batches)
+
+
+def clip_and_measure(model: VJEPA3D, cfg: Config) -> torch.Tensor:
+    """Pre-clip total grad norm of this update, measured before the optimizer step and zero_grad (incident 1)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    max_norm = cfg.grad_clip if cfg.grad_clip is not None else math.inf
+    return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
+@dataclass
+class UpdateResult:
+    loss: torch.Tensor  # mean over micro-batches and replicas
+    target_std: torch.Tensor
+    grad_norm: torch.Tensor  # pre-clip total norm of this update
+    applied: bool  # False when the NaN guard skipped the update
+
+
+def train_update(model: VJEPA3D, ddp_model, optimizer, micro_batches: list, lr: float, wd: float, ema: float,
+                 cfg: Config, rt: Runtime) -> UpdateResult:
+    """One optimizer update: accumulate gradients, measure and clip the grad norm, then step the optimizer
+    and the EMA target, unless the loss or the grad norm is non-finite (then nothing changes)."""
+    set_hyperparameters(optimizer, lr, wd)
+    loss, target_std = forward_backward(model, ddp_model, micro_batches, cfg, rt)
+    loss, target_std = reduce_mean(torch.stack([loss, target_std]).float(), rt).unbind()  # same on all ranks
+    grad_norm = clip_and_measure(model, cfg)  # before optimizer.step() and zero_grad (incident 1)
+    applied = bool(torch.isfinite(loss) & torch.isfinite(grad_norm))
+    if applied:
+        optimizer.step()
+        model.update_target(ema)
+    optimizer.zero_grad(set_to_none=True)
+    return UpdateResult(loss, target_std, grad_norm, applied)
+
+
+def to_device(batch: dict, rt: Runtime) -> dict:
+    return {k: (v.to(rt.device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+
+
+def micro_batch_groups(loader, accum: int):
+    """Yield lists of `accum` consecutive micro-batches (one optimizer update each)."""
+    group = []
+    for batch in loader:
+        group.append(batch)
+        if len(group) == accum:
+            yield group
+            group = []
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Validation
+# ----------------------------------------------------------------------------------------------------------
+
+def rankme(embeddings: torch.Tensor, eps: float = 1e-7) -> float:
+    """RankMe: exp of the entropy of the normalized singular values of [M, E] embeddings (1 = collapsed)."""
+    s = torch.linalg.svdvals(embeddings.float())
+    p = s / (s.sum() + eps) + eps
+    return float(torch.exp(-(p * p.log()).sum()))
+
+
+@torch.no_grad()
+def validate(model: VJEPA3D, loader, cfg: Config, rt: Runtime, max_tokens: int = 4096) -> dict:
+    """Val loss and target_std with fixed masks and crops, and RankMe of target-encoder token embeddings."""
+    model.eval()
+    losses, stds, feats = [], [], []
+    for i, batch in enumerate(loader):
+        if i >= cfg.val_batches:
+            break
+        batch = to_device(batch, rt)
+        with torch.autocast(rt.kind, dtype=torch.bfloat16, enabled=cfg.use_bf16):
+            out = model(batch["volume"], batch["context_idx"], batch["target_idx"])
+            tokens = model.encode(batch["volume"])  # [B, N, E]
+        losses.append(reduce_mean(out.loss.detach().float(), rt))
+        stds.append(reduce_mean(out.target_std, rt))
+        feats.append(tokens.flatten(0, 1).float().cpu())
+    model.train()
+    if not losses:
+        return {}
+    feats = torch.cat(feats)
+    keep = torch.randperm(len(feats), generator=torch.Generator().manual_seed(0))[:max_tokens]
+    return {"loss": float(torch.stack(losses).mean()), "target_std": float(torch.stack(stds).mean()),
+            "rankme": rankme(feats[keep])}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Dry run (preflight, incident 9)
+# ----------------------------------------------------------------------------------------------------------
+
+def describe_run(cfg: Config, plan: RunPlan, model: VJEPA3D, train_ds, val_ds, rt: Runtime) -> str:
+    """The preflight report: sizes, tokens, FLOPs, memory, schedules at milestones."""
+    n_context, n_target = cfg.token_counts()
+    flops = training_flops_per_sample(cfg)
+    act = activation_bytes_per_sample(cfg)
+    params = model.num_trainable_params()
+    state_bytes = params * 4 * 4 + sum(p.numel() for p in model.target_encoder.parameters()) * 4
+    lines = [
+        f"device            {rt.kind} x {rt.world_size} replica(s), {rt.process_count} process(es)",
+        f"data              {len(train_ds)} train / {len(val_ds)} val volumes",
+        f"batch             global {plan.global_batch_size} = {plan.per_core_batch_size} per replica x "
+        f"{plan.world_size} replicas x {plan.grad_accum_steps} accumulation",
+        f"updates           {plan.total_steps} ({plan.steps_per_epoch}/epoch), warmup {plan.warmup_steps}",
+        f"parameters        {params:,} trainable (encoder + predictor), plus the EMA target encoder",
+        f"tokens/sample     {n_context + n_target} (grid {cfg.grid_size()}): {n_context} context, {n_target} target",
+        f"FLOPs/sample      {flops['total'] / 1e9:.2f} GFLOP per training step "
+        f"(context {flops['context_encoder'] / 1e9:.2f}, predictor {flops['predictor'] / 1e9:.2f}, "
+        f"target {flops['target_encoder'] / 1e9:.2f})",
+        f"activations       ~{act / 2**20:.1f} MiB/sample, ~{act * plan.per_core_batch_size / 2**30:.2f} GiB per "
+        f"replica at batch {plan.per_core_batch_size} (+ {state_bytes / 2**30:.2f} GiB weights, grads, AdamW)",
+    ]
+    geometry = getattr(train_ds, "geometry_report", None)
+    if callable(geometry):
+        lines.append(geometry())
+    lines.append("schedule          step      lr         wd       ema")
+    for step in sorted({0, plan.warmup_steps, plan.total_steps // 2, plan.total_steps - 1}):
+        lines.append(f"                  {step:<9d} {lr_at(step, cfg, plan):<10.3g} {wd_at(step, cfg, plan):<8.3g} "
+                     f"{ema_at(step, cfg, plan):.5f}")
+    return "\n".join(lines)
+
+
+def save_schedule_plot(cfg: Config, plan: RunPlan, path: str) -> None:
+    """PNG of the LR, WD and EMA schedules over the whole run."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    steps = np.arange(plan.total_steps)
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3))
+    for ax, fn, name in zip(axes, (lr_at, wd_at, ema_at), ("lr", "weight decay", "EMA momentum")):
+        ax.plot(steps, [fn(int(s), cfg, plan) for s in steps])
+        ax.set_title(name)
+        ax.set_xlabel("optimizer update")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def save_mask_plot(sample: dict, cfg: Config, path: str) -> None:
+    """PNG of the middle B-scan of one sample with its context (blue) and target (red) tokens overlaid."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    volume = sample["volume"][0].numpy()  # [D, H, W]
+    gd, gh, gw = cfg.grid_size()
+    pd, ph, pw = cfg.patch_size
+    is_target = np.zeros(gd * gh * gw, bool)
+    is_target[sample["target_idx"].numpy()] = True
+    frame = volume.shape[0] // 2
+    token_rows = is_target.reshape(gd, gh, gw)[frame // pd]  # [gh, gw]
+    overlay = np.kron(token_rows, np.ones((ph, pw)))  # [H, W]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    axes[0].imshow(volume[frame], cmap="gray")
+    axes[0].set_title(f"B-scan {frame} of {sample['path'].split('/')[-1]}")
+    axes[1].imshow(volume[frame], cmap="gray")
+    axes[1].imshow(np.ma.masked_where(overlay == 0, overlay), cmap="autumn", alpha=0.45, vmin=0, vmax=1)
+    axes[1].imshow(np.ma.masked_where(overlay == 1, 1 - overlay), cmap="winter", alpha=0.25, vmin=0, vmax=1)
+    axes[1].set_title(f"target (red) {int(is_target.sum())} / context (blue) {int((~is_target).sum())} tokens")
+    for ax in axes:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def save_training_plot(history: List[dict], path: str) -> None:
+    """PNG of loss, target_std, grad norm and LR over the run."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    train = [r for r in history if r["split"] == "train"]
+    val = [r for r in history if r["split"] == "val"]
+    if not train:
+        return
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3))
+    for ax, key in zip(axes, ("loss", "target_std", "grad_norm", "lr")):
+        ax.plot([r["step"] for r in train], [r[key] for r in train], label="train")
+        if key in ("loss", "target_std") and val:
+            ax.plot([r["step"] for r in val], [r[key] for r in val], "o-", label="val")
+            ax.legend()
+        ax.set_title(key)
+        ax.set_xlabel("optimizer update")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# main
+# ----------------------------------------------------------------------------------------------------------
+
+def resolve_run_dir(cfg: Config) -> Config:
+    """Fill run_name and ckpt_dir 'auto'; refuse to overwrite checkpoints of an earlier run by accident."""
+    from dataclasses import replace
+    if cfg.resume == "auto" and cfg.run_name is None:
+        raise ConfigError("resume: 'auto' continues the run named by --run_name; give --run_name.")
+    run_name = cfg.run_name or time.strftime("run-%Y%m%d-%H%M%S")
+    ckpt_dir = os.path.join(cfg.out_dir, run_name, "checkpoints") if cfg.ckpt_dir == "auto" else cfg.ckpt_dir
+    cfg = replace(cfg, run_name=run_name, ckpt_dir=ckpt_dir)
+    if cfg.resume == "auto" and ckpt_dir is None:
+        raise ConfigError("resume: 'auto' needs checkpoints, but ckpt_dir is null.")
+    if cfg.resume is None and ckpt_dir is not None and not cfg.dry_run and list_checkpoints(ckpt_dir):
+        raise ConfigError(f"run_name: {ckpt_dir} already holds checkpoints of an earlier run; pass --resume auto "
+                          f"to continue it or choose another --run_name.")
+    return cfg
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    from data import NoUsableData
+    try:
+        cfg = resolve_run_dir(load_config(argv))
+        rt = setup_runtime(cfg)
+        return train(cfg, rt)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    except NoUsableData as e:
+        print(f"no usable data:\n{e}", file=sys.stderr)
+        return EXIT_NO_DATA
+    except Diverged as e:
+        print(f"training diverged beyond recovery:\n{e}", file=sys.stderr)
+        return EXIT_DIVERGED
+
+
+def train(cfg: Config, rt: Runtime) -> int:
+    from data import NoUsableData, build_datasets, format_reason_table, make_loader
+
+    # --- data, model, optimizer ---
+    torch.manual_seed(cfg.seed)
+    train_ds, val_ds = build_datasets(cfg)
+    plan = plan_run(cfg, rt.world_size, len(train_ds))
+    model = VJEPA3D.from_config(cfg).to(rt.device)
+    optimizer = torch.optim.AdamW(model.param_groups(cfg.weight_decay), lr=lr_at(0, cfg, plan),
+                                  betas=tuple(cfg.adam_betas))
+    ddp_model = model
+    if rt.kind != "xla" and rt.world_size > 1:
+        ddp_model = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
+    run_dir = os.path.join(cfg.out_dir, cfg.run_name)
+    log = RunLog(run_dir, cfg, active=rt.is_master and not cfg.dry_run)
+    local_batch = plan.per_core_batch_size * rt.local_replicas
+
+    if cfg.dry_run:
+        if rt.is_master:
+            os.makedirs(run_dir, exist_ok=True)
+            print(describe_run(cfg, plan, model, train_ds, val_ds, rt))
+            save_schedule_plot(cfg, plan, os.path.join(run_dir, "schedules.png"))
+            save_mask_plot(train_ds[(0, 0)], cfg, os.path.join(run_dir, "mask.png"))
+            print(f"dry run: nothing trained; schedule and mask pictures in {run_dir}/")
+        return EXIT_OK
+
+    # --- resume ---
+    state = TrainState()
+    resume_path = None
+    if cfg.resume == "auto":
+        for path in list_checkpoints(cfg.ckpt_dir):
+            try:
+                ckpt = read_checkpoint(path)
+                resume_path = path
+                break
+            except Exception as e:  # a damaged file must not stop the resume: fall back to the one before
+                log.event("unreadable_checkpoint", 0, path=path, reason=repr(e))
+        if resume_path is None:
+            log.print(f"resume auto: no checkpoint in {cfg.ckpt_dir}; starting from scratch")
+    elif cfg.resume is not None:
+        ckpt, resume_path = read_checkpoint(cfg.resume), cfg.resume
+    if resume_path is not None:
+        restore(ckpt, model, optimizer, state)
+        log.event("resume", state.step, path=resume_path)
+        log.print(f"resumed from {resume_path} at update {state.step}")
+        drop_metrics_after(os.path.join(run_dir, "metrics.jsonl"), state.step, log)
+    if log.active:
+        save_config(cfg, os.path.join(run_dir, "config.yaml"))
+        if cfg.ckpt_dir is None:
+            log.print("ckpt_dir is null: no checkpoints will be written for this run")
+        if cfg.data_root is None:
+            log.print(f"data_root is null: training on the built-in phantom set in {cfg.phantom_dir}")
+        log.print(f"run {run_dir}: {plan.total_steps} updates of {plan.global_batch_size} volumes on "
+                  f"{rt.kind} x {rt.world_size}, {model.num_trainable_params():,} parameters")
+
+    val_loader = make_loader(val_ds, local_batch, train=False, workers=cfg.workers, rank=rt.process_index,
+                             world_size=rt.process_count, seed=cfg.seed) if len(val_ds) else None
+    last_ckpt = resume_path
+    recent_grad_norms: List[float] = []
+    bad_files: dict = {}
+    val_metrics: dict = {}
+    from tqdm import tqdm
+    bar = tqdm(total=plan.total_steps, initial=state.step, disable=not (rt.is_master and sys.stderr.isatty()),
+               unit="update", dynamic_ncols=True)
+    window_start, data_time, window_updates = time.perf_counter(), 0.0, 0
+
+    # --- the loop: one iteration = one optimizer update ---
+    while state.step < plan.total_steps:
+        position = state.step + state.data_skip  # in updates; the data order is a function of it
+        epoch, update_in_epoch = divmod(position, plan.steps_per_epoch)
+        loader = make_loader(train_ds, local_batch, train=True, workers=cfg.workers, rank=rt.process_index,
+                             world_size=rt.process_count, epoch=epoch,
+                             start=update_in_epoch * plan.grad_accum_steps * local_batch, seed=cfg.seed)
+        groups = micro_batch_groups(loader, plan.grad_accum_steps)
+        for _ in range(plan.steps_per_epoch - update_in_epoch):
+            t0 = time.perf_counter()
+            micro_batches = next(groups, None)
+            if micro_batches is None:
+                raise RuntimeError(f"the loader of epoch {epoch} ended before update {state.step}: the sampler "
+                                   f"yields fewer batches than plan_run counted")
+            data_time += time.perf_counter() - t0
+            for batch in micro_batches:
+                for path, reason, detail in batch["skipped"]:
+                    if path not in bad_files:
+                        bad_files[path] = reason
+                        log.event("unreadable_file", state.step, path=path, reason=reason, detail=detail)
+            if len(bad_files) > cfg.max_bad_fraction * (len(train_ds) + len(val_ds)):
+                counts = {}
+                for reason in bad_files.values():
+                    counts[reason] = counts.get(reason, 0) + 1
+                raise NoUsableData(f"{len(bad_files)} files failed during training, more than max_bad_fraction "
+                                   f"{cfg.max_bad_fraction}:\n{format_reason_table(counts)}")
+
+            # One optimizer update: schedules first, as pure functions of the update count.
+            lr = lr_at(state.step, cfg, plan) * state.lr_scale
+            wd = wd_at(state.step, cfg, plan)
+            ema = ema_at(state.step, cfg, plan)
+            update = train_update(model, ddp_model, optimizer, [to_device(b, rt) for b in micro_batches],
+                                  lr, wd, ema, cfg, rt)
+            loss, target_std, grad_norm = update.loss, update.target_std, update.grad_norm
+            if update.applied:
+                state.consecutive_nonfinite = 0
+            else:  # NaN guard: weights and optimizer state untouched, the data moves on
+                state.nonfinite_skipped += 1
+                state.consecutive_nonfinite += 1
+                log.event("nonfinite_skipped", state.step, lr=lr, loss=_json_number(loss),
+                          grad_norm=_json_number(grad_norm),
+                          files=[p for b in micro_batches for p in b["path"]])
+            state.step += 1
+            window_updates += 1
+            bar.update(1)
+            recent_grad_norms = (recent_grad_norms + [float(grad_norm)])[-10:]
+
+            if state.consecutive_nonfinite >= cfg.max_consecutive_nonfinite:
+                last_ckpt = rollback(cfg, model, optimizer, state, last_ckpt, recent_grad_norms, lr, log)
+                break  # restart the data loader at the new position
+
+            if state.step % cfg.log_every_steps == 0 or state.step == plan.total_steps or state.step == 1:
+                elapsed = time.perf_counter() - window_start
+                record = {"split": "train", "step": state.step, "epoch": position // plan.steps_per_epoch,
+                          "loss": loss, "lr": lr, "wd": wd, "ema_momentum": ema, "grad_norm": grad_norm,
+                          "target_std": target_std, "nonfinite_skipped": state.nonfinite_skipped,
+                          "samples_per_s": window_updates * plan.global_batch_size / elapsed,
+                          "step_time_s": elapsed / window_updates, "data_time_s": data_time / window_updates}
+                record = {k: _json_number(v) for k, v in record.items()}
+                log.metrics(record)
+                log.print(format_train_line(record, plan))
+                window_start, data_time, window_updates = time.perf_counter(), 0.0, 0
+
+            is_last = state.step == plan.total_steps
+            if val_loader is not None and (state.step % cfg.val_every_steps == 0 or is_last):
+                val_metrics = validate(model, val_loader, cfg, rt)
+                if val_metrics:
+                    log.metrics({"split": "val", "step": state.step, **val_metrics})
+                    log.print(f"val   step {state.step:>6d} | loss {val_metrics['loss']:.4f} | target_std "
+                              f"{val_metrics['target_std']:.4f} | rankme {val_metrics['rankme']:.1f}")
+            if cfg.ckpt_dir is not None and (state.step % cfg.ckpt_every_steps == 0 or is_last):
+                best = bool(val_metrics) and val_metrics["loss"] < state.best_val_loss
+                if best:
+                    state.best_val_loss = val_metrics["loss"]
+                last_ckpt = checkpoint_path(cfg.ckpt_dir, state.step)
+                if rt.is_master:
+                    save_checkpoint(last_ckpt, checkpoint_state(model, optimizer, state, cfg), cfg.keep_last, best)
+                    log.event("checkpoint", state.step, path=last_ckpt, best=best)
+                if rt.world_size > 1 and rt.kind != "xla":
+                    torch.distributed.barrier()  # no rank may roll back to a file that is not written yet
+
+    bar.close()
+    if log.active:
+        save_training_plot(log.history, os.path.join(run_dir, "training.png"))
+        log.print(summary(log.history, run_dir, cfg, state))
+    log.close()
+    return EXIT_OK
+
+
+def format_train_line(record: dict, plan: RunPlan) -> str:
+    return (f"train step {record['step']:>6d}/{plan.total_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+            f"grad_norm {record['grad_norm'] if record['grad_norm'] is None else format(record['grad_norm'], '.3f')} | "
+            f"target_std {record['target_std']:.3f} | {record['samples_per_s']:.1f} samples/s")
+
+
+def checkpoint_state(model: VJEPA3D, optimizer, state: TrainState, cfg: Config) -> dict:
+    """Everything a resume needs, as CPU tensors and plain types (torch.load(weights_only=True) reads it)."""
+    return {"model": to_cpu(model.state_dict()), "optimizer": to_cpu(optimizer.state_dict()),
+            "train_state": dict(vars(state)), "rng": rng_state(), "config": config_to_dict(cfg), "version": 1}
+
+
+def restore(ckpt: dict, model: VJEPA3D, optimizer, state: TrainState) -> None:
+    """Load weights, optimizer, schedule position, data position and RNG states from a checkpoint."""
+    model.load_state_dict(ckpt["model"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    for key, value in ckpt["train_state"].items():
+        setattr(state, key, value)
+    set_rng_state(ckpt["rng"])
+
+
+def rollback(cfg, model, optimizer, state: TrainState, last_ckpt, recent_grad_norms, lr, log) -> Optional[str]:
+    """After max_consecutive_nonfinite skipped updates: reload the last good checkpoint, lower the LR and skip
+    past the offending batches; raise Diverged when that is impossible or max_rollbacks is used up."""
+    diagnosis = (f"step {state.step}: {state.consecutive_nonfinite} non-finite updates in a row at lr {lr:.3g}; "
+                 f"recent grad norms {[round(g, 4) for g in recent_grad_norms]}; "
+                 f"last good checkpoint: {last_ckpt or 'none'}; rollbacks used {state.rollbacks}/{cfg.max_rollbacks}.")
+    if last_ckpt is None or state.rollbacks >= cfg.max_rollbacks:
+        log.event("diverged", state.step, lr=lr, grad_norms=recent_grad_norms, last_good_checkpoint=last_ckpt)
+        raise Diverged(diagnosis + "\nLower base_lr (measure one with `python sanity.py --lr_sweep`), check the data "
+                                   "named in events.jsonl, or raise max_rollbacks.")
+    failed_at = state.step + state.data_skip
+    ckpt = read_checkpoint(last_ckpt)
+    rollbacks, lr_scale, skipped = state.rollbacks + 1, state.lr_scale * cfg.rollback_lr_factor, state.nonfinite_skipped
+    restore(ckpt, model, optimizer, state)
+    state.rollbacks, state.lr_scale, state.nonfinite_skipped = rollbacks, lr_scale, skipped
+    state.consecutive_nonfinite = 0
+    state.data_skip = failed_at - state.step  # resume the data after the batches that failed
+    log.event("rollback", state.step, checkpoint=last_ckpt, lr_scale=lr_scale, rollbacks=rollbacks,
+              data_skip=state.data_skip)
+    log.print(f"rollback {rollbacks}/{cfg.max_rollbacks} to {last_ckpt}: lr x{lr_scale:g}, "
+              f"skipping {state.data_skip} updates' worth of data")
+    return last_ckpt
+
+
+def drop_metrics_after(path: str, step: int, log: RunLog) -> None:
+    """On resume, drop metrics lines the interrupted run wrote after the checkpoint (they are logged again)."""
+    if not log.active or not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = f.readlines()
+    keep = [line for line in lines if json.loads(line)["step"] <= step]
+    if len(keep) < len(lines):
+        write_bytes_atomic(path, "".join(keep).encode())
+        log.event("metrics_truncated", step, dropped_lines=len(lines) - len(keep))
+    log.history = [json.loads(line) for line in keep]
+
+
+def summary(history: List[dict], run_dir: str, cfg: Config, state: TrainState) -> str:
+    """The one-screen end-of-run summary."""
+    train = [r for r in history if r["split"] == "train"]
+    val = [r for r in history if r["split"] == "val"]
+    lines = ["", "=" * 72, f"done: {state.step} updates, {state.nonfinite_skipped} non-finite skipped, "
+                           f"{state.rollbacks} rollbacks"]
+    if train:
+        lines.append(f"train loss        {train[0]['loss']:.4f} (update {train[0]['step']}) -> {train[-1]['loss']:.4f} "
+                     f"(update {train[-1]['step']})")
+        lines.append(f"target_std        {train[0]['target_std']:.4f} -> {train[-1]['target_std']:.4f}")
+    if val:
+        lines.append(f"val loss          {val[0]['loss']:.4f} -> {val[-1]['loss']:.4f}, rankme {val[-1]['rankme']:.1f}")
+    lines += [f"metrics           {run_dir}/metrics.jsonl (events: events.jsonl, plot: training.png)",
+              f"checkpoints       {cfg.ckpt_dir if cfg.ckpt_dir else 'off (ckpt_dir null)'}", "=" * 72]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
