@@ -228,7 +228,10 @@ class VJEPA3D(nn.Module):
         """EMA: target <- momentum * target + (1 - momentum) * context encoder. momentum: float or 0-d tensor."""
         target_params = list(self.target_encoder.parameters())
         online_params = list(self.encoder.parameters())
-        torch._foreach_lerp_(target_params, online_params, 1.0 - momentum)
+        weight = 1.0 - momentum
+        if isinstance(weight, torch.Tensor):  # the Scalar overload would read a 0-d tensor on the host every update
+            weight = [weight] * len(target_params)
+        torch._foreach_lerp_(target_params, online_params, weight)
 
     @torch.no_grad()
     def encode(self, volume: torch.Tensor) -> torch.Tensor:

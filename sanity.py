@@ -57,8 +57,9 @@ def fixed_batch(dataset, size: int) -> dict:
 
 def run_updates(model: VJEPA3D, batch: dict, cfg: Config, steps: int, lr: float, ema: float) -> List[train.UpdateResult]:
     """`steps` optimizer updates on one batch through train.train_update, the code train.py runs."""
-    optimizer = torch.optim.AdamW(model.param_groups(cfg.weight_decay), lr=lr, betas=tuple(cfg.adam_betas))
-    return [train.train_update(model, model, optimizer, [batch], lr, cfg.weight_decay, ema, cfg, cpu_runtime())
+    rt = cpu_runtime()
+    optimizer = train.make_optimizer(model, cfg, rt)
+    return [train.train_update(model, model, optimizer, [batch], lr, cfg.weight_decay, ema, cfg, rt)
             for _ in range(steps)]
 
 
@@ -204,17 +205,17 @@ def check_model_outputs(small: Config, batch: dict) -> Check:
 def check_checkpoint_roundtrip(small: Config, batch: dict) -> Check:
     """Save after a few updates, load into a fresh model and optimizer: the next update's loss is identical."""
     model = fresh_model(small)
-    optimizer = torch.optim.AdamW(model.param_groups(small.weight_decay), lr=1e-3)
     rt = cpu_runtime()
+    optimizer = train.make_optimizer(model, small, rt)
     for _ in range(3):
         train.train_update(model, model, optimizer, [batch], 1e-3, small.weight_decay, 0.99, small, rt)
     state = train.TrainState(step=3)
     with tempfile.TemporaryDirectory() as tmp:
         path = train.checkpoint_path(tmp, 3)
-        train.save_checkpoint(path, train.checkpoint_state(model, optimizer, state, small), 1, False)
+        train.save_checkpoint(path, train.checkpoint_state(model, optimizer, state, small, rt), 1, False)
         expected = train.train_update(model, model, optimizer, [batch], 1e-3, small.weight_decay, 0.99, small, rt)
         model2 = VJEPA3D.from_config(small)
-        optimizer2 = torch.optim.AdamW(model2.param_groups(small.weight_decay), lr=1e-3)
+        optimizer2 = train.make_optimizer(model2, small, rt)
         train.restore(train.read_checkpoint(path), model2, optimizer2, train.TrainState())
     got = train.train_update(model2, model2, optimizer2, [batch], 1e-3, small.weight_decay, 0.99, small, rt)
     same = torch.equal(expected.loss, got.loss) and torch.equal(expected.grad_norm, got.grad_norm)
@@ -282,7 +283,7 @@ def lr_sweep(cfg: Config, lrs: List[float], steps: int = 60, out_png: Optional[s
     rows, curves = [], {}
     for lr in lrs:
         model = fresh_model(small)
-        optimizer = torch.optim.AdamW(model.param_groups(small.weight_decay), lr=lr, betas=tuple(small.adam_betas))
+        optimizer = train.make_optimizer(model, small, cpu_runtime())
         losses, norms = [], []
         for step in range(steps):
             r = train.train_update(model, model, optimizer, [batches[step % len(batches)]], lr, small.weight_decay,

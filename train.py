@@ -79,6 +79,7 @@ class Runtime:
     process_index: int
     process_count: int
     local_replicas: int  # replicas fed by this process (XLA SPMD: its devices; DDP: 1)
+    mesh: object = None  # XLA SPMD: 1-D device mesh with the axis 'data'
 
     @property
     def is_master(self) -> bool:
@@ -115,15 +116,19 @@ def _xla_configured() -> bool:
 
 
 def _setup_xla() -> Runtime:
+    """SPMD data parallel: this process drives all of its host's devices; one 1-D 'data' mesh spans every device
+    of every host (one CPU device, CPU_NUM_DEVICES CPU devices, a TPU VM or all hosts of a pod)."""
     try:
-        import torch_xla.core.xla_model as xm
+        import torch_xla
+        import torch_xla.distributed.spmd as xs
         import torch_xla.runtime as xr
     except ImportError as e:
         raise ConfigError(f"device: xla needs torch_xla ({e}); install requirements-xla.txt or use --device cpu.")
-    xr.use_spmd()
+    xr.use_spmd()  # before any XLA tensor exists
     devices = xr.global_runtime_device_count()
-    return Runtime(xm.xla_device(), "xla", devices, xr.process_index(), xr.process_count(),
-                   devices // xr.process_count())
+    mesh = xs.Mesh(np.arange(devices), (devices,), ("data",))
+    return Runtime(torch_xla.device(), "xla", devices, xr.process_index(), xr.process_count(),
+                   xr.addressable_runtime_device_count(), mesh)
 
 
 def reduce_mean(value: torch.Tensor, rt: Runtime) -> torch.Tensor:
@@ -169,6 +174,7 @@ class RunLog:
                           {"event": kind, "step": step, "time": time.time(), **fields})
 
     def print(self, *args) -> None:
+        """One console line on stdout, written above the progress bar."""
         if self.active:
             from tqdm import tqdm
             tqdm.write(" ".join(str(a) for a in args))
@@ -321,10 +327,26 @@ class TrainState:
     best_val_loss: float = math.inf
 
 
-def set_hyperparameters(optimizer: torch.optim.Optimizer, lr: float, wd: float) -> None:
+def make_optimizer(model: VJEPA3D, cfg: Config, rt: Runtime) -> torch.optim.Optimizer:
+    """AdamW over the model's parameter groups, with its state created up front (the NaN guard can then restore
+    the very first update, and XLA compiles the update once). On XLA it is capturable: lr and the step count
+    stay on the device."""
+    xla = rt.kind == "xla"
+    optimizer = torch.optim.AdamW(model.param_groups(cfg.weight_decay), lr=cfg.base_lr, betas=tuple(cfg.adam_betas),
+                                  capturable=xla, foreach=False if xla else None)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device if xla else "cpu"),
+                                  "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+    return optimizer
+
+
+def set_hyperparameters(optimizer: torch.optim.Optimizer, lr) -> None:
+    """The update's LR in every group. Weight decay is applied by guarded_optimizer_step, so the groups' stays 0
+    (a tensor weight_decay inside AdamW reads it on the host once per parameter)."""
     for group in optimizer.param_groups:
         group["lr"] = lr
-        group["weight_decay"] = wd if group["apply_wd"] else 0.0
+        group["weight_decay"] = 0.0
 
 
 def forward_backward(model, ddp_model, micro_batches: list, cfg: Config, rt: Runtime):
@@ -352,30 +374,105 @@ def clip_and_measure(model: VJEPA3D, cfg: Config) -> torch.Tensor:
 
 @dataclass
 class UpdateResult:
+    """One optimizer update's measurements, as device tensors (read by the host only at sync points)."""
     loss: torch.Tensor  # mean over micro-batches and replicas
     target_std: torch.Tensor
     grad_norm: torch.Tensor  # pre-clip total norm of this update
-    applied: bool  # False when the NaN guard skipped the update
+    applied: torch.Tensor  # bool; False when the NaN guard skipped the update
+    stats: torch.Tensor  # [loss, target_std, grad_norm, applied]: what the host reads at a sync point, in one go
 
 
-def train_update(model: VJEPA3D, ddp_model, optimizer, micro_batches: list, lr: float, wd: float, ema: float,
-                 cfg: Config, rt: Runtime) -> UpdateResult:
-    """One optimizer update: accumulate gradients, measure and clip the grad norm, then step the optimizer
-    and the EMA target, unless the loss or the grad norm is non-finite (then nothing changes)."""
-    set_hyperparameters(optimizer, lr, wd)
+@torch.no_grad()
+def guarded_optimizer_step(optimizer: torch.optim.Optimizer, apply: torch.Tensor, lr, wd) -> None:
+    """AdamW's decoupled weight decay (p *= 1 - lr * wd on the decay groups) then optimizer.step(), kept only where
+    `apply` (a 0-d bool tensor) is True: otherwise every weight and every optimizer state tensor keeps its old
+    value exactly. Decided on the device, so XLA needs no host sync. lr, wd: floats or 0-d tensors."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    old_params = [p.clone() for p in params]
+    old_states = [{k: v.clone() for k, v in optimizer.state[p].items()} for p in params]
+    decay = [p for group in optimizer.param_groups if group["apply_wd"] for p in group["params"] if p.grad is not None]
+    if decay:
+        torch._foreach_mul_(decay, 1 - lr * wd)
+    optimizer.step()
+    for p, old in zip(params, old_params):
+        p.copy_(torch.where(apply, p, old))
+    for p, old in zip(params, old_states):
+        for key, value in optimizer.state[p].items():
+            value.copy_(torch.where(apply, value, old[key]))
+
+
+def train_update(model: VJEPA3D, ddp_model, optimizer, micro_batches: list, lr, wd, ema, cfg: Config,
+                 rt: Runtime) -> UpdateResult:
+    """One optimizer update: accumulate gradients, measure and clip the grad norm, step the optimizer and the
+    EMA target. A non-finite loss or grad norm changes nothing (NaN guard). lr, wd, ema: the schedules' floats."""
+    if rt.kind == "xla":
+        # One 1-d device tensor: a Python 0.0/1.0 or a 0-d tensor would be baked into the graph as a constant
+        # and every new value would compile a new graph.
+        lr, wd, ema = torch.tensor([lr, wd, ema], dtype=torch.float32).to(rt.device).unbind()
+    set_hyperparameters(optimizer, lr)
     loss, target_std = forward_backward(model, ddp_model, micro_batches, cfg, rt)
     loss, target_std = reduce_mean(torch.stack([loss, target_std]).float(), rt).unbind()  # same on all ranks
     grad_norm = clip_and_measure(model, cfg)  # before optimizer.step() and zero_grad (incident 1)
-    applied = bool(torch.isfinite(loss) & torch.isfinite(grad_norm))
-    if applied:
-        optimizer.step()
-        model.update_target(ema)
+    finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
+    guarded_optimizer_step(optimizer, finite, lr, wd)
+    model.update_target(torch.where(finite, torch.as_tensor(ema, device=finite.device), 1.0))
     optimizer.zero_grad(set_to_none=True)
-    return UpdateResult(loss, target_std, grad_norm, applied)
+    stats = torch.stack([loss, target_std, grad_norm.float(), finite.float()])  # before the XLA sync (no recompile)
+    return UpdateResult(loss, target_std, grad_norm, finite, stats)
 
 
 def to_device(batch: dict, rt: Runtime) -> dict:
-    return {k: (v.to(rt.device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+    """Tensors of a batch on the device. XLA: each host's local batch becomes its part of the global batch,
+    sharded over the 'data' mesh axis on the batch dimension (SPMD data parallel)."""
+    if rt.kind != "xla":
+        return {k: (v.to(rt.device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+    import torch_xla.core.xla_model as xm
+    import torch_xla.distributed.spmd as xs
+    out = dict(batch)
+    for key, value in batch.items():
+        if isinstance(value, torch.Tensor):
+            spec = xs.ShardingSpec(rt.mesh, ("data",) + (None,) * (value.dim() - 1), minibatch=True)
+            (out[key],) = xm.send_cpu_data_to_device([value], rt.device, spec)
+    return out
+
+
+def fetch_to_host(obj, rt: Runtime):
+    """A nested list/dict of device tensors as new CPU tensors (XLA: one batched transfer for all of them)."""
+    if rt.kind == "xla":
+        import torch_xla.core.xla_model as xm
+        return xm._maybe_convert_to_cpu(obj)
+    return to_cpu(obj)
+
+
+def xla_counters() -> dict:
+    """Cumulative XLA graph compiles and device-to-host transfers (a growing compile count after warm-up means
+    something in the step changes shape or is baked in as a constant)."""
+    import torch_xla.debug.metrics as met
+    compiles, transfers = met.metric_data("CompileTime"), met.metric_data("TransferFromDeviceTime")
+    return {"xla_compiles": compiles[0] if compiles else 0, "xla_transfers": transfers[0] if transfers else 0}
+
+
+def mark_step(rt: Runtime) -> None:
+    """XLA: cut the traced graph here and launch it (a no-op elsewhere)."""
+    if rt.kind == "xla":
+        import torch_xla
+        torch_xla.sync()
+
+
+def note_bad_files(micro_batches: list, bad_files: dict, step: int, total_files: int, cfg: Config, log) -> None:
+    """Log each file the loader had to replace, once; stop with exit 3 when too many are bad."""
+    from data import NoUsableData, format_reason_table
+    for batch in micro_batches:
+        for path, reason, detail in batch["skipped"]:
+            if path not in bad_files:
+                bad_files[path] = reason
+                log.event("unreadable_file", step, path=path, reason=reason, detail=detail)
+    if len(bad_files) > cfg.max_bad_fraction * total_files:
+        counts = {}
+        for reason in bad_files.values():
+            counts[reason] = counts.get(reason, 0) + 1
+        raise NoUsableData(f"{len(bad_files)} of {total_files} files failed during training, more than "
+                           f"max_bad_fraction {cfg.max_bad_fraction}:\n{format_reason_table(counts)}")
 
 
 def micro_batch_groups(loader, accum: int):
@@ -561,15 +658,14 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def train(cfg: Config, rt: Runtime) -> int:
-    from data import NoUsableData, build_datasets, format_reason_table, make_loader
+    from data import build_datasets, make_loader
 
     # --- data, model, optimizer ---
     torch.manual_seed(cfg.seed)
     train_ds, val_ds = build_datasets(cfg)
     plan = plan_run(cfg, rt.world_size, len(train_ds))
     model = VJEPA3D.from_config(cfg).to(rt.device)
-    optimizer = torch.optim.AdamW(model.param_groups(cfg.weight_decay), lr=lr_at(0, cfg, plan),
-                                  betas=tuple(cfg.adam_betas))
+    optimizer = make_optimizer(model, cfg, rt)
     ddp_model = model
     if rt.kind != "xla" and rt.world_size > 1:
         ddp_model = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
@@ -615,12 +711,17 @@ def train(cfg: Config, rt: Runtime) -> int:
         log.print(f"run {run_dir}: {plan.total_steps} updates of {plan.global_batch_size} volumes on "
                   f"{rt.kind} x {rt.world_size}, {model.num_trainable_params():,} parameters")
 
+    mark_step(rt)  # XLA: materialise weights and optimizer state now, so update 1 compiles the graph update 2 reuses
     val_loader = make_loader(val_ds, local_batch, train=False, workers=cfg.workers, rank=rt.process_index,
                              world_size=rt.process_count, seed=cfg.seed) if len(val_ds) else None
     last_ckpt = resume_path
     recent_grad_norms: List[float] = []
     bad_files: dict = {}
     val_metrics: dict = {}
+    pending: List[tuple] = []  # (step, lr, files, UpdateResult) not yet read by the host
+    # The host reads the device only at sync points: every update on CPU/CUDA, every log on XLA (no host sync
+    # inside the XLA step: the NaN guard decides on the device and the host learns of a skip here).
+    sync_every = cfg.log_every_steps if rt.kind == "xla" else 1
     from tqdm import tqdm
     bar = tqdm(total=plan.total_steps, initial=state.step, disable=not (rt.is_master and sys.stderr.isatty()),
                unit="update", dynamic_ncols=True)
@@ -634,24 +735,14 @@ def train(cfg: Config, rt: Runtime) -> int:
                              world_size=rt.process_count, epoch=epoch,
                              start=update_in_epoch * plan.grad_accum_steps * local_batch, seed=cfg.seed)
         groups = micro_batch_groups(loader, plan.grad_accum_steps)
-        for _ in range(plan.steps_per_epoch - update_in_epoch):
+        for _ in range(min(plan.steps_per_epoch - update_in_epoch, plan.total_steps - state.step)):
             t0 = time.perf_counter()
             micro_batches = next(groups, None)
             if micro_batches is None:
                 raise RuntimeError(f"the loader of epoch {epoch} ended before update {state.step}: the sampler "
                                    f"yields fewer batches than plan_run counted")
             data_time += time.perf_counter() - t0
-            for batch in micro_batches:
-                for path, reason, detail in batch["skipped"]:
-                    if path not in bad_files:
-                        bad_files[path] = reason
-                        log.event("unreadable_file", state.step, path=path, reason=reason, detail=detail)
-            if len(bad_files) > cfg.max_bad_fraction * (len(train_ds) + len(val_ds)):
-                counts = {}
-                for reason in bad_files.values():
-                    counts[reason] = counts.get(reason, 0) + 1
-                raise NoUsableData(f"{len(bad_files)} files failed during training, more than max_bad_fraction "
-                                   f"{cfg.max_bad_fraction}:\n{format_reason_table(counts)}")
+            note_bad_files(micro_batches, bad_files, state.step, len(train_ds) + len(val_ds), cfg, log)
 
             # One optimizer update: schedules first, as pure functions of the update count.
             lr = lr_at(state.step, cfg, plan) * state.lr_scale
@@ -659,50 +750,66 @@ def train(cfg: Config, rt: Runtime) -> int:
             ema = ema_at(state.step, cfg, plan)
             update = train_update(model, ddp_model, optimizer, [to_device(b, rt) for b in micro_batches],
                                   lr, wd, ema, cfg, rt)
-            loss, target_std, grad_norm = update.loss, update.target_std, update.grad_norm
-            if update.applied:
-                state.consecutive_nonfinite = 0
-            else:  # NaN guard: weights and optimizer state untouched, the data moves on
-                state.nonfinite_skipped += 1
-                state.consecutive_nonfinite += 1
-                log.event("nonfinite_skipped", state.step, lr=lr, loss=_json_number(loss),
-                          grad_norm=_json_number(grad_norm),
-                          files=[p for b in micro_batches for p in b["path"]])
+            mark_step(rt)
+            pending.append((state.step, lr, [p for b in micro_batches for p in b["path"]], update))
             state.step += 1
             window_updates += 1
             bar.update(1)
-            recent_grad_norms = (recent_grad_norms + [float(grad_norm)])[-10:]
+            is_last = state.step == plan.total_steps
+            is_log = state.step % cfg.log_every_steps == 0 or is_last or state.step == 1
+            is_val = val_loader is not None and (state.step % cfg.val_every_steps == 0 or is_last)
+            is_ckpt = cfg.ckpt_dir is not None and (state.step % cfg.ckpt_every_steps == 0 or is_last)
+            if not (is_log or is_val or is_ckpt or state.step % sync_every == 0):
+                continue
 
+            # --- sync point: the host reads what the device did ---
+            host_stats = fetch_to_host([result.stats for _, _, _, result in pending], rt)
+            for (step, step_lr, files, _), stats in zip(pending, host_stats):
+                loss, target_std, grad_norm, applied = stats.tolist()
+                recent_grad_norms = (recent_grad_norms + [grad_norm])[-10:]
+                if applied:
+                    state.consecutive_nonfinite = 0
+                else:  # the NaN guard left weights and optimizer state untouched; the data moved on
+                    state.nonfinite_skipped += 1
+                    state.consecutive_nonfinite += 1
+                    log.event("nonfinite_skipped", step, lr=step_lr, loss=_json_number(loss),
+                              grad_norm=_json_number(grad_norm), files=files)
+            pending = []
             if state.consecutive_nonfinite >= cfg.max_consecutive_nonfinite:
-                last_ckpt = rollback(cfg, model, optimizer, state, last_ckpt, recent_grad_norms, lr, log)
+                last_ckpt = rollback(cfg, model, optimizer, state, last_ckpt, recent_grad_norms, lr, log, rt)
+                bar.reset(total=plan.total_steps)
+                bar.update(state.step)
                 break  # restart the data loader at the new position
 
-            if state.step % cfg.log_every_steps == 0 or state.step == plan.total_steps or state.step == 1:
+            if is_log:
                 elapsed = time.perf_counter() - window_start
                 record = {"split": "train", "step": state.step, "epoch": position // plan.steps_per_epoch,
-                          "loss": loss, "lr": lr, "wd": wd, "ema_momentum": ema, "grad_norm": grad_norm,
-                          "target_std": target_std, "nonfinite_skipped": state.nonfinite_skipped,
+                          "loss": loss, "lr": lr, "wd": wd, "ema_momentum": ema,
+                          "grad_norm": grad_norm, "target_std": target_std,
+                          "nonfinite_skipped": state.nonfinite_skipped,
                           "samples_per_s": window_updates * plan.global_batch_size / elapsed,
                           "step_time_s": elapsed / window_updates, "data_time_s": data_time / window_updates}
-                record = {k: _json_number(v) for k, v in record.items()}
+                if rt.kind == "xla":
+                    record.update(xla_counters())
                 log.metrics(record)
                 log.print(format_train_line(record, plan))
+                bar.set_postfix(loss=record["loss"], lr=f"{lr:.2e}")
                 window_start, data_time, window_updates = time.perf_counter(), 0.0, 0
 
-            is_last = state.step == plan.total_steps
-            if val_loader is not None and (state.step % cfg.val_every_steps == 0 or is_last):
+            if is_val:
                 val_metrics = validate(model, val_loader, cfg, rt)
                 if val_metrics:
                     log.metrics({"split": "val", "step": state.step, **val_metrics})
                     log.print(f"val   step {state.step:>6d} | loss {val_metrics['loss']:.4f} | target_std "
                               f"{val_metrics['target_std']:.4f} | rankme {val_metrics['rankme']:.1f}")
-            if cfg.ckpt_dir is not None and (state.step % cfg.ckpt_every_steps == 0 or is_last):
+            if is_ckpt:
                 best = bool(val_metrics) and val_metrics["loss"] < state.best_val_loss
                 if best:
                     state.best_val_loss = val_metrics["loss"]
                 last_ckpt = checkpoint_path(cfg.ckpt_dir, state.step)
+                ckpt = checkpoint_state(model, optimizer, state, cfg, rt)  # every process: XLA gathers shards
                 if rt.is_master:
-                    save_checkpoint(last_ckpt, checkpoint_state(model, optimizer, state, cfg), cfg.keep_last, best)
+                    save_checkpoint(last_ckpt, ckpt, cfg.keep_last, best)
                     log.event("checkpoint", state.step, path=last_ckpt, best=best)
                 if rt.world_size > 1 and rt.kind != "xla":
                     torch.distributed.barrier()  # no rank may roll back to a file that is not written yet
@@ -716,27 +823,38 @@ def train(cfg: Config, rt: Runtime) -> int:
 
 
 def format_train_line(record: dict, plan: RunPlan) -> str:
-    return (f"train step {record['step']:>6d}/{plan.total_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
-            f"grad_norm {record['grad_norm'] if record['grad_norm'] is None else format(record['grad_norm'], '.3f')} | "
-            f"target_std {record['target_std']:.3f} | {record['samples_per_s']:.1f} samples/s")
+    """The console line of one train metrics record (a non-finite value reads 'nan', not a crash)."""
+    def fmt(key, spec):
+        return "nan" if record[key] is None else format(record[key], spec)
+    return (f"train step {record['step']:>6d}/{plan.total_steps} | loss {fmt('loss', '.4f')} | lr {record['lr']:.2e} | "
+            f"grad_norm {fmt('grad_norm', '.3f')} | target_std {fmt('target_std', '.3f')} | "
+            f"{record['samples_per_s']:.1f} samples/s")
 
 
-def checkpoint_state(model: VJEPA3D, optimizer, state: TrainState, cfg: Config) -> dict:
-    """Everything a resume needs, as CPU tensors and plain types (torch.load(weights_only=True) reads it)."""
-    return {"model": to_cpu(model.state_dict()), "optimizer": to_cpu(optimizer.state_dict()),
-            "train_state": dict(vars(state)), "rng": rng_state(), "config": config_to_dict(cfg), "version": 1}
+def checkpoint_state(model: VJEPA3D, optimizer, state: TrainState, cfg: Config, rt: Runtime) -> dict:
+    """Everything a resume needs, as CPU tensors and plain types (torch.load(weights_only=True) reads it, on a
+    machine with or without torch_xla)."""
+    model_state, optimizer_state = fetch_to_host([model.state_dict(), optimizer.state_dict()], rt)
+    for group in optimizer_state["param_groups"]:
+        group["lr"] = float(group["lr"])  # a device tensor on XLA
+    return {"model": model_state, "optimizer": optimizer_state, "train_state": dict(vars(state)),
+            "rng": rng_state(), "config": config_to_dict(cfg), "version": 1}
 
 
 def restore(ckpt: dict, model: VJEPA3D, optimizer, state: TrainState) -> None:
-    """Load weights, optimizer, schedule position, data position and RNG states from a checkpoint."""
+    """Load weights, optimizer, schedule position, data position and RNG states from a checkpoint (written on any
+    device: the optimizer keeps this device's capturable/foreach flags, which load_state_dict would overwrite)."""
     model.load_state_dict(ckpt["model"])
-    optimizer.load_state_dict(ckpt["optimizer"])
+    optimizer_state = ckpt["optimizer"]
+    for saved, current in zip(optimizer_state["param_groups"], optimizer.param_groups):
+        saved["capturable"], saved["foreach"] = current["capturable"], current["foreach"]
+    optimizer.load_state_dict(optimizer_state)
     for key, value in ckpt["train_state"].items():
         setattr(state, key, value)
     set_rng_state(ckpt["rng"])
 
 
-def rollback(cfg, model, optimizer, state: TrainState, last_ckpt, recent_grad_norms, lr, log) -> Optional[str]:
+def rollback(cfg, model, optimizer, state: TrainState, last_ckpt, recent_grad_norms, lr, log, rt) -> Optional[str]:
     """After max_consecutive_nonfinite skipped updates: reload the last good checkpoint, lower the LR and skip
     past the offending batches; raise Diverged when that is impossible or max_rollbacks is used up."""
     diagnosis = (f"step {state.step}: {state.consecutive_nonfinite} non-finite updates in a row at lr {lr:.3g}; "
@@ -747,7 +865,7 @@ def rollback(cfg, model, optimizer, state: TrainState, last_ckpt, recent_grad_no
         raise Diverged(diagnosis + "\nLower base_lr (measure one with `python sanity.py --lr_sweep`), check the data "
                                    "named in events.jsonl, or raise max_rollbacks.")
     failed_at = state.step + state.data_skip
-    ckpt = read_checkpoint(last_ckpt)
+    ckpt = read_checkpoint(last_ckpt)  # load_state_dict moves the tensors to the model's device
     rollbacks, lr_scale, skipped = state.rollbacks + 1, state.lr_scale * cfg.rollback_lr_factor, state.nonfinite_skipped
     restore(ckpt, model, optimizer, state)
     state.rollbacks, state.lr_scale, state.nonfinite_skipped = rollbacks, lr_scale, skipped

@@ -1,0 +1,530 @@
+"""Synthetic OCT volumes written as real DICOM files in each maker's style, for the demo and the tests.
+
+    python phantom.py [DIR] [--n N] [--size D,H,W] [--seed S]      # default: data/phantoms, 48 volumes
+
+A phantom looks like a macular OCT cube: curved retinal layers of different reflectivity with a foveal pit,
+speckle, shadows under superficial vessels and, for some volumes, subtle pathology (drusen-like RPE bumps or
+fluid pockets at random places) whose label is written to DIR/labels.csv (path,label: none/drusen/fluid).
+Each volume is an Ophthalmic Tomography Image Storage object in the style of one device:
+
+| style           | maker, model                        | encoding                      | spacing tags          |
+|-----------------|-------------------------------------|-------------------------------|-----------------------|
+| heidelberg      | Heidelberg Engineering Spectralis   | uncompressed 16-bit           | shared groups         |
+| topcon_triton   | Topcon DRI OCT Triton               | JPEG 2000 lossless, 8-bit     | shared groups         |
+| zeiss_cirrus    | Carl Zeiss Meditec Cirrus HD-OCT    | JPEG 2000 lossless, 8-bit     | per-frame groups      |
+| topcon_maestro2 | Topcon Maestro2                     | JPEG 2000 lossy, 8-bit        | shared groups         |
+| optovue_series  | Optovue RTVue XR Avanti             | one file per B-scan, 8-bit    | top-level tags        |
+
+Zeiss frames are stored in reverse stack order (InStackPositionNumber says where each goes) and the series
+files are named in shuffled order, so a reader must order B-scans by their tags, not by file position.
+Spacing tags are scaled to the volume size so that the field of view stays that of the real device.
+`write_decoys` and `write_broken_corpus` write the other objects that share real folders and the broken
+files a reader must report (incident 11).
+"""
+import argparse
+import csv
+import io
+import json
+import os
+import shutil
+import sys
+import zlib
+from dataclasses import dataclass
+from typing import Dict, Optional, Sequence, Tuple
+
+import numpy as np
+import pydicom
+from pydicom.dataset import Dataset, FileMetaDataset
+from pydicom.encaps import encapsulate, generate_frames
+from pydicom.sequence import Sequence as DicomSequence
+from pydicom.uid import (JPEG2000, ExplicitVRBigEndian, ExplicitVRLittleEndian, ImplicitVRLittleEndian,
+                         JPEG2000Lossless, JPEGBaseline8Bit, RLELossless, UID, generate_uid)
+
+OPT_SOP = "1.2.840.10008.5.1.4.1.1.77.1.5.4"  # Ophthalmic Tomography Image Storage
+PHANTOM_VERSION = 1  # bump when the look or the files change: ensure_phantoms then rewrites old sets
+DEFAULT_SIZE = (32, 128, 128)  # [D, H, W]: small so that the demo and CI stay fast
+LABELS = ("none", "drusen", "fluid")
+# B-scan rows run along x, columns go down in depth (-z); B-scans are stacked along y = row x column.
+ORIENTATION = [1, 0, 0, 0, 0, -1]
+
+
+@dataclass(frozen=True)
+class Style:
+    manufacturer: str
+    model: str
+    transfer_syntax: UID
+    bits: int
+    fov_mm: Tuple[float, float, float]  # (z: B-scan span, y: scan depth, x: B-scan width)
+    spacing_tags: str  # where PixelSpacing/SliceThickness go: shared | per_frame | top_level
+    series: bool = False  # one file per B-scan instead of one multi-frame file
+    reverse_frames: bool = False  # frames stored last-to-first; InStackPositionNumber gives the order
+
+
+STYLES: Dict[str, Style] = {
+    "heidelberg": Style("Heidelberg Engineering", "Spectralis", ExplicitVRLittleEndian, 16, (5.8, 1.92, 5.8),
+                        "shared"),
+    "topcon_triton": Style("Topcon", "DRI OCT Triton", JPEG2000Lossless, 8, (7.0, 2.6, 7.0), "shared"),
+    "zeiss_cirrus": Style("Carl Zeiss Meditec", "Cirrus HD-OCT 5000", JPEG2000Lossless, 8, (6.0, 2.0, 6.0),
+                          "per_frame", reverse_frames=True),
+    "topcon_maestro2": Style("Topcon", "Maestro2", JPEG2000, 8, (6.0, 2.3, 6.0), "shared"),
+    "optovue_series": Style("Optovue", "RTVue XR Avanti", ExplicitVRLittleEndian, 8, (6.0, 2.0, 6.0),
+                            "top_level", series=True),
+}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Synthetic retina
+# ----------------------------------------------------------------------------------------------------------
+
+# Layers from the vitreous down: (name, thickness as a share of the scan depth, reflectivity).
+LAYERS = (("vitreous", 0.0, 0.02), ("rnfl", 0.030, 0.80), ("gcl_ipl", 0.060, 0.45), ("inl", 0.035, 0.15),
+          ("opl", 0.025, 0.50), ("onl", 0.070, 0.12), ("is_os", 0.012, 0.75), ("os", 0.020, 0.30),
+          ("rpe", 0.016, 1.00), ("drusen", 0.0, 0.35), ("choroid", 0.120, 0.45), ("sclera", 1.0, 0.15))
+FOVEA_THINNED = ("rnfl", "gcl_ipl", "inl", "opl")  # the inner retina that the foveal pit pushes aside
+
+
+def synth_reflectivity(shape: Sequence[int], rng: np.random.Generator, label: str = "none") -> np.ndarray:
+    """Display intensity in [0, 1], float32 [D, H, W] (B-scans, depth, lateral), of a macular OCT cube."""
+    D, H, W = shape
+    z = np.linspace(-1, 1, D, dtype=np.float32)[:, None]  # [D,1]
+    x = np.linspace(-1, 1, W, dtype=np.float32)[None, :]  # [1,W]
+    fovea = rng.uniform(-0.15, 0.15, 2)
+    r2 = (z - fovea[0]) ** 2 + (x - fovea[1]) ** 2  # [D,W]
+    pit = np.exp(-r2 / 0.03)  # [D,W] 1 at the fovea
+    thickness = []
+    for name, share, _ in LAYERS[1:-1]:
+        t = np.full((D, W), share, np.float32)
+        if name in FOVEA_THINNED:
+            t = t * (1.0 - 0.9 * pit)  # the fovea has almost no inner retina...
+        if name == "onl":
+            t = t + 0.02 * pit  # ...and a thicker outer nuclear layer
+        thickness.append(t)
+    thickness = np.stack(thickness)  # [K,D,W]
+    inner = thickness[:len(FOVEA_THINNED) + 1].sum(0)  # [D,W] rnfl..onl
+    dip = inner.max() - inner  # the surface dips at the fovea while the RPE below stays smooth
+    top = 0.2 + 0.06 * (z ** 2 + x ** 2) + rng.uniform(-0.03, 0.03) + dip  # [D,W] retina surface
+    k = {name: i for i, (name, _, _) in enumerate(LAYERS[1:-1])}  # thickness[k[n]]; lower boundary bounds[k[n] + 1]
+    if label == "drusen":  # RPE lifted by small bumps; the space below it holds drusen material
+        bumps = np.zeros((D, W), np.float32)
+        for _ in range(rng.integers(2, 5)):
+            cz, cx, size = rng.uniform(-0.7, 0.7), rng.uniform(-0.7, 0.7), rng.uniform(0.01, 0.03)
+            bumps += rng.uniform(0.015, 0.03) * np.exp(-((z - cz) ** 2 + (x - cx) ** 2) / size)
+        thickness[k["drusen"]] += bumps
+        thickness[k["onl"]] = np.maximum(thickness[k["onl"]] - bumps, 0.01)  # the ONL above gives way
+    bounds = top[None] + np.cumsum(thickness, axis=0)  # [K,D,W] lower boundary of each layer but the last
+    bounds = np.concatenate([top[None], bounds])
+    y = np.linspace(0, 1, H, dtype=np.float32)[None, :, None]  # [1,H,1]
+    layer = np.zeros((D, H, W), np.int8)
+    for b in bounds:
+        layer += y >= b[:, None, :]
+    refl = np.array([r for _, _, r in LAYERS], np.float32)[layer]  # [D,H,W]
+    refl *= 1.0 + 0.15 * np.sin(40 * y + 6 * z[:, :, None])  # choroidal / layer texture
+
+    if label == "fluid":  # dark, roughly ellipsoidal pockets in the outer retina
+        for _ in range(rng.integers(1, 3)):
+            c = np.array([rng.uniform(-0.6, 0.6), rng.uniform(-0.6, 0.6)])
+            iz, ix = int((c[0] + 1) / 2 * (D - 1)), int((c[1] + 1) / 2 * (W - 1))
+            depth = bounds[k["opl"] + 1, iz, ix] + rng.uniform(0.0, 0.03)  # below the OPL, in the ONL
+            rz, rx, ry = rng.uniform(0.06, 0.15), rng.uniform(0.06, 0.15), rng.uniform(0.012, 0.025)
+            inside = ((z[:, :, None] - c[0]) / rz) ** 2 + ((x[:, None, :] - c[1]) / rx) ** 2 \
+                + ((y - depth) / ry) ** 2  # [D,H,W]
+            refl = np.where(inside < 1.0, refl * 0.15, refl)
+
+    # Superficial vessels shadow everything below the nerve fibre layer.
+    shadow = np.zeros((D, W), np.float32)
+    for _ in range(rng.integers(3, 6)):
+        angle, offset = rng.uniform(-0.5, 0.5) + rng.choice([0, np.pi]), rng.uniform(-0.8, 0.8)
+        bend = rng.uniform(-0.3, 0.3)
+        dist = np.abs(np.sin(angle) * x - np.cos(angle) * z + offset + bend * x ** 2)
+        shadow = np.maximum(shadow, np.exp(-(dist / 0.02) ** 2))
+    below = y > bounds[k["rnfl"] + 1][:, None, :]  # [D,H,W]
+    refl *= 1.0 - 0.6 * shadow[:, None, :] * below
+    refl *= np.exp(-1.5 * np.clip(y - top[:, None, :], 0, None))  # signal falls off with depth
+
+    speckle = rng.gamma(2.0, 0.5, size=(D, H, W)).astype(np.float32)  # speckle intensity, two looks averaged
+    intensity = refl * speckle + 0.01 * rng.random((D, H, W), np.float32)
+    return (np.log1p(60.0 * intensity) / np.log1p(60.0 * 3.0)).clip(0, 1).astype(np.float32)
+
+
+def quantize(img: np.ndarray, bits: int) -> np.ndarray:
+    """[0, 1] intensities as unsigned integers of `bits` bits (16-bit data use the raw range, incident 5)."""
+    if bits == 8:
+        return np.round(img * 255).astype(np.uint8)
+    return np.round(img * 60000).astype(np.uint16)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# DICOM writing
+# ----------------------------------------------------------------------------------------------------------
+
+def uid_for(*parts) -> str:
+    """A reproducible UID: the same phantom set gets the same UIDs."""
+    return generate_uid(entropy_srcs=["octjepa-phantom", *map(str, parts)])
+
+
+def spacing_for(style: Style, shape: Sequence[int]) -> Tuple[float, float, float]:
+    """(dz, dy, dx) mm that keep the device's field of view at this volume size."""
+    return tuple(round(f / n, 6) for f, n in zip(style.fov_mm, shape))
+
+
+def _item(**tags) -> Dataset:
+    ds = Dataset()
+    for key, value in tags.items():
+        setattr(ds, key, value)
+    return ds
+
+
+def _base_dataset(sop_class: str, sop_uid: str, transfer_syntax: UID, patient_id: str, maker: str,
+                  model: str, series_uid: str) -> Dataset:
+    ds = Dataset()
+    ds.file_meta = FileMetaDataset()
+    ds.file_meta.MediaStorageSOPClassUID = sop_class
+    ds.file_meta.MediaStorageSOPInstanceUID = sop_uid
+    ds.file_meta.TransferSyntaxUID = transfer_syntax
+    ds.SOPClassUID, ds.SOPInstanceUID = sop_class, sop_uid
+    ds.PatientID, ds.PatientName = patient_id, f"Phantom^{patient_id}"
+    ds.StudyInstanceUID, ds.SeriesInstanceUID = uid_for("study", patient_id), series_uid
+    ds.Manufacturer, ds.ManufacturerModelName = maker, model
+    ds.StudyDate, ds.SeriesNumber = "20240101", 1
+    return ds
+
+
+def _set_pixels(ds: Dataset, frames: np.ndarray, transfer_syntax: UID, photometric: str = "MONOCHROME2",
+                obfuscate: bool = False) -> None:
+    """Store frames [F,H,W] (uint8/uint16) as PixelData in `transfer_syntax`."""
+    F, H, W = frames.shape
+    bits = frames.dtype.itemsize * 8
+    ds.Rows, ds.Columns, ds.NumberOfFrames = H, W, F
+    ds.SamplesPerPixel, ds.PhotometricInterpretation = 1, photometric
+    ds.BitsAllocated, ds.BitsStored, ds.HighBit, ds.PixelRepresentation = bits, bits, bits - 1, 0
+    ds.PixelData = frames.tobytes()
+    if transfer_syntax in (JPEG2000Lossless, RLELossless):
+        ds.compress(transfer_syntax, frames)
+    elif transfer_syntax == JPEG2000:
+        ds.compress(transfer_syntax, frames, j2k_psnr=[48])
+    elif transfer_syntax == JPEGBaseline8Bit:
+        from PIL import Image
+        encoded = []
+        for frame in frames:
+            out = io.BytesIO()
+            Image.fromarray(frame).save(out, format="JPEG", quality=95)
+            encoded.append(out.getvalue())
+        ds.PixelData = encapsulate(encoded)
+        ds["PixelData"].VR = "OB"
+        ds.file_meta.TransferSyntaxUID = JPEGBaseline8Bit
+        ds.LossyImageCompression = "01"
+    elif transfer_syntax == ExplicitVRBigEndian:
+        ds.PixelData = frames.astype(frames.dtype.newbyteorder(">")).tobytes()
+    if obfuscate:
+        # Zeiss Cirrus style: the frames are real JPEG 2000 codestreams with scrambled main headers.
+        scrambled = []
+        for frame in generate_frames(ds.PixelData, number_of_frames=F):
+            key = np.random.default_rng(len(frame)).integers(0, 256, 120, dtype=np.uint8)
+            head = np.frombuffer(frame[2:122], np.uint8) ^ key
+            scrambled.append(frame[:2] + head.tobytes() + frame[122:])
+        ds.PixelData = encapsulate(scrambled)
+
+
+def _save(ds: Dataset, path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    big_endian = ds.file_meta.TransferSyntaxUID == ExplicitVRBigEndian
+    ds.save_as(path, enforce_file_format=True, little_endian=not big_endian,
+               implicit_vr=ds.file_meta.TransferSyntaxUID == ImplicitVRLittleEndian)
+
+
+def _pixel_measures(spacing) -> Dataset:
+    dz, dy, dx = spacing
+    return _item(PixelSpacing=[dy, dx], SliceThickness=dz, SpacingBetweenSlices=dz)
+
+
+def write_oct(path: str, voxels: np.ndarray, spacing: Optional[Sequence[float]], style: Style, *,
+              patient_id: str = "PHANTOM-000", uid_seed: str = "0", transfer_syntax: Optional[UID] = None,
+              sop_class: str = OPT_SOP, photometric: str = "MONOCHROME2", rescale: Optional[Tuple[float, float]] = None,
+              obfuscate: bool = False, laterality: str = "R") -> list:
+    """Write voxels [D,H,W] (uint8/uint16, stack order) as OCT DICOM in `style`; returns the paths written.
+
+    A series style writes a folder `path` with one file per B-scan. `rescale` = (slope, intercept) written as
+    RescaleSlope/Intercept (the voxels are the stored values); MONOCHROME1 stores max - voxel, so a reader
+    that honours the tags gets `voxels` back either way.
+    """
+    syntax = transfer_syntax or style.transfer_syntax
+    series_uid = uid_for("series", uid_seed)
+    D = voxels.shape[0]
+    stored = voxels
+    if photometric == "MONOCHROME1":
+        stored = (np.iinfo(voxels.dtype).max - voxels).astype(voxels.dtype)
+
+    def common(ds: Dataset) -> None:
+        ds.Modality, ds.ImageLaterality, ds.Laterality = "OPT", laterality, laterality
+        ds.ImageType = ["ORIGINAL", "PRIMARY"]
+        if rescale is not None:
+            ds.RescaleSlope, ds.RescaleIntercept = rescale
+
+    if style.series:
+        order = np.random.default_rng(zlib.crc32(uid_seed.encode())).permutation(D)  # file names say nothing
+        paths = []
+        for k in range(D):
+            ds = _base_dataset(sop_class, uid_for("sop", uid_seed, k), syntax, patient_id, style.manufacturer,
+                               style.model, series_uid)
+            common(ds)
+            ds.InstanceNumber = k + 1
+            if spacing is not None:
+                dz, dy, dx = spacing
+                ds.PixelSpacing, ds.SliceThickness = [dy, dx], dz
+                ds.ImagePositionPatient = [0.0, round(k * dz, 6), 0.0]
+                ds.ImageOrientationPatient = ORIENTATION
+            _set_pixels(ds, stored[k:k + 1], syntax, photometric, obfuscate)
+            paths.append(os.path.join(path, f"bscan_{order[k]:03d}.dcm"))
+            _save(ds, paths[-1])
+        return paths
+
+    ds = _base_dataset(sop_class, uid_for("sop", uid_seed), syntax, patient_id, style.manufacturer, style.model,
+                       series_uid)
+    common(ds)
+    ds.InstanceNumber = 1
+    stack = list(range(D))[::-1] if style.reverse_frames else list(range(D))  # stack position of each frame
+    shared = _item(PlaneOrientationSequence=DicomSequence([_item(ImageOrientationPatient=ORIENTATION)]))
+    if spacing is not None and style.spacing_tags == "shared":
+        shared.PixelMeasuresSequence = DicomSequence([_pixel_measures(spacing)])
+    if spacing is not None and style.spacing_tags == "top_level":
+        ds.PixelSpacing, ds.SliceThickness = [spacing[1], spacing[2]], spacing[0]
+    ds.SharedFunctionalGroupsSequence = DicomSequence([shared])
+    per_frame = []
+    for k in stack:
+        item = _item(FrameContentSequence=DicomSequence([_item(InStackPositionNumber=k + 1, StackID="1",
+                                                               DimensionIndexValues=[1, k + 1])]))
+        if spacing is not None:
+            position = [0.0, round(k * spacing[0], 6), 0.0]
+            item.PlanePositionSequence = DicomSequence([_item(ImagePositionPatient=position)])
+            if style.spacing_tags == "per_frame":
+                item.PixelMeasuresSequence = DicomSequence([_pixel_measures(spacing)])
+        per_frame.append(item)
+    ds.PerFrameFunctionalGroupsSequence = DicomSequence(per_frame)
+    ds.DimensionOrganizationSequence = DicomSequence([_item(DimensionOrganizationUID=uid_for("dim", uid_seed))])
+    _set_pixels(ds, stored[stack], syntax, photometric, obfuscate)
+    _save(ds, path)
+    return [path]
+
+
+def write_phantom(path: str, style_name: str, shape: Sequence[int] = DEFAULT_SIZE, seed: int = 0,
+                  label: str = "none", bits: Optional[int] = None, patient_id: str = "PHANTOM-000",
+                  **write_kwargs) -> Tuple[np.ndarray, Tuple[float, float, float], list]:
+    """One phantom volume in a maker's style: (voxels [D,H,W] as written, spacing (dz,dy,dx), paths)."""
+    style = STYLES[style_name]
+    rng = np.random.default_rng([seed, LABELS.index(label)])
+    voxels = quantize(synth_reflectivity(shape, rng, label), bits or style.bits)
+    spacing = spacing_for(style, shape)
+    paths = write_oct(path, voxels, spacing, style, patient_id=patient_id, uid_seed=f"{style_name}-{seed}",
+                      laterality="R" if seed % 2 == 0 else "L", **write_kwargs)
+    return voxels, spacing, paths
+
+
+MARKER = ".phantom_set.json"  # written last: a folder without it is not a complete phantom set
+
+
+def phantom_set_complete(directory: str, n: int, shape: Sequence[int] = DEFAULT_SIZE, seed: int = 0) -> bool:
+    """True when `directory` holds the complete phantom set of these parameters."""
+    try:
+        with open(os.path.join(directory, MARKER)) as f:
+            return json.load(f) == _set_spec(n, shape, seed)
+    except (OSError, ValueError):
+        return False
+
+
+def _set_spec(n: int, shape: Sequence[int], seed: int) -> dict:
+    return {"version": PHANTOM_VERSION, "n": n, "shape": list(shape), "seed": seed}
+
+
+def write_phantom_set(directory: str, n: int, shape: Sequence[int] = DEFAULT_SIZE, seed: int = 0) -> str:
+    """Write n phantoms (makers in turn, three volumes per patient, random labels) and DIR/labels.csv.
+
+    Nothing is written when `directory` already holds this set. Otherwise the set is written to a sibling
+    temp folder that replaces `directory` only when complete, so a killed writer never leaves a half set
+    behind; an existing folder is replaced only if it is a phantom set of other parameters.
+    """
+    directory = os.path.abspath(directory)
+    if phantom_set_complete(directory, n, shape, seed):
+        return directory
+    if os.path.isdir(directory) and os.listdir(directory) and not os.path.exists(os.path.join(directory, MARKER)):
+        raise FileExistsError(f"{directory} exists and is not a phantom set; choose an empty or new folder")
+    tmp = f"{directory}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    rows = []
+    names = list(STYLES)
+    for i in range(n):
+        style_name = names[i % len(names)]
+        label = LABELS[np.random.default_rng([seed, i, 7]).choice(3, p=[0.4, 0.3, 0.3])]
+        name = f"{i:04d}_{style_name}" + ("" if STYLES[style_name].series else ".dcm")
+        write_phantom(os.path.join(tmp, name), style_name, shape, seed=seed * 100003 + i, label=label,
+                      patient_id=f"PHANTOM-{seed:02d}-{i // 3:03d}")
+        rows.append((name, label))
+    with open(os.path.join(tmp, "labels.csv"), "w", newline="") as f:
+        csv.writer(f).writerows([("path", "label"), *rows])
+    with open(os.path.join(tmp, MARKER), "w") as f:
+        json.dump(_set_spec(n, shape, seed), f)
+    if phantom_set_complete(directory, n, shape, seed):  # another process finished first
+        shutil.rmtree(tmp)
+        return directory
+    if os.path.isdir(directory):
+        shutil.rmtree(directory)  # an older phantom set (it has the marker, checked above)
+    try:
+        os.replace(tmp, directory)
+    except OSError:  # another process renamed its complete set into place just now
+        shutil.rmtree(tmp)
+        if not phantom_set_complete(directory, n, shape, seed):
+            raise
+    return directory
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Decoys and broken files (what real folders also hold; incident 11)
+# ----------------------------------------------------------------------------------------------------------
+
+SOP_CLASSES = {
+    "en_face": "1.2.840.10008.5.1.4.1.1.77.1.5.1",  # Ophthalmic Photography 8 Bit
+    "bscan_analysis": "1.2.840.10008.5.1.4.1.1.77.1.5.8",  # OCT B-scan Volume Analysis
+    "secondary_capture": "1.2.840.10008.5.1.4.1.1.7.2",  # Multi-frame Grayscale Byte Secondary Capture
+    "basic_text_sr": "1.2.840.10008.5.1.4.1.1.88.11",
+}
+
+
+def write_decoys(directory: str, shape: Sequence[int] = DEFAULT_SIZE) -> Dict[str, Dict[str, Optional[str]]]:
+    """Non-OCT objects that share OCT folders; returns {file name: {'oct': reason, 'any': reason or None}}."""
+    style = STYLES["heidelberg"]
+    rng = np.random.default_rng(11)
+    volume = quantize(synth_reflectivity(shape, rng), 8)
+    spacing = spacing_for(style, shape)
+    expected = {}
+
+    photo = _base_dataset(SOP_CLASSES["en_face"], uid_for("decoy", "en_face"), ExplicitVRLittleEndian,
+                          "DECOY-1", style.manufacturer, style.model, uid_for("decoy-series", "en_face"))
+    _set_pixels(photo, volume.mean(axis=1, keepdims=True).astype(np.uint8).transpose(1, 0, 2),
+                ExplicitVRLittleEndian)  # en-face projection [1, D, W]
+    del photo.NumberOfFrames
+    _save(photo, os.path.join(directory, "en_face.dcm"))
+    expected["en_face.dcm"] = {"oct": "not_oct", "any": "too_small"}
+
+    fundus = _base_dataset("1.2.840.10008.5.1.4.1.1.77.1.5.1", uid_for("decoy", "fundus"), ExplicitVRLittleEndian,
+                           "DECOY-1", "Topcon", "Maestro2", uid_for("decoy-series", "fundus"))
+    rgb = np.repeat(volume[:1, :, :, None], 3, axis=-1)[0]  # [H,W,3]
+    fundus.Rows, fundus.Columns, fundus.SamplesPerPixel = rgb.shape[0], rgb.shape[1], 3
+    fundus.PhotometricInterpretation, fundus.PlanarConfiguration = "RGB", 0
+    fundus.BitsAllocated, fundus.BitsStored, fundus.HighBit, fundus.PixelRepresentation = 8, 8, 7, 0
+    fundus.PixelData = rgb.tobytes()
+    _save(fundus, os.path.join(directory, "fundus_rgb.dcm"))
+    expected["fundus_rgb.dcm"] = {"oct": "not_oct", "any": "not_grayscale"}
+
+    analysis = _base_dataset(SOP_CLASSES["bscan_analysis"], uid_for("decoy", "analysis"), ExplicitVRLittleEndian,
+                             "DECOY-1", style.manufacturer, style.model, uid_for("decoy-series", "analysis"))
+    analysis.Modality = "OPT"
+    _save(analysis, os.path.join(directory, "bscan_analysis.dcm"))
+    expected["bscan_analysis.dcm"] = {"oct": "not_oct", "any": "not_image"}
+
+    report = _base_dataset(SOP_CLASSES["basic_text_sr"], uid_for("decoy", "report"), ExplicitVRLittleEndian,
+                           "DECOY-1", style.manufacturer, style.model, uid_for("decoy-series", "report"))
+    report.Modality, report.ValueType = "SR", "CONTAINER"
+    _save(report, os.path.join(directory, "report_sr.dcm"))
+    expected["report_sr.dcm"] = {"oct": "not_oct", "any": "not_image"}
+
+    # OCT exported as multi-frame secondary capture: only `sop_classes: any` accepts it.
+    write_oct(os.path.join(directory, "oct_as_secondary_capture.dcm"), volume, spacing, style,
+              patient_id="DECOY-2", uid_seed="decoy-sc", sop_class=SOP_CLASSES["secondary_capture"])
+    expected["oct_as_secondary_capture.dcm"] = {"oct": "not_oct", "any": None}
+    return expected
+
+
+def write_broken_corpus(directory: str, shape: Sequence[int] = (8, 64, 64)) -> Dict[str, str]:
+    """Broken files a reader must report, not crash on; returns {file name: expected reason}.
+
+    The garbled-spacing file is readable (reason None here): its spacing is None and only
+    `missing_spacing: skip` turns it into `bad_spacing`.
+    """
+    os.makedirs(directory, exist_ok=True)
+    rng = np.random.default_rng(5)
+    voxels = quantize(synth_reflectivity(shape, rng), 8)
+    heid, zeiss = STYLES["heidelberg"], STYLES["zeiss_cirrus"]
+    spacing = spacing_for(heid, shape)
+    expected = {}
+
+    def good(name: str, style: Style, **kwargs) -> bytes:
+        path = os.path.join(directory, name)
+        write_oct(path, voxels, spacing, style, uid_seed=name, **kwargs)
+        with open(path, "rb") as f:
+            return f.read()
+
+    def raw(name: str, payload: bytes, reason: str) -> None:
+        with open(os.path.join(directory, name), "wb") as f:
+            f.write(payload)
+        expected[name] = reason
+
+    native = good("_native.dcm", heid)
+    j2k = good("_j2k.dcm", zeiss)
+    os.remove(os.path.join(directory, "_native.dcm"))
+    os.remove(os.path.join(directory, "_j2k.dcm"))
+    meta_end = 132 + 12 + int.from_bytes(native[140:144], "little")  # preamble, DICM, group length element
+    pixel_start = native.rindex(b"\xe0\x7f\x10\x00")
+    for name, data in (("native", native), ("j2k", j2k)):
+        for cut in (meta_end - 20, meta_end + 40, len(data) // 2, len(data) - 7):
+            raw(f"truncated_{name}_at_{cut}.dcm", data[:cut], "truncated")
+    raw("truncated_native_in_pixel_header.dcm", native[:pixel_start + 6], "truncated")
+    raw("empty.dcm", b"", "empty_file")
+    raw("notes.dcm", b"Patient notes, not an image\n" * 20, "not_dicom")
+    raw("meta_only.dcm", native[:meta_end], "empty_dataset")
+
+    ds = pydicom.dcmread(io.BytesIO(native))
+    del ds.PixelData
+    _save(ds, os.path.join(directory, "no_pixel_data.dcm"))
+    expected["no_pixel_data.dcm"] = "no_pixel_data"
+
+    ds = pydicom.dcmread(io.BytesIO(native))
+    ds.NumberOfFrames = shape[0] + 3
+    _save(ds, os.path.join(directory, "frame_count_mismatch.dcm"))
+    expected["frame_count_mismatch.dcm"] = "frame_count_mismatch"
+
+    good("wrong_sop_class.dcm", heid, sop_class=SOP_CLASSES["en_face"])
+    expected["wrong_sop_class.dcm"] = "not_oct"
+
+    good("zeiss_obfuscated.dcm", zeiss, obfuscate=True)
+    expected["zeiss_obfuscated.dcm"] = "undecodable"
+
+    write_oct(os.path.join(directory, "tiny.dcm"), voxels[:2, :8, :8], spacing, heid, uid_seed="tiny")
+    expected["tiny.dcm"] = "too_small"
+
+    ds = pydicom.dcmread(io.BytesIO(native))
+    ds.SharedFunctionalGroupsSequence[0].PixelMeasuresSequence[0].PixelSpacing = ["0", "-0.0117"]
+    for item in ds.PerFrameFunctionalGroupsSequence:
+        del item.PlanePositionSequence
+    _save(ds, os.path.join(directory, "garbled_spacing.dcm"))
+    expected["garbled_spacing.dcm"] = None
+    return expected
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CLI
+# ----------------------------------------------------------------------------------------------------------
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("dir", nargs="?", default="data/phantoms", help="output folder (default data/phantoms)")
+    parser.add_argument("--n", type=int, default=48, help="number of volumes")
+    parser.add_argument("--size", default=",".join(map(str, DEFAULT_SIZE)), help="D,H,W voxels (default 32,128,128)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    try:
+        shape = [int(s) for s in args.size.split(",")]
+    except ValueError:
+        shape = []
+    if len(shape) != 3 or min(shape) < 8 or args.n < 1:
+        parser.error(f"--size needs three sizes >= 8 like 32,128,128 (got {args.size!r}) and --n >= 1")
+    try:
+        write_phantom_set(args.dir, args.n, shape, args.seed)
+    except FileExistsError as e:
+        parser.error(str(e))
+    print(f"wrote {args.n} phantom volumes of {shape[0]}x{shape[1]}x{shape[2]} to {args.dir} "
+          f"(labels in {os.path.join(args.dir, 'labels.csv')})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""Shared fixtures: a phantom DICOM set written once per session, and a real local GCS emulator."""
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # `pytest` run from anywhere imports the repo's flat modules
+
+
+@pytest.fixture(scope="session")
+def phantom_dir(tmp_path_factory) -> str:
+    """Ten phantom volumes, two per maker style (see phantom.STYLES), with labels.csv; written once."""
+    from phantom import write_phantom_set
+    return write_phantom_set(str(tmp_path_factory.mktemp("phantoms") / "set"), n=10)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class GCSEmulator:
+    """A gcp-storage-emulator process on 127.0.0.1; STORAGE_EMULATOR_HOST points gcsfs (and data.py) at it."""
+    bucket = "octjepa-test"
+
+    def __init__(self, tmp_dir: Path):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(tmp_dir / "emulator.log", "w")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1", "--port", str(self.port),
+             "--in-memory", "--default-bucket", self.bucket, "--quiet"], stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                break
+            except OSError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"gcp-storage-emulator did not start; see {self.log.name}")
+                time.sleep(0.1)
+
+    def upload(self, local_dir: str, prefix: str) -> str:
+        """Copy a local folder (recursively) to gs://bucket/prefix; returns that URL."""
+        from data import gcs_filesystem
+        url = f"gs://{self.bucket}/{prefix}"
+        fs = gcs_filesystem()
+        for root, _, files in os.walk(local_dir):
+            for name in files:
+                path = os.path.join(root, name)
+                fs.put_file(path, f"{url}/{os.path.relpath(path, local_dir)}")
+        return url
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=30)
+        self.log.close()
+
+
+@pytest.fixture(scope="session")
+def gcs_emulator(tmp_path_factory):
+    """A running emulator for the session, with STORAGE_EMULATOR_HOST set while it runs."""
+    emulator = GCSEmulator(tmp_path_factory.mktemp("gcs"))
+    previous = os.environ.get("STORAGE_EMULATOR_HOST")
+    os.environ["STORAGE_EMULATOR_HOST"] = emulator.url
+    yield emulator
+    emulator.stop()
+    if previous is None:
+        os.environ.pop("STORAGE_EMULATOR_HOST", None)
+    else:
+        os.environ["STORAGE_EMULATOR_HOST"] = previous

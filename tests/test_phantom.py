@@ -1,0 +1,103 @@
+"""phantom.py: synthetic OCT that looks like OCT, written as real DICOM in each maker's style, once and atomically."""
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pydicom
+import pytest
+
+from phantom import (LABELS, MARKER, OPT_SOP, STYLES, phantom_set_complete, synth_reflectivity, write_phantom,
+                     write_phantom_set)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_phantom_set_holds_every_maker_style_as_real_oct_dicom(phantom_dir):
+    seen = set()
+    for path in sorted(Path(phantom_dir).rglob("*.dcm")):
+        ds = pydicom.dcmread(path)
+        assert ds.SOPClassUID == OPT_SOP and ds.Modality == "OPT"
+        seen.add((ds.Manufacturer, ds.ManufacturerModelName, ds.file_meta.TransferSyntaxUID))
+    assert seen == {(s.manufacturer, s.model, s.transfer_syntax) for s in STYLES.values()}
+
+
+def test_phantom_set_labels_cover_patients_with_several_volumes(phantom_dir):
+    with open(os.path.join(phantom_dir, "labels.csv")) as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 10 and {r["label"] for r in rows} <= set(LABELS)
+    assert len({r["label"] for r in rows}) >= 2
+    assert all(os.path.exists(os.path.join(phantom_dir, r["path"])) for r in rows)
+    first_files = [min(Path(phantom_dir, r["path"]).rglob("*.dcm")) if r["path"].endswith("series")
+                   else Path(phantom_dir, r["path"]) for r in rows]  # a series folder: any of its files
+    patients = [pydicom.dcmread(f, stop_before_pixels=True).PatientID for f in first_files]
+    assert max(patients.count(p) for p in patients) >= 3
+
+
+def test_retina_has_bright_layers_below_a_dark_vitreous():
+    img = synth_reflectivity((8, 128, 128), np.random.default_rng(0))
+    profile = img.mean(axis=(0, 2))  # mean intensity by depth
+    assert profile[:15].mean() < 0.3 * profile.max()  # vitreous on top
+    assert profile.argmax() > 20  # the brightest band lies inside the retina
+
+
+def test_pathology_is_local_not_a_global_intensity_change():
+    none = synth_reflectivity((16, 96, 96), np.random.default_rng(3), "none")
+    for label in ("drusen", "fluid"):
+        sick = synth_reflectivity((16, 96, 96), np.random.default_rng(3), label)
+        assert abs(float(sick.mean() - none.mean())) < 0.02  # no trivial global cue for a linear probe
+
+
+def test_sixteen_bit_phantoms_use_the_raw_range(tmp_path):
+    voxels, _, paths = write_phantom(str(tmp_path / "h.dcm"), "heidelberg", shape=(8, 64, 64))
+    assert voxels.dtype == np.uint16 and voxels.max() > 30000  # incident 5: raw values far above 1
+    assert pydicom.dcmread(paths[0]).BitsAllocated == 16
+
+
+def test_existing_set_is_reused_not_rewritten(tmp_path):
+    target = str(tmp_path / "set")
+    write_phantom_set(target, n=2, shape=(8, 64, 64))
+    stamp = os.stat(os.path.join(target, MARKER)).st_mtime_ns
+    assert phantom_set_complete(target, 2, (8, 64, 64))
+    write_phantom_set(target, n=2, shape=(8, 64, 64))
+    assert os.stat(os.path.join(target, MARKER)).st_mtime_ns == stamp
+    write_phantom_set(target, n=3, shape=(8, 64, 64))  # other parameters: the old set is replaced whole
+    assert phantom_set_complete(target, 3, (8, 64, 64)) and not phantom_set_complete(target, 2, (8, 64, 64))
+
+
+def test_a_folder_of_other_files_is_never_replaced(tmp_path):
+    (tmp_path / "mine.txt").write_text("precious")
+    with pytest.raises(FileExistsError):
+        write_phantom_set(str(tmp_path), n=1, shape=(8, 64, 64))
+    assert (tmp_path / "mine.txt").read_text() == "precious"
+
+
+@pytest.mark.slow
+def test_killed_writer_leaves_no_set_that_looks_complete(tmp_path):
+    target = tmp_path / "set"
+    proc = subprocess.Popen([sys.executable, str(REPO / "phantom.py"), str(target), "--n", "200"], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not any(p.name.startswith("set.partial") and any(p.iterdir()) for p in tmp_path.iterdir()):
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not phantom_set_complete(str(target), 200)
+    assert not target.exists()  # only the sibling temp folder holds the half set
+    write_phantom_set(str(target), n=2, shape=(8, 64, 64))
+    assert phantom_set_complete(str(target), 2, (8, 64, 64))
+
+
+def test_phantom_cli_writes_a_set_and_rejects_bad_sizes(tmp_path):
+    ok = subprocess.run([sys.executable, str(REPO / "data.py"), "phantoms", str(tmp_path / "x"), "--n", "3",
+                         "--size", "8,64,64"], cwd=REPO, capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert phantom_set_complete(str(tmp_path / "x"), 3, (8, 64, 64))
+    bad = subprocess.run([sys.executable, str(REPO / "phantom.py"), str(tmp_path / "y"), "--size", "8,64"],
+                         cwd=REPO, capture_output=True, text=True)
+    assert bad.returncode == 2 and "--size" in bad.stderr
