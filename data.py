@@ -835,11 +835,12 @@ def collate(samples: List[dict]) -> dict:
 
 def make_loader(dataset: OCTDataset, batch_size: int, train: bool, workers: int, rank: int = 0, world_size: int = 1,
                 epoch: int = 0, start: int = 0, seed: int = 0) -> torch.utils.data.DataLoader:
-    """Batches of one epoch of one rank: shuffled and without the last partial batch for train (static shapes),
-    in order for val. `start` skips keys already consumed (resume mid-epoch)."""
+    """Batches of one epoch of one rank, shuffled for train and in order for val, always without a last partial
+    batch (static shapes: a smaller batch would compile a new XLA graph and cannot be split over the devices).
+    `start` skips keys already consumed (resume mid-epoch)."""
     sampler = EpochSampler(len(dataset), rank, world_size, seed, epoch, shuffle=train, start=start)
     return torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
-                                       collate_fn=collate, drop_last=train)
+                                       collate_fn=collate, drop_last=True)
 
 
 def ensure_phantoms(cfg: Config) -> str:

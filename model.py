@@ -216,12 +216,10 @@ class VJEPA3D(nn.Module):
         target = self.target_features(volume, target_idx)
         context = self.encoder(volume, keep_idx=context_idx)  # [B, Nc, E]: the targets are never seen
         pred = self.predictor(context, context_idx, target_idx)  # [B, Nt, E]
-        target = target.to(pred.dtype)
-        if self.loss_type == "l1":
-            loss = (pred - target).abs().mean()
-        else:
-            loss = (pred - target).pow(2).mean()
-        return JEPAOutput(loss=loss.float(), pred=pred, target=target, target_std=feature_std(target))
+        # In fp32: XLA reduces a bf16 tensor in bf16, and a mean over thousands of terms then loses a third of it.
+        error = pred.float() - target.float()
+        loss = error.abs().mean() if self.loss_type == "l1" else error.pow(2).mean()
+        return JEPAOutput(loss=loss, pred=pred, target=target, target_std=feature_std(target))
 
     @torch.no_grad()
     def update_target(self, momentum) -> None:

@@ -645,6 +645,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         cfg = resolve_run_dir(load_config(argv))
         rt = setup_runtime(cfg)
+        if rt.kind == "xla" and rt.process_count > 1 and cfg.ckpt_dir and not cfg.ckpt_dir.startswith("gs://"):
+            raise ConfigError(f"ckpt_dir: {cfg.ckpt_dir} is local to each host, but every host of this "
+                              f"{rt.process_count}-host run must resume from the same checkpoint; use a gs:// ckpt_dir.")
         return train(cfg, rt)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
@@ -708,6 +711,9 @@ def train(cfg: Config, rt: Runtime) -> int:
             log.print("ckpt_dir is null: no checkpoints will be written for this run")
         if cfg.data_root is None:
             log.print(f"data_root is null: training on the built-in phantom set in {cfg.phantom_dir}")
+        if len(val_ds) // rt.process_count < local_batch:
+            log.print(f"validation is off: the val split holds {len(val_ds)} volumes, fewer than one batch of "
+                      f"{local_batch} per process; raise val_fraction or the dataset size")
         log.print(f"run {run_dir}: {plan.total_steps} updates of {plan.global_batch_size} volumes on "
                   f"{rt.kind} x {rt.world_size}, {model.num_trainable_params():,} parameters")
 

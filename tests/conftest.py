@@ -19,6 +19,16 @@ def phantom_dir(tmp_path_factory) -> str:
     return write_phantom_set(str(tmp_path_factory.mktemp("phantoms") / "set"), n=10)
 
 
+@pytest.fixture(scope="session")
+def smoke_phantoms(tmp_path_factory) -> str:
+    """The smoke config's phantom set, written once for the session."""
+    from config import load_config
+    from data import build_datasets
+    phantom_dir = str(tmp_path_factory.mktemp("smoke_phantoms"))
+    build_datasets(load_config(["--config", str(REPO / "configs" / "smoke.yaml"), "--phantom_dir", phantom_dir]))
+    return phantom_dir
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -20,15 +20,6 @@ REPO = Path(__file__).resolve().parents[1]
 SMOKE = str(REPO / "configs" / "smoke.yaml")
 
 
-@pytest.fixture(scope="session")
-def smoke_phantoms(tmp_path_factory):
-    """The smoke config's phantom set, written once for the session."""
-    from data import build_datasets
-    phantom_dir = str(tmp_path_factory.mktemp("smoke_phantoms"))
-    build_datasets(load_config(["--config", SMOKE, "--phantom_dir", phantom_dir]))
-    return phantom_dir
-
-
 def smoke_flags(tmp_path, phantom_dir, *flags):
     return ["--config", SMOKE, "--phantom_dir", phantom_dir, "--out_dir", str(tmp_path / "runs"),
             "--run_name", "r", *flags]

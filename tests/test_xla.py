@@ -1,0 +1,131 @@
+"""The XLA path, run for real on torch_xla's CPU PJRT device (the same graphs a TPU runs).
+
+torch_xla needs its own torch version, so these tests run train.py in the torch_xla venv (requirements-xla.txt)
+as subprocesses: OCTJEPA_XLA_PYTHON names its python (.ci/run builds it and sets it; a local .venv-xla is
+found by itself). Without one they are skipped, unless OCTJEPA_REQUIRE_XLA=1 (CI), where that is a failure.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from test_train import read_jsonl, smoke_flags, train_lines
+from train import list_checkpoints
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.xla, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def xla_python() -> str:
+    path = os.environ.get("OCTJEPA_XLA_PYTHON") or str(REPO / ".venv-xla" / "bin" / "python")
+    if not os.path.exists(path):
+        message = (f"no torch_xla python at {path}: build it with `python3 -m venv .venv-xla && "
+                   f".venv-xla/bin/pip install -r requirements-xla.txt` or set OCTJEPA_XLA_PYTHON")
+        if os.environ.get("OCTJEPA_REQUIRE_XLA") == "1":
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> str:
+    """One decoded-volume cache for every run here: the runs differ in devices, not in data."""
+    return str(tmp_path_factory.mktemp("xla_cache"))
+
+
+def run_train(python: str, flags: list, devices: int = 1, script: str = "train.py"):
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices),
+           "XLA_FLAGS": "--xla_backend_optimization_level=0"}  # 3x faster compiles, same results
+    result = subprocess.run([python, str(REPO / script), *flags], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+def flags_for(tmp_path, phantoms, cache_dir, *extra):
+    return smoke_flags(tmp_path, phantoms, "--cache_dir", cache_dir, "--val_every_steps", "1000", *extra)
+
+
+def test_xla_loop_matches_the_cpu_loop_over_20_updates(tmp_path, smoke_phantoms, cache_dir, xla_python):
+    common = ("--max_steps", "20", "--log_every_steps", "1", "--ckpt_dir", "none")
+    run_train(xla_python, flags_for(tmp_path / "cpu", smoke_phantoms, cache_dir, *common, "--device", "cpu"))
+    run_train(xla_python, flags_for(tmp_path / "xla", smoke_phantoms, cache_dir, *common, "--device", "xla"))
+    cpu, xla = train_lines(tmp_path / "cpu" / "runs" / "r"), train_lines(tmp_path / "xla" / "runs" / "r")
+    assert [r["step"] for r in xla] == list(range(1, 21))
+    np.testing.assert_allclose([r["loss"] for r in xla], [r["loss"] for r in cpu], rtol=1e-4)
+    np.testing.assert_allclose([r["grad_norm"] for r in xla], [r["grad_norm"] for r in cpu], rtol=1e-3)
+
+
+def test_xla_step_compiles_once_and_reads_the_device_only_at_log_steps(tmp_path, smoke_phantoms, cache_dir,
+                                                                       xla_python):
+    # Gradient accumulation, a cosine LR with warmup, the WD and EMA schedules: every value changes each update.
+    run_train(xla_python, flags_for(tmp_path, smoke_phantoms, cache_dir, "--device", "xla", "--max_steps", "30",
+                                    "--log_every_steps", "5", "--grad_accum_steps", "2", "--per_core_batch_size", "2",
+                                    "--schedule", "cosine", "--warmup_steps", "5", "--ckpt_dir", "none"))
+    lines = train_lines(tmp_path / "runs" / "r")
+    assert [r["step"] for r in lines] == [1, 5, 10, 15, 20, 25, 30]
+    assert len({r["lr"] for r in lines}) == len(lines) and len({r["ema_momentum"] for r in lines}) > 1
+    after_warmup = [r for r in lines if r["step"] >= 5]
+    assert {r["xla_compiles"] for r in after_warmup} == {after_warmup[0]["xla_compiles"]}, lines
+    # One batched device-to-host read per log step, none inside the updates between them.
+    transfers = [r["xla_transfers"] for r in after_warmup]
+    assert np.diff(transfers).tolist() == [1] * (len(transfers) - 1), lines
+
+
+def test_spmd_over_4_devices_matches_1_device(tmp_path, smoke_phantoms, cache_dir, xla_python):
+    common = ("--device", "xla", "--max_steps", "8", "--log_every_steps", "1", "--ckpt_dir", "none",
+              "--global_batch_size", "4")
+    run_train(xla_python, flags_for(tmp_path / "one", smoke_phantoms, cache_dir, *common,
+                                    "--per_core_batch_size", "4"), devices=1)
+    four = run_train(xla_python, flags_for(tmp_path / "four", smoke_phantoms, cache_dir, *common,
+                                           "--per_core_batch_size", "1"), devices=4)
+    assert "xla x 4" in four.stdout
+    one, four = train_lines(tmp_path / "one" / "runs" / "r"), train_lines(tmp_path / "four" / "runs" / "r")
+    np.testing.assert_allclose([r["loss"] for r in four], [r["loss"] for r in one], rtol=1e-4)
+    np.testing.assert_allclose([r["grad_norm"] for r in four], [r["grad_norm"] for r in one], rtol=1e-4)
+
+
+def test_nan_on_xla_is_skipped_on_the_device_without_a_recompile(tmp_path, smoke_phantoms, cache_dir, xla_python):
+    result = run_train(xla_python, ["7", *flags_for(tmp_path, smoke_phantoms, cache_dir, "--device", "xla",
+                                                    "--max_steps", "15", "--log_every_steps", "5",
+                                                    "--per_core_batch_size", "4", "--ckpt_dir", "none")],
+                       script="tests/xla_inject_nan.py")
+    outcome = json.loads(result.stdout.strip().splitlines()[-1])
+    assert outcome == {"exit": 0, "weights_unchanged": True}
+    lines = train_lines(tmp_path / "runs" / "r")
+    assert [(r["step"], r["nonfinite_skipped"]) for r in lines] == [(1, 0), (5, 0), (10, 1), (15, 1)]
+    assert lines[1]["xla_compiles"] == lines[2]["xla_compiles"] == lines[3]["xla_compiles"]
+    skips = [e for e in read_jsonl(tmp_path / "runs" / "r" / "events.jsonl") if e["event"] == "nonfinite_skipped"]
+    assert [e["step"] for e in skips] == [7] and skips[0]["files"]
+
+
+def test_checkpoints_move_between_xla_and_plain_cpu_torch(tmp_path, smoke_phantoms, cache_dir, xla_python):
+    """Written on XLA, resumed by torch without torch_xla (this venv), and the other way round: the resumed
+    updates give the losses the uninterrupted run had."""
+    common = ("--max_steps", "6", "--log_every_steps", "1", "--ckpt_every_steps", "4")
+    for writer, reader, name in ((xla_python, sys.executable, "xla_to_cpu"), (sys.executable, xla_python, "cpu_to_xla")):
+        writer_device, reader_device = ("xla", "cpu") if writer == xla_python else ("cpu", "xla")
+        straight = tmp_path / name / "straight"
+        run_train(writer, flags_for(straight, smoke_phantoms, cache_dir, *common, "--device", writer_device))
+        (step_4,) = [p for p in list_checkpoints(str(straight / "runs" / "r" / "checkpoints")) if p.endswith("step_0000004.pt")]
+        resumed = tmp_path / name / "resumed"
+        run_train(reader, flags_for(resumed, smoke_phantoms, cache_dir, *common, "--device", reader_device,
+                                    "--resume", step_4))
+        expected = [r["loss"] for r in train_lines(straight / "runs" / "r") if r["step"] > 4]
+        got = [r["loss"] for r in train_lines(resumed / "runs" / "r")]
+        assert len(got) == 2
+        np.testing.assert_allclose(got, expected, rtol=1e-4, err_msg=name)
+
+
+def test_bf16_autocast_on_xla_gives_the_fp32_loss(tmp_path, smoke_phantoms, cache_dir, xla_python):
+    """A bf16 mean over thousands of loss terms, reduced in bf16 by XLA, once read 0.60 for an fp32 loss of 0.88."""
+    common = ("--device", "xla", "--max_steps", "3", "--log_every_steps", "1", "--ckpt_dir", "none")
+    run_train(xla_python, flags_for(tmp_path / "fp32", smoke_phantoms, cache_dir, *common))
+    run_train(xla_python, flags_for(tmp_path / "bf16", smoke_phantoms, cache_dir, *common, "--use_bf16", "true"))
+    fp32, bf16 = train_lines(tmp_path / "fp32" / "runs" / "r"), train_lines(tmp_path / "bf16" / "runs" / "r")
+    np.testing.assert_allclose([r["loss"] for r in bf16], [r["loss"] for r in fp32], rtol=1e-2)
