@@ -1,8 +1,14 @@
 """Throughput benchmarks, with the machine's own peak as reference.
 
     python bench.py data [--quick] [--json OUT] [--config FILE] [config flags]   # the data pipeline
-    python bench.py train ...                                                    # not built yet
+    python bench.py train [--quick] [--json OUT] [--config FILE] [config flags]  # the training update
     python bench.py all ...                                                      # data, then train
+
+`train` times the full training update of train.py (context encoder on the visible tokens, target encoder,
+predictor, loss, backward, clipping, AdamW, EMA) on synthetic inputs at the config's size and device
+(default: the demo config; --quick: the smoke config), after warm-up, and compares its model FLOP/s with
+the peak of a large matmul measured in the same run and dtype (MFU). Memory: CUDA max allocated; CPU peak
+RSS growth. Targets (issue 7): CPU fp32 demo >= 70% of the matmul peak; GPU bf16 production >= 40%.
 
 `data` writes OCT volumes of a realistic size (Spectralis-like 49x496x512; --quick: 16x128x128) in each
 transfer syntax and measures, on one core (torch threads = 1): raw pydicom decode, the full uncached
@@ -28,8 +34,10 @@ import pydicom
 import torch
 from pydicom.uid import JPEG2000, ExplicitVRLittleEndian, JPEG2000Lossless, JPEGBaseline8Bit, RLELossless
 
+import train
 from config import ConfigError, config_to_dict, load_config, load_yaml, parse_flags
-from data import OCTDataset, load_prepared, make_loader
+from data import OCTDataset, load_prepared, make_loader, mask_generator_from_config
+from model import VJEPA3D, activation_bytes_per_sample, training_flops_per_sample
 from phantom import STYLES, quantize, spacing_for, synth_reflectivity, write_oct
 
 SYNTAXES = (("uncompressed 8-bit", ExplicitVRLittleEndian, 8), ("uncompressed 16-bit", ExplicitVRLittleEndian, 16),
@@ -79,7 +87,8 @@ def environment() -> dict:
             versions[package] = None
     here = os.path.dirname(os.path.abspath(__file__))
     git = lambda *args: subprocess.run(["git", *args], cwd=here, capture_output=True, text=True).stdout.strip()
-    return {"device": {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "torch_threads": 1},
+    return {"device": {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(),
+                       "torch_threads": torch.get_num_threads()},
             "versions": versions, "git_commit": git("rev-parse", "HEAD") or None,
             "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
 
@@ -135,7 +144,7 @@ def bench_data(cfg, quick: bool, workdir: str) -> dict:
     uncompressed = [v for k, v in results.items() if k.startswith("uncompressed")]
     cached_min = min(v["cached_vol_s"] for v in results.values())
     return {
-        "volume_shape": list(plan["shape"]), "files_per_syntax": plan["files"], "per_syntax": results,
+        "torch_threads": 1, "volume_shape": list(plan["shape"]), "files_per_syntax": plan["files"], "per_syntax": results,
         "loader": loader, "reference": {"memcpy_GBps_single_core": memcpy_gbps()},
         "targets": {
             "uncached_cost_x_decode_uncompressed": max(v["uncached_cost_x_decode"] for v in uncompressed),
@@ -146,24 +155,135 @@ def bench_data(cfg, quick: bool, workdir: str) -> dict:
     }
 
 
+def synchronize(rt: train.Runtime) -> None:
+    """Wait until the device has finished the queued work (timing needs it)."""
+    if rt.kind == "cuda":
+        torch.cuda.synchronize()
+    elif rt.kind == "xla":
+        import torch_xla
+        torch_xla.sync(wait=True)
+
+
+def matmul_peak_flops(rt: train.Runtime, dtype: torch.dtype, seconds: float) -> float:
+    """FLOP/s of a large square matmul in `dtype` on this device: the reference the model is measured against."""
+    n = 4096 if rt.kind != "cpu" else 2048 if dtype == torch.float32 else 1024
+    a = torch.randn(n, n, device=rt.device).to(dtype)
+    b = torch.randn(n, n, device=rt.device).to(dtype)
+    c = a @ b
+    synchronize(rt)
+    done, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        c = a @ b
+        if rt.kind == "xla":
+            train.mark_step(rt)
+        done += 1
+    synchronize(rt)
+    del c
+    return 2 * n ** 3 * done / (time.perf_counter() - start)
+
+
+def synthetic_batch(cfg, size: int, seed: int = 0) -> dict:
+    """A batch of normalized-noise volumes with real masks from the config's mask generator."""
+    rng = np.random.default_rng(seed)
+    masks = [mask_generator_from_config(cfg)(rng) for _ in range(size)]
+    return {"volume": torch.from_numpy(rng.standard_normal((size, 1, *cfg.image_size), dtype=np.float32)),
+            "context_idx": torch.from_numpy(np.stack([m[0] for m in masks])),
+            "target_idx": torch.from_numpy(np.stack([m[1] for m in masks])), "path": ["synthetic"] * size}
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far."""
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def bench_train(cfg, warmup: int, repeats: int) -> dict:
+    """Step time, samples/s, tokens/s, model FLOP/s and MFU, and peak memory of train.py's training update."""
+    rt = train.setup_runtime(cfg)
+    dtype = torch.bfloat16 if cfg.use_bf16 else torch.float32
+    rss_before = peak_rss_bytes()
+    if rt.kind == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    torch.manual_seed(cfg.seed)
+    model = VJEPA3D.from_config(cfg).to(rt.device)
+    optimizer = train.make_optimizer(model, cfg, rt)
+    batch = train.to_device(synthetic_batch(cfg, cfg.per_core_batch_size * rt.local_replicas), rt)
+
+    def update():
+        result = train.train_update(model, model, optimizer, [batch], cfg.base_lr, cfg.weight_decay, cfg.ema_base,
+                                    cfg, rt)
+        train.mark_step(rt)
+        return result
+
+    for _ in range(warmup):
+        update()
+    synchronize(rt)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = update()
+        synchronize(rt)
+        times.append(time.perf_counter() - start)
+    loss = float(train.fetch_to_host([result.stats], rt)[0][0])
+    memory = (torch.cuda.max_memory_allocated() if rt.kind == "cuda" else peak_rss_bytes() - rss_before)
+    batch_size = len(batch["path"])
+    step = float(np.median(times))
+    flops = training_flops_per_sample(cfg)["total"]
+    peak = matmul_peak_flops(rt, dtype, seconds=max(1.0, 3 * step) if repeats > 3 else 0.5)
+    n_context, n_target = cfg.token_counts()
+    tokens = n_context + n_target
+    heads_attention_bytes = tokens ** 2 * cfg.num_heads * (2 if cfg.use_bf16 else 4)
+    out = {"device": rt.kind, "dtype": str(dtype).replace("torch.", ""), "batch_size": batch_size,
+           "parameters": model.num_trainable_params(), "tokens_per_sample": tokens,
+           "context_tokens": n_context, "target_tokens": n_target,
+           "step_time_s_median": step, "step_time_s_min": min(times), "step_time_s_max": max(times),
+           "step_time_spread": (max(times) - min(times)) / step, "repeats": repeats, "warmup": warmup,
+           "samples_per_s": batch_size / step, "tokens_per_s": batch_size * tokens / step,
+           "model_flops_per_sample": flops, "achieved_flops": flops * batch_size / step,
+           "matmul_peak_flops": peak, "mfu": flops * batch_size / step / peak,
+           "peak_memory_bytes": memory, "peak_memory_bytes_per_sample": memory / batch_size,
+           "memory_measure": "cuda max_memory_allocated" if rt.kind == "cuda" else "peak RSS growth",
+           "activation_bytes_per_sample_estimate": activation_bytes_per_sample(cfg),
+           "one_layer_attention_matrix_bytes": heads_attention_bytes,
+           "grad_checkpointing": cfg.grad_checkpointing, "loss": loss}
+    print(f"train update on {rt.kind} ({out['dtype']}, batch {batch_size}, {tokens} tokens/sample, "
+          f"{out['parameters']:,} params): {step * 1e3:.1f} ms median ({min(times) * 1e3:.1f}-{max(times) * 1e3:.1f}), "
+          f"{out['samples_per_s']:.2f} samples/s, {out['tokens_per_s']:,.0f} tokens/s\n"
+          f"model {flops / 1e9:.2f} GFLOP/sample -> {out['achieved_flops'] / 1e9:.1f} GFLOP/s of a "
+          f"{peak / 1e9:.1f} GFLOP/s {out['dtype']} matmul peak = {100 * out['mfu']:.1f}% MFU\n"
+          f"peak memory {memory / 2 ** 30:.2f} GiB ({out['memory_measure']}), {memory / batch_size / 2 ** 30:.2f} "
+          f"GiB/sample; one materialised attention matrix would be {heads_attention_bytes / 2 ** 30:.2f} GiB per layer",
+          flush=True)
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", nargs="?", default="all", choices=("train", "data", "all"))
     parser.add_argument("--json", help="write all figures, config, device, versions and git commit here")
     parser.add_argument("--quick", action="store_true", help="small volumes and short runs (CI)")
     parser.add_argument("--workdir", help="where the benchmark files go (default: a temporary folder)")
+    parser.add_argument("--repeats", type=int, help="timed training updates (default 10; --quick 3)")
+    parser.add_argument("--warmup", type=int, help="untimed training updates first (default 3; --quick 1)")
     args, rest = parser.parse_known_args(argv)
     plan = QUICK if args.quick else FULL
     try:
         flags = parse_flags(rest)
         given = set(flags) | set(load_yaml(flags["config"]) if "config" in flags else ())
         cfg = load_config(rest, **{k: plan[k] for k in ("image_size", "patch_size") if k not in given})
+        smoke = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "smoke.yaml")
+        train_cfg = load_config((["--config", smoke] if args.quick and "config" not in flags else []) + rest)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     report = {"mode": args.mode, "quick": args.quick, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-              **environment(), "config": config_to_dict(cfg)}
+              **environment()}
+    if args.mode in ("train", "all"):
+        report["train_config"] = config_to_dict(train_cfg)
+        report["train"] = bench_train(train_cfg, warmup=args.warmup or (1 if args.quick else 3),
+                                      repeats=args.repeats or (3 if args.quick else 10))
     if args.mode in ("data", "all"):
+        report["data_config"] = config_to_dict(cfg)
         workdir = args.workdir or tempfile.mkdtemp(prefix="octjepa-bench-")
         try:
             report["data"] = bench_data(cfg, args.quick, workdir)
@@ -174,9 +294,6 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
         print(f"wrote {args.json}")
-    if args.mode in ("train", "all"):
-        raise SystemExit("bench.py train: not built yet (the training-step benchmark comes with a later issue); "
-                         "run `python bench.py data` for the data pipeline.")
     return 0
 
 

@@ -383,17 +383,22 @@ class UpdateResult:
 
 
 @torch.no_grad()
-def guarded_optimizer_step(optimizer: torch.optim.Optimizer, apply: torch.Tensor, lr, wd) -> None:
-    """AdamW's decoupled weight decay (p *= 1 - lr * wd on the decay groups) then optimizer.step(), kept only where
-    `apply` (a 0-d bool tensor) is True: otherwise every weight and every optimizer state tensor keeps its old
-    value exactly. Decided on the device, so XLA needs no host sync. lr, wd: floats or 0-d tensors."""
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    old_params = [p.clone() for p in params]
-    old_states = [{k: v.clone() for k, v in optimizer.state[p].items()} for p in params]
+def optimizer_step(optimizer: torch.optim.Optimizer, lr, wd) -> None:
+    """AdamW's decoupled weight decay (p *= 1 - lr * wd on the decay groups), then optimizer.step()."""
     decay = [p for group in optimizer.param_groups if group["apply_wd"] for p in group["params"] if p.grad is not None]
     if decay:
         torch._foreach_mul_(decay, 1 - lr * wd)
     optimizer.step()
+
+
+@torch.no_grad()
+def guarded_optimizer_step(optimizer: torch.optim.Optimizer, apply: torch.Tensor, lr, wd) -> None:
+    """optimizer_step, kept only where `apply` (a 0-d bool tensor) is True: otherwise every weight and every
+    optimizer state tensor keeps its old value exactly. Decided on the device, so XLA needs no host sync."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    old_params = [p.clone() for p in params]
+    old_states = [{k: v.clone() for k, v in optimizer.state[p].items()} for p in params]
+    optimizer_step(optimizer, lr, wd)
     for p, old in zip(params, old_params):
         p.copy_(torch.where(apply, p, old))
     for p, old in zip(params, old_states):
@@ -414,8 +419,12 @@ def train_update(model: VJEPA3D, ddp_model, optimizer, micro_batches: list, lr, 
     loss, target_std = reduce_mean(torch.stack([loss, target_std]).float(), rt).unbind()  # same on all ranks
     grad_norm = clip_and_measure(model, cfg)  # before optimizer.step() and zero_grad (incident 1)
     finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
-    guarded_optimizer_step(optimizer, finite, lr, wd)
-    model.update_target(torch.where(finite, torch.as_tensor(ema, device=finite.device), 1.0))
+    if rt.kind == "xla":  # no host sync inside the XLA step: select old or new values on the device
+        guarded_optimizer_step(optimizer, finite, lr, wd)
+        model.update_target(torch.where(finite, ema, 1.0))
+    elif finite:  # CPU/CUDA read the verdict (the loop reads every update anyway): cheaper than undoing a step
+        optimizer_step(optimizer, lr, wd)
+        model.update_target(ema)
     optimizer.zero_grad(set_to_none=True)
     stats = torch.stack([loss, target_std, grad_norm.float(), finite.float()])  # before the XLA sync (no recompile)
     return UpdateResult(loss, target_std, grad_norm, finite, stats)

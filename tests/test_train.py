@@ -133,6 +133,36 @@ def test_poisoned_batch_is_skipped_and_changes_nothing(poison):
         assert all(torch.equal(s[k], s_before[k]) for k in s)
 
 
+def test_device_side_guard_keeps_weights_and_adam_state_exactly_when_told_to_skip():
+    """The XLA path's NaN guard (no host sync) decides with torch.where; run here on CPU tensors."""
+    from train import guarded_optimizer_step, optimizer_step
+    cfg, model, optimizer, batch, rt = tiny_update_setup()
+    trained = [p for group in optimizer.param_groups for p in group["params"]]
+    for apply in (True, False):
+        model(batch["volume"], batch["context_idx"], batch["target_idx"]).loss.backward()
+        before = [p.detach().clone() for p in trained]
+        state_before = [{k: v.clone() for k, v in s.items()} for s in optimizer.state.values()]
+        guarded_optimizer_step(optimizer, torch.tensor(apply), 1e-3, 0.05)
+        changed = [not torch.equal(p, b) for p, b in zip(trained, before)]
+        steps = [float(s["step"]) for s in optimizer.state.values()]
+        if apply:
+            assert all(changed) and set(steps) == {1.0}
+        else:
+            assert not any(changed) and set(steps) == {1.0}
+            for s, s_before in zip(optimizer.state.values(), state_before):
+                assert all(torch.equal(s[k], s_before[k]) for k in s)
+        optimizer.zero_grad(set_to_none=True)
+    # Applied, it is exactly the plain step.
+    cfg, model2, optimizer2, _, _ = tiny_update_setup()
+    model2(batch["volume"], batch["context_idx"], batch["target_idx"]).loss.backward()
+    optimizer_step(optimizer2, 1e-3, 0.05)
+    cfg, model3, optimizer3, _, _ = tiny_update_setup()
+    model3(batch["volume"], batch["context_idx"], batch["target_idx"]).loss.backward()
+    guarded_optimizer_step(optimizer3, torch.tensor(True), 1e-3, 0.05)
+    for a, b in zip(model2.parameters(), model3.parameters()):
+        assert torch.equal(a, b)
+
+
 # --- real short runs ---
 
 def test_short_run_logs_every_contract_field_with_positive_grad_norms(tmp_path, smoke_phantoms):
