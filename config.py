@@ -39,7 +39,7 @@ class Config:
     flip_prob: float = 0.5  # random flip across the lateral axis (train only)
     intensity_jitter: float = 0.1  # random intensity scale/shift amplitude after normalization (train only)
     val_fraction: float = 0.1  # share of patients held out for validation
-    cache_dir: Optional[str] = None  # decoded-volume cache (python data.py prepare); None = decode on the fly
+    cache_dir: Optional[str] = None  # decoded-volume cache (data.py prepare); None: decode each time (phantoms: in phantom_dir-cache)
     workers: int = 2  # DataLoader worker processes
     max_bad_fraction: float = 0.2  # stop (exit 3) when more than this share of files is unusable
     # --- masking ---

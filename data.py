@@ -804,23 +804,26 @@ class OCTDataset(torch.utils.data.Dataset):
 
 
 class EpochSampler(torch.utils.data.Sampler):
-    """(epoch, index) keys of one rank for one epoch: a permutation from (seed, epoch) (identity when not
-    shuffled), this rank's shard perm[rank::world_size] cut to num_items // world_size so that all ranks
-    have the same count, without its first `start` keys (resume mid-epoch)."""
+    """(epoch, index) keys of one rank for `epochs` consecutive epochs from `epoch`: each a permutation from
+    (seed, epoch) (identity when not shuffled), this rank's shard perm[rank::world_size] cut to `per_epoch` keys
+    (default num_items // world_size, so that all ranks have the same count); the first epoch without its
+    first `start` keys (resume mid-epoch)."""
 
     def __init__(self, num_items: int, rank: int = 0, world_size: int = 1, seed: int = 0, epoch: int = 0,
-                 shuffle: bool = True, start: int = 0):
+                 shuffle: bool = True, start: int = 0, epochs: int = 1, per_epoch: Optional[int] = None):
         self.num_items, self.rank, self.world_size = num_items, rank, world_size
-        self.seed, self.epoch, self.shuffle, self.start = seed, epoch, shuffle, start
+        self.seed, self.epoch, self.shuffle, self.start, self.epochs = seed, epoch, shuffle, start, epochs
+        self.per_epoch = num_items // world_size if per_epoch is None else min(per_epoch, num_items // world_size)
 
     def __iter__(self):
         n = self.num_items
-        order = sample_rng(self.seed, ORDER_EPOCH, self.epoch).permutation(n) if self.shuffle else np.arange(n)
-        shard = order[self.rank::self.world_size][: n // self.world_size]
-        return iter([(self.epoch, int(i)) for i in shard[self.start:]])
+        for epoch in range(self.epoch, self.epoch + self.epochs):
+            order = sample_rng(self.seed, ORDER_EPOCH, epoch).permutation(n) if self.shuffle else np.arange(n)
+            shard = order[self.rank::self.world_size][: self.per_epoch]
+            yield from ((epoch, int(i)) for i in shard[self.start if epoch == self.epoch else 0:])
 
     def __len__(self) -> int:
-        return max(0, self.num_items // self.world_size - self.start)
+        return max(0, self.per_epoch * self.epochs - self.start)
 
 
 def collate(samples: List[dict]) -> dict:
@@ -834,11 +837,14 @@ def collate(samples: List[dict]) -> dict:
 
 
 def make_loader(dataset: OCTDataset, batch_size: int, train: bool, workers: int, rank: int = 0, world_size: int = 1,
-                epoch: int = 0, start: int = 0, seed: int = 0) -> torch.utils.data.DataLoader:
-    """Batches of one epoch of one rank, shuffled for train and in order for val, always without a last partial
-    batch (static shapes: a smaller batch would compile a new XLA graph and cannot be split over the devices).
-    `start` skips keys already consumed (resume mid-epoch)."""
-    sampler = EpochSampler(len(dataset), rank, world_size, seed, epoch, shuffle=train, start=start)
+                epoch: int = 0, start: int = 0, seed: int = 0, epochs: int = 1,
+                per_epoch: Optional[int] = None) -> torch.utils.data.DataLoader:
+    """Batches of one rank over `epochs` epochs from `epoch` (one set of worker processes for all of them),
+    shuffled for train and in order for val, always without a partial batch (static shapes: a smaller batch
+    would compile a new XLA graph and cannot be split over the devices). `start` skips keys already consumed
+    (resume mid-epoch); `per_epoch` keys of each epoch are used (a multiple of batch_size: no batch spans two)."""
+    sampler = EpochSampler(len(dataset), rank, world_size, seed, epoch, shuffle=train, start=start, epochs=epochs,
+                           per_epoch=per_epoch)
     return torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
                                        collate_fn=collate, drop_last=True)
 
@@ -888,6 +894,8 @@ def build_datasets(cfg: Config) -> Tuple[OCTDataset, OCTDataset]:
     the share of bad files passes cfg.max_bad_fraction (other objects such as reports are not bad files)."""
     if cfg.cache_dir is not None and cfg.cache_dir.startswith("gs://"):
         raise ConfigError("cache_dir: the decoded-volume cache must be a local folder (it is read at every step).")
+    if cfg.data_root is None and cfg.manifest_path is None and cfg.cache_dir is None:
+        cfg = replace(cfg, cache_dir=cfg.phantom_dir.rstrip("/") + "-cache")  # decode the built-in phantoms once
     records = index_records(cfg)
     if cfg.target_spacing is not None and cfg.missing_spacing == "skip":
         records = [{**r, "ok": False, "reason": "bad_spacing", "detail": r.get("spacing_issue")}

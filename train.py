@@ -684,6 +684,9 @@ def train(cfg: Config, rt: Runtime) -> int:
     run_dir = os.path.join(cfg.out_dir, cfg.run_name)
     log = RunLog(run_dir, cfg, active=rt.is_master and not cfg.dry_run)
     local_batch = plan.per_core_batch_size * rt.local_replicas
+    # Val batches are full like train batches (static shapes), and smaller when the val split is small.
+    val_per_process = len(val_ds) // rt.process_count
+    val_batch = min(local_batch, val_per_process - val_per_process % rt.local_replicas)
 
     if cfg.dry_run:
         if rt.is_master:
@@ -720,15 +723,15 @@ def train(cfg: Config, rt: Runtime) -> int:
             log.print("ckpt_dir is null: no checkpoints will be written for this run")
         if cfg.data_root is None:
             log.print(f"data_root is null: training on the built-in phantom set in {cfg.phantom_dir}")
-        if len(val_ds) // rt.process_count < local_batch:
-            log.print(f"validation is off: the val split holds {len(val_ds)} volumes, fewer than one batch of "
-                      f"{local_batch} per process; raise val_fraction or the dataset size")
+        if val_batch == 0:
+            log.print(f"validation is off: the val split holds {len(val_ds)} volumes, fewer than the "
+                      f"{rt.local_replicas} devices of a process; raise val_fraction or the dataset size")
         log.print(f"run {run_dir}: {plan.total_steps} updates of {plan.global_batch_size} volumes on "
                   f"{rt.kind} x {rt.world_size}, {model.num_trainable_params():,} parameters")
 
     mark_step(rt)  # XLA: materialise weights and optimizer state now, so update 1 compiles the graph update 2 reuses
-    val_loader = make_loader(val_ds, local_batch, train=False, workers=cfg.workers, rank=rt.process_index,
-                             world_size=rt.process_count, seed=cfg.seed) if len(val_ds) else None
+    val_loader = make_loader(val_ds, val_batch, train=False, workers=cfg.workers, rank=rt.process_index,
+                             world_size=rt.process_count, seed=cfg.seed) if val_batch else None
     last_ckpt = resume_path
     recent_grad_norms: List[float] = []
     bad_files: dict = {}
@@ -743,19 +746,24 @@ def train(cfg: Config, rt: Runtime) -> int:
     window_start, data_time, window_updates = time.perf_counter(), 0.0, 0
 
     # --- the loop: one iteration = one optimizer update ---
+    keys_per_update = plan.grad_accum_steps * local_batch
     while state.step < plan.total_steps:
-        position = state.step + state.data_skip  # in updates; the data order is a function of it
+        # One loader (one set of workers) for the rest of the run; rebuilt only after a rollback. The data
+        # order is a function of the position in updates, so a resume or rollback continues it exactly.
+        position = state.step + state.data_skip
         epoch, update_in_epoch = divmod(position, plan.steps_per_epoch)
+        last_position = plan.total_steps - 1 + state.data_skip
         loader = make_loader(train_ds, local_batch, train=True, workers=cfg.workers, rank=rt.process_index,
-                             world_size=rt.process_count, epoch=epoch,
-                             start=update_in_epoch * plan.grad_accum_steps * local_batch, seed=cfg.seed)
+                             world_size=rt.process_count, epoch=epoch, start=update_in_epoch * keys_per_update,
+                             seed=cfg.seed, epochs=last_position // plan.steps_per_epoch - epoch + 1,
+                             per_epoch=plan.steps_per_epoch * keys_per_update)
         groups = micro_batch_groups(loader, plan.grad_accum_steps)
-        for _ in range(min(plan.steps_per_epoch - update_in_epoch, plan.total_steps - state.step)):
+        for _ in range(plan.total_steps - state.step):
             t0 = time.perf_counter()
             micro_batches = next(groups, None)
             if micro_batches is None:
-                raise RuntimeError(f"the loader of epoch {epoch} ended before update {state.step}: the sampler "
-                                   f"yields fewer batches than plan_run counted")
+                raise RuntimeError(f"the loader ended before update {state.step}: the sampler yields fewer batches "
+                                   f"than plan_run counted")
             data_time += time.perf_counter() - t0
             note_bad_files(micro_batches, bad_files, state.step, len(train_ds) + len(val_ds), cfg, log)
 
@@ -798,7 +806,8 @@ def train(cfg: Config, rt: Runtime) -> int:
 
             if is_log:
                 elapsed = time.perf_counter() - window_start
-                record = {"split": "train", "step": state.step, "epoch": position // plan.steps_per_epoch,
+                epoch = (state.step - 1 + state.data_skip) // plan.steps_per_epoch
+                record = {"split": "train", "step": state.step, "epoch": epoch,
                           "loss": loss, "lr": lr, "wd": wd, "ema_momentum": ema,
                           "grad_norm": grad_norm, "target_std": target_std,
                           "nonfinite_skipped": state.nonfinite_skipped,

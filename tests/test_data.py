@@ -297,6 +297,13 @@ def test_epoch_sampler_gives_equal_disjoint_shards_and_resumes_mid_epoch():
     assert len(EpochSampler(10, 0, 3, start=2)) == 1
 
 
+def test_one_sampler_over_several_epochs_equals_the_epochs_one_by_one():
+    """train.py keeps one loader for the whole run: same keys as a loader per epoch, each cut to whole updates."""
+    spanning = list(EpochSampler(10, 1, 2, seed=3, epoch=2, start=1, epochs=3, per_epoch=4))
+    one_by_one = [k for e in (2, 3, 4) for k in list(EpochSampler(10, 1, 2, seed=3, epoch=e))[:4]][1:]
+    assert spanning == one_by_one and len(EpochSampler(10, 1, 2, start=1, epochs=3, per_epoch=4)) == 11
+
+
 def test_loader_with_workers_gives_the_same_batches_as_in_process(phantom_dir):
     cfg = config(phantom_dir=phantom_dir, phantom_count=10)
     train, _ = build_datasets(cfg)
