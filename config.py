@@ -9,6 +9,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 import sys
 import typing
 import warnings
@@ -48,53 +49,56 @@ class Config:
     mask_block_scale: List[float] = field(default_factory=lambda: [0.1, 0.3])  # block size as share of tokens
     mask_block_aspect: float = 1.5  # max aspect ratio distortion of a block per axis pair
     # --- model ---
-    embed_dim: int = 96
-    depth: int = 4
-    num_heads: int = 4
-    pred_embed_dim: int = 64
-    pred_depth: int = 2
-    pred_num_heads: int = 4
-    mlp_ratio: float = 4.0
+    embed_dim: int = 96  # context/target encoder width
+    depth: int = 4  # encoder blocks
+    num_heads: int = 4  # encoder attention heads (embed_dim must divide by it)
+    pred_embed_dim: int = 64  # predictor width (narrower than the encoder)
+    pred_depth: int = 2  # predictor blocks
+    pred_num_heads: int = 4  # predictor attention heads
+    mlp_ratio: float = 4.0  # MLP hidden width / block width
     loss: str = "l1"  # l1 | mse
-    grad_checkpointing: bool = False
+    grad_checkpointing: bool = False  # recompute block activations in backward: less memory, ~1/3 more compute
     # --- optimization ---
-    global_batch_size: Optional[int] = 8
-    per_core_batch_size: Optional[int] = 8
+    global_batch_size: Optional[int] = 8  # volumes per optimizer update, over all devices and micro-batches
+    per_core_batch_size: Optional[int] = 8  # volumes per device per micro-batch
     grad_accum_steps: Optional[int] = None  # derived from the two batch sizes and the world size when None
-    epochs: int = 30
+    epochs: int = 30  # passes over the training split (sets the run length unless max_steps)
     max_steps: Optional[int] = None  # optimizer updates; overrides epochs when set
-    base_lr: float = 5e-4
-    min_lr: float = 1e-5
-    warmup_steps: Optional[int] = None
+    base_lr: float = 5e-4  # peak LR, reached after warmup (sanity.py --lr_sweep measures a stable one)
+    min_lr: float = 1e-5  # LR at the end of the cosine schedule (held after it)
+    warmup_steps: Optional[int] = None  # linear warmup from base_lr / warmup_steps; None = use warmup_epochs
     warmup_epochs: Optional[float] = 2.0  # used when warmup_steps is None
     schedule: str = "cosine"  # cosine | constant
-    weight_decay: float = 0.04
+    weight_decay: float = 0.04  # AdamW decoupled decay on weight matrices (not biases, norms, mask token)
     weight_decay_end: Optional[float] = None  # cosine-ramped to this value; None = constant weight_decay
-    adam_betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    adam_betas: List[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW [beta1, beta2]
     ema_base: float = 0.996  # EMA momentum at step 0, cosine-ramped to ema_end
-    ema_end: float = 1.0
+    ema_end: float = 1.0  # EMA momentum at the end of the run
     grad_clip: Optional[float] = 1.0  # max total grad norm; None = no clipping (the norm is still logged)
-    use_bf16: bool = False
+    use_bf16: bool = False  # bf16 autocast (CUDA, XLA; CPU with AMX); weights and optimizer stay fp32
     max_consecutive_nonfinite: int = 3  # skipped updates in a row before a rollback
     max_rollbacks: int = 3  # rollbacks before giving up with exit 4
-    rollback_lr_factor: float = 0.5
+    rollback_lr_factor: float = 0.5  # LR multiplier applied at each rollback
     # --- logging, validation, checkpoints ---
-    log_every_steps: int = 10
-    val_every_steps: int = 100
-    val_batches: int = 4
+    log_every_steps: int = 10  # metrics line every N updates (on XLA also how often the host reads the device)
+    val_every_steps: int = 100  # validation (loss, target_std, RankMe) every N updates and at the end
+    val_batches: int = 4  # val batches per validation (fixed crops and masks)
+    collapse_min_target_std: float = 0.05  # warn (events.jsonl, console) when target_std falls under this
+    collapse_min_rankme: float = 2.0  # warn when val RankMe falls under this
+    collapse_window_steps: int = 1000  # warn when either falls under half its best of this many updates
     ckpt_dir: Optional[str] = "auto"  # auto = out_dir/run_name/checkpoints; None = no checkpoints
-    ckpt_every_steps: int = 100
-    keep_last: int = 2
+    ckpt_every_steps: int = 100  # checkpoint every N updates and at the end
+    keep_last: int = 2  # step checkpoints kept (best.pt is kept besides)
     resume: Optional[str] = None  # None | auto (latest in ckpt_dir, if any) | path to a checkpoint
     wandb: str = "disabled"  # auto | online | offline | disabled
-    wandb_project: str = "octjepa"
-    wandb_entity: Optional[str] = None
+    wandb_project: str = "octjepa"  # W&B project
+    wandb_entity: Optional[str] = None  # W&B entity (team); None = your default
     # --- run ---
     device: str = "auto"  # auto | cpu | cuda | xla
-    seed: int = 0
-    out_dir: str = "runs"
+    seed: int = 0  # weights, data order, crops and masks all follow from it
+    out_dir: str = "runs"  # run folders go here: out_dir/run_name/
     run_name: Optional[str] = None  # None = a timestamped name
-    dry_run: bool = False
+    dry_run: bool = False  # print the preflight report and save schedules.png/mask.png, train nothing
 
     def grid_size(self) -> List[int]:
         """Tokens per axis [gd, gh, gw]."""
@@ -331,6 +335,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError("weight_decay: must be >= 0.")
     if not all(0.0 <= b < 1.0 for b in cfg.adam_betas):
         raise ConfigError(f"adam_betas: {cfg.adam_betas} must be in [0, 1).")
+    if min(cfg.collapse_min_target_std, cfg.collapse_min_rankme) < 0 or cfg.collapse_window_steps < 1:
+        raise ConfigError("collapse_min_target_std/collapse_min_rankme: must be >= 0; collapse_window_steps: >= 1.")
     if not 0.0 < cfg.rollback_lr_factor <= 1.0:
         raise ConfigError(f"rollback_lr_factor: {cfg.rollback_lr_factor} must be in (0, 1].")
     if not 0.0 <= cfg.val_fraction < 1.0:
@@ -413,6 +419,23 @@ def plan_run(cfg: Config, world_size: int, train_volumes: int) -> RunPlan:
 def config_to_dict(cfg: Config) -> dict:
     """Plain dict of every field (for config.yaml and checkpoints)."""
     return dataclasses.asdict(cfg)
+
+
+def reference_table() -> str:
+    """The README's config reference (a test keeps them equal): every field, its default and its comment here."""
+    import inspect
+    defaults = config_to_dict(Config())
+    rows = ["| field | default | meaning |", "|---|---|---|"]
+    for line in inspect.getsource(Config).splitlines():
+        section = re.match(r"\s+# --- (.+) ---$", line)
+        field_line = re.match(r"\s+(\w+): [^=]+=.*?(?:  # (.*))?$", line)
+        if section:
+            rows.append(f"| **{section.group(1)}** | | |")
+        elif field_line:
+            name, comment = field_line.group(1), field_line.group(2) or ""
+            default = yaml.safe_dump(defaults[name], default_flow_style=True).strip().removesuffix("...").strip()
+            rows.append(f"| `{name}` | `{default}` | {comment.replace('|', '&#124;')} |")
+    return "\n".join(rows)
 
 
 def save_config(cfg: Config, path: str) -> None:

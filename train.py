@@ -150,8 +150,10 @@ class RunLog:
     def __init__(self, run_dir: str, cfg: Config, active: bool):
         self.active = active
         self.run_dir = run_dir
+        self.cfg = cfg
         self.wandb_run = None
         self.history: List[dict] = []
+        self.collapsing: set = set()  # (split, metric) pairs warned about and not recovered since
         if active:
             os.makedirs(run_dir, exist_ok=True)
             self.wandb_run = start_wandb(cfg, run_dir)
@@ -166,6 +168,13 @@ class RunLog:
         if self.wandb_run is not None:
             self.wandb_run.log({f"{record['split']}/{k}": v for k, v in record.items()
                                 if k not in ("split", "step") and v is not None}, step=record["step"])
+        warnings = collapse_warnings(self.history, self.cfg)
+        for w in warnings:
+            if (w["split"], w["metric"]) not in self.collapsing:
+                self.event("collapse_warning", record["step"], **w)
+                self.print(f"WARNING step {record['step']}: {w['split']} {w['metric']} {w['reason']}: the "
+                           f"representations may be collapsing (check the EMA schedule, the LR, the masks)")
+        self.collapsing = {(w["split"], w["metric"]) for w in warnings}
 
     def event(self, kind: str, step: int, **fields) -> None:
         """Append one line to events.jsonl (skips, rollbacks, unreadable files, resumes...)."""
@@ -182,6 +191,28 @@ class RunLog:
     def close(self) -> None:
         if self.wandb_run is not None:
             self.wandb_run.finish()
+
+
+def collapse_warnings(history: List[dict], cfg: Config) -> List[dict]:
+    """Collapse signs in the newest metrics record: target_std or RankMe under its floor, or under half of its
+    highest value of the last collapse_window_steps updates (a falling loss proves nothing while they fall)."""
+    new = history[-1]
+    floors = {"target_std": cfg.collapse_min_target_std, "rankme": cfg.collapse_min_rankme}
+    found = []
+    for metric, floor in floors.items():
+        value = new.get(metric)
+        if value is None:
+            continue
+        window = [r[metric] for r in history[:-1] if r["split"] == new["split"] and r.get(metric) is not None
+                  and new["step"] - r["step"] <= cfg.collapse_window_steps]
+        if value < floor:
+            reason = f"is {value:.4g}, under the floor {floor:g}"
+        elif window and value < 0.5 * max(window):
+            reason = f"fell from {max(window):.4g} to {value:.4g} within {cfg.collapse_window_steps} updates"
+        else:
+            continue
+        found.append({"split": new["split"], "metric": metric, "value": value, "reason": reason})
+    return found
 
 
 def _json_number(v):

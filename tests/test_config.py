@@ -1,4 +1,5 @@
 """Config: YAML + flags, typed values, and one clear error per problem (incidents 3, 4, 8)."""
+import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -147,3 +148,11 @@ def test_production_config_has_the_documented_settings():
     assert cfg.image_size == [64, 384, 384] and cfg.patch_size == [4, 16, 16] and cfg.mask_ratio == 0.6
     assert cfg.global_batch_size == 32 and cfg.base_lr == 1e-4 and cfg.weight_decay == 0.05
     assert cfg.ema_base == 0.996 and cfg.epochs == 150 and cfg.use_bf16
+
+
+def test_readme_config_reference_is_every_field_as_config_py_defines_it():
+    """Regenerate with: python -c "import config; print(config.reference_table())" and paste into README.md."""
+    from config import reference_table
+    readme = (REPO / "README.md").read_text()
+    assert reference_table() in readme
+    assert all(f"| `{f.name}` |" in reference_table() for f in dataclasses.fields(Config))

@@ -163,6 +163,34 @@ def test_device_side_guard_keeps_weights_and_adam_state_exactly_when_told_to_ski
         assert torch.equal(a, b)
 
 
+# --- collapse (issue 8) ---
+
+def test_a_collapsed_target_encoder_is_flagged_by_target_std_and_rankme(tmp_path):
+    from train import RunLog, rankme
+    cfg, model, _, batch, _ = tiny_update_setup()
+    with torch.no_grad():  # constant features: the target encoder's last norm outputs zeros
+        model.target_encoder.norm.weight.zero_()
+        model.target_encoder.norm.bias.zero_()
+        out = model(batch["volume"], batch["context_idx"], batch["target_idx"])
+        tokens = model.encode(batch["volume"]).flatten(0, 1)
+    log = RunLog(str(tmp_path), cfg, active=True)
+    log.metrics({"split": "val", "step": 10, "loss": float(out.loss), "target_std": float(out.target_std),
+                 "rankme": rankme(tokens)})
+    warnings = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "collapse_warning"]
+    assert {w["metric"] for w in warnings} == {"target_std", "rankme"}
+
+
+def test_collapse_warning_when_target_std_halves_within_the_window_once_until_it_recovers(tmp_path, capsys):
+    from train import RunLog
+    cfg = load_config(["--config", SMOKE, "--collapse_window_steps", "100"])
+    log = RunLog(str(tmp_path), cfg, active=True)
+    for step, std in ((10, 0.50), (20, 0.40), (30, 0.20), (40, 0.18), (200, 0.18)):
+        log.metrics({"split": "train", "step": step, "loss": 0.1, "target_std": std})
+    events = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "collapse_warning"]
+    assert [(e["step"], e["metric"]) for e in events] == [(30, "target_std")]  # step 200: nothing in its window
+    assert capsys.readouterr().out.count("may be collapsing") == 1
+
+
 # --- real short runs ---
 
 def test_short_run_logs_every_contract_field_with_positive_grad_norms(tmp_path, smoke_phantoms):
