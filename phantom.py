@@ -41,7 +41,7 @@ from pydicom.uid import (JPEG2000, ExplicitVRBigEndian, ExplicitVRLittleEndian, 
                          JPEG2000Lossless, JPEGBaseline8Bit, RLELossless, UID, generate_uid)
 
 OPT_SOP = "1.2.840.10008.5.1.4.1.1.77.1.5.4"  # Ophthalmic Tomography Image Storage
-PHANTOM_VERSION = 1  # bump when the look or the files change: ensure_phantoms then rewrites old sets
+PHANTOM_VERSION = 2  # bump when the look or the files change: ensure_phantoms then rewrites old sets
 DEFAULT_SIZE = (32, 128, 128)  # [D, H, W]: small so that the demo and CI stay fast
 LABELS = ("none", "drusen", "fluid")
 # B-scan rows run along x, columns go down in depth (-z); B-scans are stacked along y = row x column.
@@ -79,13 +79,27 @@ STYLES: Dict[str, Style] = {
 # Layers from the vitreous down: (name, thickness as a share of the scan depth, reflectivity).
 LAYERS = (("vitreous", 0.0, 0.02), ("rnfl", 0.030, 0.80), ("gcl_ipl", 0.060, 0.45), ("inl", 0.035, 0.15),
           ("opl", 0.025, 0.50), ("onl", 0.070, 0.12), ("is_os", 0.012, 0.75), ("os", 0.020, 0.30),
-          ("rpe", 0.016, 1.00), ("drusen", 0.0, 0.35), ("choroid", 0.120, 0.45), ("sclera", 1.0, 0.15))
+          ("fluid", 0.0, 0.03), ("rpe", 0.016, 1.00), ("drusen", 0.0, 0.35), ("choroid", 0.120, 0.45),
+          ("sclera", 1.0, 0.15))
+LESION_SIGMA = (0.1, 0.2)  # en-face radius of a lesion (volume width = 2)
+LESION_HEIGHT = (0.015, 0.04)  # peak height as a share of the scan depth
 FOVEA_THINNED = ("rnfl", "gcl_ipl", "inl", "opl")  # the inner retina that the foveal pit pushes aside
+
+
+def lesion_thickness(z: np.ndarray, x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Thickness [D,W] (share of the scan depth) of one or two small dome-shaped lesions at random places."""
+    domes = np.zeros((z.shape[0], x.shape[1]), np.float32)
+    for _ in range(rng.integers(1, 3)):
+        cz, cx = rng.uniform(-0.7, 0.7, 2)
+        sigma, height = rng.uniform(*LESION_SIGMA), rng.uniform(*LESION_HEIGHT)
+        domes += height * np.exp(-((z - cz) ** 2 + (x - cx) ** 2) / (2 * sigma ** 2))
+    return domes
 
 
 def synth_reflectivity(shape: Sequence[int], rng: np.random.Generator, label: str = "none") -> np.ndarray:
     """Display intensity in [0, 1], float32 [D, H, W] (B-scans, depth, lateral), of a macular OCT cube."""
     D, H, W = shape
+    lesion_rng = np.random.default_rng(rng.integers(2 ** 63))  # the same retina whatever the label
     z = np.linspace(-1, 1, D, dtype=np.float32)[:, None]  # [D,1]
     x = np.linspace(-1, 1, W, dtype=np.float32)[None, :]  # [1,W]
     fovea = rng.uniform(-0.15, 0.15, 2)
@@ -104,13 +118,10 @@ def synth_reflectivity(shape: Sequence[int], rng: np.random.Generator, label: st
     dip = inner.max() - inner  # the surface dips at the fovea while the RPE below stays smooth
     top = 0.2 + 0.06 * (z ** 2 + x ** 2) + rng.uniform(-0.03, 0.03) + dip  # [D,W] retina surface
     k = {name: i for i, (name, _, _) in enumerate(LAYERS[1:-1])}  # thickness[k[n]]; lower boundary bounds[k[n] + 1]
-    if label == "drusen":  # RPE lifted by small bumps; the space below it holds drusen material
-        bumps = np.zeros((D, W), np.float32)
-        for _ in range(rng.integers(2, 5)):
-            cz, cx, size = rng.uniform(-0.7, 0.7), rng.uniform(-0.7, 0.7), rng.uniform(0.01, 0.03)
-            bumps += rng.uniform(0.015, 0.03) * np.exp(-((z - cz) ** 2 + (x - cx) ** 2) / size)
-        thickness[k["drusen"]] += bumps
-        thickness[k["onl"]] = np.maximum(thickness[k["onl"]] - bumps, 0.01)  # the ONL above gives way
+    if label != "none":  # RPE lifted over drusen, or the retina lifted off the RPE by fluid; the ONL gives way
+        lesions = lesion_thickness(z, x, lesion_rng)
+        thickness[k[label]] += lesions
+        thickness[k["onl"]] = np.maximum(thickness[k["onl"]] - lesions, 0.01)
     bounds = top[None] + np.cumsum(thickness, axis=0)  # [K,D,W] lower boundary of each layer but the last
     bounds = np.concatenate([top[None], bounds])
     y = np.linspace(0, 1, H, dtype=np.float32)[None, :, None]  # [1,H,1]
@@ -119,16 +130,6 @@ def synth_reflectivity(shape: Sequence[int], rng: np.random.Generator, label: st
         layer += y >= b[:, None, :]
     refl = np.array([r for _, _, r in LAYERS], np.float32)[layer]  # [D,H,W]
     refl *= 1.0 + 0.15 * np.sin(40 * y + 6 * z[:, :, None])  # choroidal / layer texture
-
-    if label == "fluid":  # dark, roughly ellipsoidal pockets in the outer retina
-        for _ in range(rng.integers(1, 3)):
-            c = np.array([rng.uniform(-0.6, 0.6), rng.uniform(-0.6, 0.6)])
-            iz, ix = int((c[0] + 1) / 2 * (D - 1)), int((c[1] + 1) / 2 * (W - 1))
-            depth = bounds[k["opl"] + 1, iz, ix] + rng.uniform(0.0, 0.03)  # below the OPL, in the ONL
-            rz, rx, ry = rng.uniform(0.06, 0.15), rng.uniform(0.06, 0.15), rng.uniform(0.012, 0.025)
-            inside = ((z[:, :, None] - c[0]) / rz) ** 2 + ((x[:, None, :] - c[1]) / rx) ** 2 \
-                + ((y - depth) / ry) ** 2  # [D,H,W]
-            refl = np.where(inside < 1.0, refl * 0.15, refl)
 
     # Superficial vessels shadow everything below the nerve fibre layer.
     shadow = np.zeros((D, W), np.float32)

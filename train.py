@@ -3,7 +3,7 @@
     python train.py                                   # the built-in demo (phantoms, CPU, a few minutes)
     python train.py --config configs/pretrain_single_domain.yaml --data_root gs://bucket/oct
     python train.py --config ... --dry_run            # preflight: sizes, FLOPs, memory, schedules; runs nothing
-    torchrun --nproc_per_node=8 train.py --config ... # DDP on GPUs
+    torchrun --standalone --nproc_per_node=8 train.py --config ...   # DDP on one machine
 
 Outputs go to out_dir/run_name/: config.yaml, metrics.jsonl, events.jsonl, checkpoints/, plots.
 Exit codes: 0 done, 2 bad config, 3 no usable data, 4 diverged beyond recovery.

@@ -407,3 +407,33 @@ def test_wandb_offline_history_matches_metrics_jsonl(tmp_path, smoke_phantoms):
         for key, value in m.items():
             if key not in ("split", "step") and value is not None:
                 assert row[f"{m['split']}/{key}"] == pytest.approx(value), (m["step"], key)
+
+
+@pytest.mark.slow
+def test_checkpoints_go_to_gs_and_the_run_resumes_from_there(tmp_path, smoke_phantoms, gcs_emulator):
+    ckpt_dir = f"gs://{gcs_emulator.bucket}/ckpts/{tmp_path.name}"
+    flags = smoke_flags(tmp_path, smoke_phantoms, "--ckpt_dir", ckpt_dir, "--ckpt_every_steps", "2")
+    assert main([*flags, "--max_steps", "4"]) == 0
+    assert [p.rsplit("/", 1)[1] for p in list_checkpoints(ckpt_dir)] == ["step_0000004.pt", "step_0000002.pt"]
+    assert read_checkpoint(list_checkpoints(ckpt_dir)[0])["train_state"]["step"] == 4
+    assert main([*flags, "--max_steps", "6", "--resume", "auto"]) == 0
+    resumed = [e for e in read_jsonl(tmp_path / "runs" / "r" / "events.jsonl") if e["event"] == "resume"]
+    assert resumed[-1]["path"] == f"{ckpt_dir}/step_0000004.pt"
+    assert [r["step"] for r in train_lines(tmp_path / "runs" / "r")][-2:] == [5, 6]
+
+
+@pytest.mark.slow
+def test_bench_quick_mode_reports_every_figure(tmp_path):
+    out = tmp_path / "bench.json"
+    result = subprocess.run([sys.executable, str(REPO / "bench.py"), "all", "--quick", "--json", str(out)], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert {"git_commit", "versions", "device", "train_config", "data_config"} <= set(report)
+    train = report["train"]
+    assert {"samples_per_s", "tokens_per_s", "step_time_s_median", "step_time_spread", "model_flops_per_sample",
+            "achieved_flops", "matmul_peak_flops", "mfu", "peak_memory_bytes_per_sample"} <= set(train)
+    assert 0 < train["mfu"] < 1 and train["samples_per_s"] > 0 and math.isfinite(train["loss"])
+    data = report["data"]
+    assert {"decode_vol_s", "uncached_vol_s", "cached_vol_s"} <= set(data["per_syntax"]["JPEG 2000 lossless 8-bit"])
+    assert data["loader"]["vol_s"] > 0
