@@ -37,7 +37,7 @@ from pydicom.uid import JPEG2000, ExplicitVRLittleEndian, JPEG2000Lossless, JPEG
 import train
 from config import ConfigError, config_to_dict, load_config, load_yaml, parse_flags
 from data import OCTDataset, load_prepared, make_loader, mask_generator_from_config
-from model import VJEPA3D, activation_bytes_per_sample, training_flops_per_sample
+from model import VJEPA3D, activation_bytes_per_sample, training_flops_per_sample, transformer_flops
 from phantom import STYLES, quantize, spacing_for, synth_reflectivity, write_oct
 
 SYNTAXES = (("uncompressed 8-bit", ExplicitVRLittleEndian, 8), ("uncompressed 16-bit", ExplicitVRLittleEndian, 16),
@@ -197,6 +197,26 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def plain_vit_flops(model: VJEPA3D, volume: torch.Tensor, cfg, rt: train.Runtime, warmup: int, repeats: int) -> float:
+    """FLOP/s of the context encoder alone over all tokens, forward and backward: what a plain ViT of the
+    model's width reaches on this device (the ceiling for the JEPA update's extras to be measured against)."""
+    def step():
+        with torch.autocast(rt.kind, dtype=torch.bfloat16, enabled=cfg.use_bf16):
+            model.encoder(volume).float().pow(2).mean().backward()
+        train.mark_step(rt)
+
+    for _ in range(warmup):
+        step()
+    synchronize(rt)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        step()
+    synchronize(rt)
+    model.zero_grad(set_to_none=True)
+    flops = 3 * transformer_flops(cfg.num_tokens(), cfg.embed_dim, cfg.depth, cfg.mlp_ratio) * len(volume)
+    return flops * repeats / (time.perf_counter() - start)
+
+
 def bench_train(cfg, warmup: int, repeats: int) -> dict:
     """Step time, samples/s, tokens/s, model FLOP/s and MFU, and peak memory of train.py's training update."""
     rt = train.setup_runtime(cfg)
@@ -230,6 +250,7 @@ def bench_train(cfg, warmup: int, repeats: int) -> dict:
     step = float(np.median(times))
     flops = training_flops_per_sample(cfg)["total"]
     peak = matmul_peak_flops(rt, dtype, seconds=max(1.0, 3 * step) if repeats > 3 else 0.5)
+    plain = plain_vit_flops(model, batch["volume"], cfg, rt, warmup, repeats)
     n_context, n_target = cfg.token_counts()
     tokens = n_context + n_target
     heads_attention_bytes = tokens ** 2 * cfg.num_heads * (2 if cfg.use_bf16 else 4)
@@ -241,6 +262,7 @@ def bench_train(cfg, warmup: int, repeats: int) -> dict:
            "samples_per_s": batch_size / step, "tokens_per_s": batch_size * tokens / step,
            "model_flops_per_sample": flops, "achieved_flops": flops * batch_size / step,
            "matmul_peak_flops": peak, "mfu": flops * batch_size / step / peak,
+           "plain_vit_flops": plain, "plain_vit_mfu": plain / peak,
            "peak_memory_bytes": memory, "peak_memory_bytes_per_sample": memory / batch_size,
            "memory_measure": "cuda max_memory_allocated" if rt.kind == "cuda" else "peak RSS growth",
            "activation_bytes_per_sample_estimate": activation_bytes_per_sample(cfg),
@@ -250,7 +272,8 @@ def bench_train(cfg, warmup: int, repeats: int) -> dict:
           f"{out['parameters']:,} params): {step * 1e3:.1f} ms median ({min(times) * 1e3:.1f}-{max(times) * 1e3:.1f}), "
           f"{out['samples_per_s']:.2f} samples/s, {out['tokens_per_s']:,.0f} tokens/s\n"
           f"model {flops / 1e9:.2f} GFLOP/sample -> {out['achieved_flops'] / 1e9:.1f} GFLOP/s of a "
-          f"{peak / 1e9:.1f} GFLOP/s {out['dtype']} matmul peak = {100 * out['mfu']:.1f}% MFU\n"
+          f"{peak / 1e9:.1f} GFLOP/s {out['dtype']} matmul peak = {100 * out['mfu']:.1f}% MFU (a plain ViT encoder "
+          f"of this width: {100 * out['plain_vit_mfu']:.1f}%)\n"
           f"peak memory {memory / 2 ** 30:.2f} GiB ({out['memory_measure']}), {memory / batch_size / 2 ** 30:.2f} "
           f"GiB/sample; one materialised attention matrix would be {heads_attention_bytes / 2 ** 30:.2f} GiB per layer",
           flush=True)

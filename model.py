@@ -268,7 +268,7 @@ def _init_weights(m: nn.Module) -> None:
         nn.init.zeros_(m.bias)
 
 
-def _transformer_flops(tokens: int, dim: int, depth: int, mlp_ratio: float) -> float:
+def transformer_flops(tokens: int, dim: int, depth: int, mlp_ratio: float) -> float:
     """Forward FLOPs of `depth` blocks over `tokens` tokens: matmuls (qkv, proj, mlp) and attention (QK^T, AV)."""
     linear = 2 * tokens * dim * dim * (4 + 2 * mlp_ratio)
     attention = 2 * 2 * tokens * tokens * dim
@@ -284,10 +284,10 @@ def training_flops_per_sample(cfg) -> dict:
     n = n_context + n_target
     patch_voxels = math.prod(cfg.patch_size)
     embed = 2 * n * patch_voxels * cfg.embed_dim
-    context = _transformer_flops(n_context, cfg.embed_dim, cfg.depth, cfg.mlp_ratio)
-    predictor = (_transformer_flops(n, cfg.pred_embed_dim, cfg.pred_depth, cfg.mlp_ratio)
+    context = transformer_flops(n_context, cfg.embed_dim, cfg.depth, cfg.mlp_ratio)
+    predictor = (transformer_flops(n, cfg.pred_embed_dim, cfg.pred_depth, cfg.mlp_ratio)
                  + 2 * n_context * cfg.embed_dim * cfg.pred_embed_dim + 2 * n_target * cfg.pred_embed_dim * cfg.embed_dim)
-    target = embed + _transformer_flops(n, cfg.embed_dim, cfg.depth, cfg.mlp_ratio)
+    target = embed + transformer_flops(n, cfg.embed_dim, cfg.depth, cfg.mlp_ratio)
     total = 2 * embed + 3 * (context + predictor) + target
     return {"context_encoder": 2 * embed + 3 * context, "predictor": 3 * predictor, "target_encoder": target,
             "total": total}

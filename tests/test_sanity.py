@@ -1,124 +1,230 @@
-"""sanity.py: it passes on a healthy setup, and each check fails when the thing it guards is broken."""
+"""sanity.py: every check passes on a healthy setup and fails, with its cause and exit code 1, when the thing it
+guards is broken the way DESIGN.md's incidents broke it; the LR sweep tells a stable LR from an exploding one."""
+import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 import data
+import model
 import sanity
 import train
-from model import VJEPA3D
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = str(REPO / "configs" / "smoke.yaml")
 
 
-def run_sanity(smoke_phantoms, tmp_path, *args):
-    return sanity.main(["--config", SMOKE, "--phantom_dir", smoke_phantoms, "--out_dir", str(tmp_path), *args])
+def run_sanity(capsys, tmp_path, phantoms, *flags):
+    """(exit code, stdout + stderr) of `python sanity.py --config smoke.yaml ...`, run in-process."""
+    code = sanity.main(["--config", SMOKE, "--phantom_dir", phantoms, "--out_dir", str(tmp_path), *flags])
+    out = capsys.readouterr()
+    return code, out.out + out.err
 
 
-@pytest.mark.slow
-def test_sanity_passes_on_the_demo_config(smoke_phantoms, tmp_path):
-    """`python sanity.py` as a user runs it (the demo config; only the phantom set is the tests' own)."""
-    result = subprocess.run([sys.executable, str(REPO / "sanity.py"), "--phantom_dir", smoke_phantoms,
-                             "--phantom_count", "16"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "all checks passed" in result.stdout and "FAIL" not in result.stdout
-    for name in ("LR schedule", "EMA momentum", "input normalization", "masks", "model outputs", "overfit",
-                 "grad norm", "EMA training", "checkpoint round trip"):
-        assert name in result.stdout
+def row(output, name):
+    """The table row of one check."""
+    return next(line for line in output.splitlines() if line.startswith(f"{name} "))
 
 
-def test_sanity_fails_a_schedule_that_restarts(smoke_phantoms, tmp_path, monkeypatch, capsys):
-    real = train.lr_at
-    monkeypatch.setattr(train, "lr_at", lambda step, cfg, plan: real(step % 50, cfg, plan))  # incident 2
-    assert run_sanity(smoke_phantoms, tmp_path, "--checks", "lr_schedule", "--max_steps", "200") == 1
-    assert "restart" in capsys.readouterr().out
+def test_sanity_passes_its_quick_checks_on_a_healthy_setup(capsys, tmp_path, smoke_phantoms):
+    quick = ["lr_schedule", "ema_schedule", "inputs", "masks", "model", "checkpoint"]  # the others: the CLI test
+    code, out = run_sanity(capsys, tmp_path, smoke_phantoms, "--checks", ",".join(quick))
+    assert code == 0, out
+    assert all("PASS" in row(out, name) for name in quick) and "all checks passed" in out
 
 
-def test_sanity_fails_an_lr_that_is_0_after_the_first_update(smoke_phantoms, tmp_path, monkeypatch, capsys):
-    real = train.lr_at
-    monkeypatch.setattr(train, "lr_at", lambda step, cfg, plan: real(step, cfg, plan) if step == 0 else 0.0)
-    assert run_sanity(smoke_phantoms, tmp_path, "--checks", "lr_schedule") == 1
-    assert "LR is 0 at update 1" in capsys.readouterr().out  # incident 3
+# --- LR and EMA schedules of the full run (incidents 2, 3, 12) ---
+
+def test_sanity_fails_when_the_lr_schedule_restarts(capsys, tmp_path, smoke_phantoms, monkeypatch):
+    def restarting(step, cfg, plan):  # incident 2: a per-epoch cosine stepped per update restarts every 3 updates
+        return train.cosine_ramp(step % 3, 0, 3, cfg.base_lr, cfg.min_lr)
+    monkeypatch.setattr(train, "lr_at", restarting)
+    code, out = run_sanity(capsys, tmp_path, smoke_phantoms, "--checks", "lr_schedule")
+    assert code == 1
+    assert "FAIL" in row(out, "lr_schedule")
+    assert "LR rises again at update 3" in out and "a restart" in out
 
 
-def test_sanity_fails_when_gradients_are_zeroed_before_measuring(smoke_phantoms, tmp_path, monkeypatch, capsys):
-    real = train.clip_and_measure
+def test_sanity_fails_when_the_lr_is_zero_after_the_first_update(capsys, tmp_path, smoke_phantoms, monkeypatch):
+    def disabled_scheduler(step, cfg, plan):  # incident 3: LambdaLR switched off left the LR at 0
+        return cfg.base_lr if step == 0 else 0.0
+    monkeypatch.setattr(train, "lr_at", disabled_scheduler)
+    code, out = run_sanity(capsys, tmp_path, smoke_phantoms, "--checks", "lr_schedule")
+    assert code == 1
+    assert "LR is 0 at update 1" in out and "incident 3" in out
+
+
+def test_sanity_fails_on_a_config_whose_lr_is_zero_even_past_validation(capsys, tmp_path, smoke_phantoms,
+                                                                         monkeypatch):
+    import config
+    monkeypatch.setattr(config, "validate", lambda cfg: None)
+    code, out = run_sanity(capsys, tmp_path, smoke_phantoms, "--checks", "lr_schedule", "--schedule", "constant",
+                           "--warmup_steps", "0", "--base_lr", "0")
+    assert code == 1
+    assert "LR is 0 at update 0" in out
+
+
+def test_sanity_rejects_a_config_whose_lr_would_end_at_zero_with_exit_2(capsys, tmp_path, smoke_phantoms):
+    code, out = run_sanity(capsys, tmp_path, smoke_phantoms, "--min_lr", "0")
+    assert code == 2
+    assert "config error: min_lr" in out
+
+
+def test_sanity_fails_when_the_ema_momentum_falls_or_passes_one(capsys, tmp_path, smoke_phantoms, monkeypatch):
+    monkeypatch.setattr(train, "ema_at", lambda step, cfg, plan: 1.001 - 0.001 * step)
+    code, out = run_sanity(capsys, tmp_path, smoke_phantoms, "--checks", "ema_schedule")
+    assert code == 1
+    assert "FAIL" in row(out, "ema_schedule") and "falls at update 1" in out
+
+
+# --- training signals (incidents 1, 12) ---
+
+def test_sanity_fails_when_gradients_are_zeroed_before_measuring(capsys, tmp_path, smoke_phantoms, monkeypatch):
+    measure = train.clip_and_measure
 
     def measured_after_zero_grad(model, cfg):  # incident 1
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.zero_()
-        return real(model, cfg)
-
+        model.zero_grad(set_to_none=False)
+        return measure(model, cfg)
     monkeypatch.setattr(train, "clip_and_measure", measured_after_zero_grad)
-    assert run_sanity(smoke_phantoms, tmp_path, "--checks", "overfit") == 1
-    out = capsys.readouterr().out
-    assert "FAIL grad norm" in out and "gradients are measured after zero_grad" in out
+    monkeypatch.setattr(sanity, "OVERFIT_UPDATES", 20)  # the run the grad norms come from: shorter, same verdict
+    code, out = run_sanity(capsys, tmp_path, smoke_phantoms, "--checks", "grad_norm")
+    assert code == 1
+    assert "FAIL" in row(out, "grad_norm")
+    assert "grad_norm is 0 at 20 of 20 updates" in out and "gradients are measured after zero_grad" in out
 
 
-def test_sanity_fails_unnormalized_inputs(smoke_phantoms, tmp_path, monkeypatch, capsys):
-    real = data.to_sample
-    monkeypatch.setattr(data, "to_sample", lambda *args, **kwargs: real(*args, **kwargs) * 300 + 2000)  # incident 5
-    assert run_sanity(smoke_phantoms, tmp_path, "--checks", "inputs") == 1
-    assert "not normalized" in capsys.readouterr().out
+def test_sanity_fails_when_the_optimizer_never_steps(capsys, tmp_path, smoke_phantoms, monkeypatch):
+    monkeypatch.setattr(train, "optimizer_step", lambda optimizer, lr, wd: None)
+    monkeypatch.setattr(sanity, "OVERFIT_UPDATES", 30)  # shorter runs, same verdict: the loss never moves
+    monkeypatch.setattr(sanity, "EMA_UPDATES", 30)
+    code, out = run_sanity(capsys, tmp_path, smoke_phantoms, "--checks", "overfit,ema_training")
+    assert code == 1
+    assert "FAIL" in row(out, "overfit") and "FAIL" in row(out, "ema_training")
+    assert "the model cannot fit one batch" in out
 
 
-def test_sanity_fails_a_mask_of_the_wrong_shape(smoke_phantoms, tmp_path, monkeypatch, capsys):
-    real = data.MaskGenerator.__call__
-
-    def short_context(self, rng):  # incident 6
-        context, target = real(self, rng)
-        return context[:-1], target
-
-    monkeypatch.setattr(data.MaskGenerator, "__call__", short_context)
-    assert run_sanity(smoke_phantoms, tmp_path, "--checks", "masks") == 1
-    out = capsys.readouterr().out
-    assert "FAIL masks" in out and "shapes" in out
+def test_sanity_fails_when_the_target_collapses_to_a_constant(capsys, tmp_path, smoke_phantoms, monkeypatch):
+    def constant_target(self, volume, target_idx):  # the loss falls to 0 and means nothing (incident 12)
+        return torch.zeros(*target_idx.shape, self.target_encoder.norm.normalized_shape[0])
+    monkeypatch.setattr(model.VJEPA3D, "target_features", constant_target)
+    code, out = run_sanity(capsys, tmp_path, smoke_phantoms, "--checks", "ema_training")
+    assert code == 1
+    assert "min target_std 0.000" in row(out, "ema_training")
+    assert "collapse to a constant" in out
 
 
-def test_sanity_fails_a_target_encoder_that_receives_gradients(smoke_phantoms, tmp_path, monkeypatch, capsys):
-    real = sanity.fresh_model
+def test_sanity_fails_when_the_target_encoder_receives_gradients(capsys, tmp_path, smoke_phantoms, monkeypatch):
+    build = model.VJEPA3D.from_config
 
-    def leaky_model(cfg):  # incident 12: the target must move only through the EMA
-        model = real(cfg)
-        model.target_encoder.requires_grad_(True)
-        model.target_features = VJEPA3D.target_features.__wrapped__.__get__(model)  # without torch.no_grad
-        return model
-
-    monkeypatch.setattr(sanity, "fresh_model", leaky_model)
-    assert run_sanity(smoke_phantoms, tmp_path, "--checks", "model") == 1
-    assert "target-encoder tensors receive gradients" in capsys.readouterr().out
-
-
-def test_sanity_fails_a_checkpoint_that_forgets_the_optimizer_state(smoke_phantoms, tmp_path, monkeypatch, capsys):
-    def forgetful_restore(ckpt, model, optimizer, state):
-        model.load_state_dict(ckpt["model"])
-
-    monkeypatch.setattr(train, "restore", forgetful_restore)
-    assert run_sanity(smoke_phantoms, tmp_path, "--checks", "checkpoint") == 1
-    assert "FAIL checkpoint round trip" in capsys.readouterr().out
+    def trainable_target(cfg):
+        m = build(cfg)
+        m.target_encoder.requires_grad_(True)
+        return m
+    monkeypatch.setattr(model.VJEPA3D, "from_config", staticmethod(trainable_target))
+    monkeypatch.setattr(model.VJEPA3D, "target_features", model.VJEPA3D.target_features.__wrapped__)  # no no_grad
+    code, out = run_sanity(capsys, tmp_path, smoke_phantoms, "--checks", "model")
+    assert code == 1
+    assert "FAIL" in row(out, "model")
+    assert "target-encoder tensors take gradients" in out and "changed the target encoder" in out
 
 
-def test_sanity_passes_its_quick_checks_on_the_smoke_config(smoke_phantoms, tmp_path, capsys):
-    assert run_sanity(smoke_phantoms, tmp_path, "--checks", "lr_schedule,ema_schedule,inputs,masks,model") == 0
-    assert "all checks passed" in capsys.readouterr().out
+# --- inputs and masks (incidents 5, 6) ---
+
+def test_sanity_fails_on_unnormalized_inputs(capsys, tmp_path, smoke_phantoms, monkeypatch):
+    monkeypatch.setattr(data, "to_sample", lambda prepared, cfg, rng, train: torch.from_numpy(
+        np.asarray(prepared, np.float32))[None])  # raw 0..65535 intensities (incident 5)
+    code, out = run_sanity(capsys, tmp_path, smoke_phantoms, "--checks", "inputs")
+    assert code == 1
+    assert "FAIL" in row(out, "inputs") and "not normalized per volume" in out
 
 
-def test_unknown_check_name_is_a_config_error(smoke_phantoms, tmp_path, capsys):
-    assert run_sanity(smoke_phantoms, tmp_path, "--checks", "mask") == 2
-    assert "--checks takes names from" in capsys.readouterr().err
+def test_sanity_fails_when_masks_are_dhw_grids_instead_of_index_lists(capsys, tmp_path, smoke_phantoms,
+                                                                      monkeypatch):
+    sample = data.MaskGenerator.__call__
+
+    def grid_masks(self, rng):  # incident 6: [D,H,W] masks instead of [num_tokens] index lists
+        context, target = sample(self, rng)
+        is_target = np.zeros(self.num_tokens, np.int64)
+        is_target[target] = 1
+        return (1 - is_target).reshape(self.grid), is_target.reshape(self.grid)
+    monkeypatch.setattr(data.MaskGenerator, "__call__", grid_masks)
+    code, out = run_sanity(capsys, tmp_path, smoke_phantoms, "--checks", "masks,model")
+    assert code == 1
+    assert "loader batch: shapes [2, 2, 4, 4] / [2, 2, 4, 4], expected [2, 13] / [2, 19]" in out
+    assert "FAIL" in row(out, "model") and "ValueError: context_idx: expected shape" in out
+
+
+# --- checkpoints ---
+
+def test_sanity_fails_when_a_checkpoint_loses_the_optimizer_state(capsys, tmp_path, smoke_phantoms, monkeypatch):
+    save_state = train.checkpoint_state
+
+    def without_optimizer_state(*args):
+        state = save_state(*args)
+        state["optimizer"]["state"] = {}
+        return state
+    monkeypatch.setattr(train, "checkpoint_state", without_optimizer_state)
+    code, out = run_sanity(capsys, tmp_path, smoke_phantoms, "--checks", "checkpoint")
+    assert code == 1
+    assert "weights differ" in row(out, "checkpoint") and "a resumed run would not continue" in out
+
+
+# --- real data, command line ---
+
+def test_sanity_scans_real_data_and_shows_the_reject_table(capsys, tmp_path, smoke_phantoms, phantom_dir):
+    code, out = run_sanity(capsys, tmp_path, smoke_phantoms, "--checks", "data", "--data_root", phantom_dir)
+    assert code == 0, out
+    assert "PASS" in row(out, "data")
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for dcm in sorted(Path(phantom_dir).glob("*.dcm"))[:2]:
+        shutil.copy(dcm, broken)
+        for i in range(2):  # interrupted uploads
+            (broken / f"cut{i}_{dcm.name}").write_bytes(dcm.read_bytes()[:3000])
+    code, out = run_sanity(capsys, tmp_path, smoke_phantoms, "--checks", "data", "--data_root", str(broken))
+    assert code == 1
+    assert "2 usable volumes, 4 bad files in 6 of 6 files" in row(out, "data")
+    assert "truncated       4" in out and f"python data.py scan {broken}" in out
+
+
+def test_sanity_names_the_field_of_a_bad_flag_with_exit_2(capsys, tmp_path, smoke_phantoms):
+    code, out = run_sanity(capsys, tmp_path, smoke_phantoms, "--checks", "overfit,gradnorm")
+    assert code == 2 and "checks: gradnorm; choose from" in out
+    code, out = run_sanity(capsys, tmp_path, smoke_phantoms, "--ckpt_dir", "None", "--base_lr", "x")
+    assert code == 2 and "base_lr" in out
+    code, out = run_sanity(capsys, tmp_path, smoke_phantoms, "--lr_sweep", "1e-3,fast")
+    assert code == 2 and "lr_sweep" in out
+
+
+# --- LR sweep (incident 4) ---
+
+@pytest.mark.slow
+def test_lr_sweep_picks_a_stable_lr_and_marks_an_exploding_one_unstable(capsys, tmp_path, smoke_phantoms):
+    code, out = run_sanity(capsys, tmp_path, smoke_phantoms, "--lr_sweep", "[1e-3,1e-1]")
+    assert code == 0, out
+    lines = {line.split()[0]: line for line in out.splitlines() if line.strip().startswith("1.0e-")}
+    assert lines["1.0e-03"].endswith("stable") and lines["1.0e-01"].endswith("UNSTABLE")
+    assert "recommended base_lr: 0.001" in out
+    assert (tmp_path / "lr_sweep.png").stat().st_size > 0 and f"loss curves: {tmp_path}/lr_sweep.png" in out
+
+
+def test_lr_sweep_takes_its_default_grid_without_a_value():
+    names, sweep, flags = sanity.split_flags(["--lr_sweep", "--config", "x.yaml"])
+    assert names is None and sweep == sanity.DEFAULT_SWEEP and flags == ["--config", "x.yaml"]
+    assert sanity.split_flags(["--lr_sweep=1e-4,3e-4"])[1] == [1e-4, 3e-4]
+    assert math.isclose(sanity.split_flags(["--lr_sweep", "[5e-4]"])[1][0], 5e-4)
 
 
 @pytest.mark.slow
-def test_lr_sweep_recommends_a_stable_lr_and_marks_an_exploding_one(smoke_phantoms, tmp_path, capsys):
-    torch.manual_seed(0)
-    assert run_sanity(smoke_phantoms, tmp_path, "--lr_sweep", "1e-4,3e-4,1e-1") == 0
-    out = capsys.readouterr().out
-    rows = {line.split()[0]: line for line in out.splitlines() if line.strip().startswith(("1.0e", "3.0e"))}
-    assert rows["1.0e-01"].endswith("UNSTABLE") and rows["3.0e-04"].endswith("stable")
-    assert "recommended base_lr: 0.0003" in out
-    assert (tmp_path / "lr_sweep.png").exists()
+def test_sanity_cli_passes_on_the_demo_config(tmp_path, smoke_phantoms):
+    """`python sanity.py` as a user runs it: the demo config (only the phantom set is the tests' own)."""
+    proc = subprocess.run([sys.executable, str(REPO / "sanity.py"), "--phantom_dir", smoke_phantoms,
+                           "--phantom_count", "16"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "all checks passed" in proc.stdout and "FAIL" not in proc.stdout

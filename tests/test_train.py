@@ -432,7 +432,7 @@ def test_bench_quick_mode_reports_every_figure(tmp_path):
     assert {"git_commit", "versions", "device", "train_config", "data_config"} <= set(report)
     train = report["train"]
     assert {"samples_per_s", "tokens_per_s", "step_time_s_median", "step_time_spread", "model_flops_per_sample",
-            "achieved_flops", "matmul_peak_flops", "mfu", "peak_memory_bytes_per_sample"} <= set(train)
+            "achieved_flops", "matmul_peak_flops", "mfu", "plain_vit_mfu", "peak_memory_bytes_per_sample"} <= set(train)
     assert 0 < train["mfu"] < 1 and train["samples_per_s"] > 0 and math.isfinite(train["loss"])
     data = report["data"]
     assert {"decode_vol_s", "uncached_vol_s", "cached_vol_s"} <= set(data["per_syntax"]["JPEG 2000 lossless 8-bit"])
