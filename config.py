@@ -83,6 +83,8 @@ class Config:
     log_every_steps: int = 10  # metrics line every N updates (on XLA also how often the host reads the device)
     val_every_steps: int = 100  # validation (loss, target_std, RankMe) every N updates and at the end
     val_batches: int = 4  # val batches per validation (fixed crops and masks)
+    probe_every_steps: Optional[int] = None  # linear probe of the target encoder every N updates (probe.py); None = off
+    probe_labels: Optional[str] = None  # labels.csv (path,label) for probe_every_steps; None = labelled phantoms
     collapse_min_target_std: float = 0.05  # warn (events.jsonl, console) when target_std falls under this
     collapse_min_rankme: float = 2.0  # warn when val RankMe falls under this
     collapse_window_steps: int = 1000  # warn when either falls under half its best of this many updates
@@ -126,7 +128,7 @@ CHOICES = {
 LIST_LENGTHS = {"image_size": 3, "patch_size": 3, "target_spacing": 3, "clip_percentiles": 2,
                 "mask_block_scale": 2, "adam_betas": 2}
 # Fields naming a file, folder or URL: the string "None" there is a YAML/shell slip, never a path (incident 8).
-PATH_FIELDS = ("data_root", "manifest_path", "index_path", "phantom_dir", "cache_dir", "ckpt_dir",
+PATH_FIELDS = ("data_root", "manifest_path", "index_path", "phantom_dir", "cache_dir", "ckpt_dir", "probe_labels",
                "out_dir", "resume")
 NULL_WORDS = ("none", "null", "~")
 
@@ -335,6 +337,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError("weight_decay: must be >= 0.")
     if not all(0.0 <= b < 1.0 for b in cfg.adam_betas):
         raise ConfigError(f"adam_betas: {cfg.adam_betas} must be in [0, 1).")
+    if cfg.probe_every_steps is not None and cfg.probe_every_steps < 1:
+        raise ConfigError(f"probe_every_steps: {cfg.probe_every_steps} must be >= 1, or none to turn probing off.")
     if min(cfg.collapse_min_target_std, cfg.collapse_min_rankme) < 0 or cfg.collapse_window_steps < 1:
         raise ConfigError("collapse_min_target_std/collapse_min_rankme: must be >= 0; collapse_window_steps: >= 1.")
     if not 0.0 < cfg.rollback_lr_factor <= 1.0:

@@ -3,8 +3,10 @@
     python phantom.py [DIR] [--n N] [--size D,H,W] [--seed S]      # default: data/phantoms, 48 volumes
 
 A phantom looks like a macular OCT cube: curved retinal layers of different reflectivity with a foveal pit,
-speckle, shadows under superficial vessels and, for some volumes, subtle pathology (drusen-like RPE bumps or
-fluid pockets at random places) whose label is written to DIR/labels.csv (path,label: none/drusen/fluid).
+speckle, shadows under superficial vessels and, for some volumes, subtle pathology whose label is written to
+DIR/labels.csv (path,label: none/drusen/fluid): small domes scattered at random places, of drusen (the RPE
+lifted over medium-bright material) or of subretinal fluid (the retina lifted off the RPE by a dark gap). The
+lesions change no global statistic, and the same seed gives the same retina whatever the label.
 Each volume is an Ophthalmic Tomography Image Storage object in the style of one device:
 
 | style           | maker, model                        | encoding                      | spacing tags          |
@@ -81,16 +83,17 @@ LAYERS = (("vitreous", 0.0, 0.02), ("rnfl", 0.030, 0.80), ("gcl_ipl", 0.060, 0.4
           ("opl", 0.025, 0.50), ("onl", 0.070, 0.12), ("is_os", 0.012, 0.75), ("os", 0.020, 0.30),
           ("fluid", 0.0, 0.03), ("rpe", 0.016, 1.00), ("drusen", 0.0, 0.35), ("choroid", 0.120, 0.45),
           ("sclera", 1.0, 0.15))
-LESION_SIGMA = (0.1, 0.2)  # en-face radius of a lesion (volume width = 2)
-LESION_HEIGHT = (0.015, 0.04)  # peak height as a share of the scan depth
+LESION_COUNT = (4, 9)  # lesions per diseased eye: scattered, so that the context of a masked block shows them too
+LESION_SIGMA = (0.08, 0.15)  # en-face radius of a lesion (volume width = 2)
+LESION_HEIGHT = (0.01, 0.03)  # peak height as a share of the scan depth
 FOVEA_THINNED = ("rnfl", "gcl_ipl", "inl", "opl")  # the inner retina that the foveal pit pushes aside
 
 
 def lesion_thickness(z: np.ndarray, x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """Thickness [D,W] (share of the scan depth) of one or two small dome-shaped lesions at random places."""
+    """Thickness [D,W] (share of the scan depth) of small dome-shaped lesions at random places."""
     domes = np.zeros((z.shape[0], x.shape[1]), np.float32)
-    for _ in range(rng.integers(1, 3)):
-        cz, cx = rng.uniform(-0.7, 0.7, 2)
+    for _ in range(rng.integers(*LESION_COUNT)):
+        cz, cx = rng.uniform(-0.8, 0.8, 2)
         sigma, height = rng.uniform(*LESION_SIGMA), rng.uniform(*LESION_HEIGHT)
         domes += height * np.exp(-((z - cz) ** 2 + (x - cx) ** 2) / (2 * sigma ** 2))
     return domes

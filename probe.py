@@ -108,7 +108,7 @@ def stratified_split(labels: np.ndarray, test_fraction: float, seed: int) -> Tup
 
 def fit_logistic(x: torch.Tensor, y: torch.Tensor, num_classes: int, l2: float = 1e-2,
                  steps: int = 100) -> torch.nn.Module:
-    """Multinomial logistic regression on standardized features x [M, E]: the classifier of raw features."""
+    """Multinomial logistic regression (L2) fit on standardized features x [M, E]; returns a classifier of raw x."""
     mean, std = x.mean(0), x.std(0) + 1e-6
     linear = torch.nn.Linear(x.shape[1], num_classes)
     torch.nn.init.zeros_(linear.weight)
@@ -148,21 +148,25 @@ class AttentiveProbe(torch.nn.Module):
         torch.nn.init.zeros_(self.scores.bias)
 
     def forward(self, tokens):
-        x = F.layer_norm(tokens, tokens.shape[-1:])
-        weights = torch.softmax(self.scores(x), dim=1)  # [M, N, heads]
-        return self.head(torch.einsum("mnh,mne->mhe", weights, x).flatten(1))
+        return self.classify(F.layer_norm(tokens, tokens.shape[-1:]))
+
+    def classify(self, normed):
+        """Logits [M, C] of layer-normed tokens [M, N, E]."""
+        weights = torch.softmax(self.scores(normed), dim=1)  # [M, N, heads]
+        return self.head(torch.einsum("mnh,mne->mhe", weights, normed).flatten(1))
 
 
-def fit_attentive(tokens: torch.Tensor, y: torch.Tensor, num_classes: int, seed: int, steps: int = 300,
-                  lr: float = 1e-2, weight_decay: float = 1e-2) -> AttentiveProbe:
+def fit_attentive(tokens: torch.Tensor, y: torch.Tensor, num_classes: int, seed: int, steps: int = 150,
+                  lr: float = 2e-2, weight_decay: float = 1e-2) -> AttentiveProbe:
     """An AttentiveProbe trained full-batch on tokens [M, N, E] with labels y [M]."""
     torch.manual_seed(seed)
     probe = AttentiveProbe(tokens.shape[-1], num_classes)
     opt = torch.optim.AdamW(probe.parameters(), lr=lr, weight_decay=weight_decay)
+    normed = F.layer_norm(tokens, tokens.shape[-1:])  # once: the tokens are frozen
     with torch.enable_grad():
         for _ in range(steps):
             opt.zero_grad()
-            F.cross_entropy(probe(tokens), y).backward()
+            F.cross_entropy(probe.classify(normed), y).backward()
             opt.step()
     return probe
 

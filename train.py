@@ -760,6 +760,10 @@ def train(cfg: Config, rt: Runtime) -> int:
         log.print(f"run {run_dir}: {plan.total_steps} updates of {plan.global_batch_size} volumes on "
                   f"{rt.kind} x {rt.world_size}, {model.num_trainable_params():,} parameters")
 
+    probe_set = None
+    if cfg.probe_every_steps is not None and rt.is_master:
+        from probe import prepare_probe_set
+        probe_set = prepare_probe_set(cfg, cfg.probe_labels)  # loaded once; features are recomputed at each probe
     mark_step(rt)  # XLA: materialise weights and optimizer state now, so update 1 compiles the graph update 2 reuses
     val_loader = make_loader(val_ds, val_batch, train=False, workers=cfg.workers, rank=rt.process_index,
                              world_size=rt.process_count, seed=cfg.seed) if val_batch else None
@@ -813,7 +817,8 @@ def train(cfg: Config, rt: Runtime) -> int:
             is_log = state.step % cfg.log_every_steps == 0 or is_last or state.step == 1
             is_val = val_loader is not None and (state.step % cfg.val_every_steps == 0 or is_last)
             is_ckpt = cfg.ckpt_dir is not None and (state.step % cfg.ckpt_every_steps == 0 or is_last)
-            if not (is_log or is_val or is_ckpt or state.step % sync_every == 0):
+            is_probe = probe_set is not None and (state.step % cfg.probe_every_steps == 0 or is_last)
+            if not (is_log or is_val or is_ckpt or is_probe or state.step % sync_every == 0):
                 continue
 
             # --- sync point: the host reads what the device did ---
@@ -857,6 +862,12 @@ def train(cfg: Config, rt: Runtime) -> int:
                     log.metrics({"split": "val", "step": state.step, **val_metrics})
                     log.print(f"val   step {state.step:>6d} | loss {val_metrics['loss']:.4f} | target_std "
                               f"{val_metrics['target_std']:.4f} | rankme {val_metrics['rankme']:.1f}")
+            if is_probe:
+                from probe import probe_auroc
+                scores = probe_auroc(model, probe_set, rt.device)
+                log.metrics({"split": "probe", "step": state.step, **scores})
+                log.print(f"probe step {state.step:>6d} | auroc {scores['probe_auroc']:.3f} | balanced accuracy "
+                          f"{scores['probe_bal_acc']:.3f}")
             if is_ckpt:
                 best = bool(val_metrics) and val_metrics["loss"] < state.best_val_loss
                 if best:

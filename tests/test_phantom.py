@@ -49,6 +49,7 @@ def test_pathology_is_local_not_a_global_intensity_change():
     none = synth_reflectivity((16, 96, 96), np.random.default_rng(3), "none")
     for label in ("drusen", "fluid"):
         sick = synth_reflectivity((16, 96, 96), np.random.default_rng(3), label)
+        assert 0 < (sick != none).mean() < 0.05  # the same retina: only the voxels of the lesions differ
         assert abs(float(sick.mean() - none.mean())) < 0.02  # no trivial global cue for a linear probe
 
 

@@ -437,3 +437,12 @@ def test_bench_quick_mode_reports_every_figure(tmp_path):
     data = report["data"]
     assert {"decode_vol_s", "uncached_vol_s", "cached_vol_s"} <= set(data["per_syntax"]["JPEG 2000 lossless 8-bit"])
     assert data["loader"]["vol_s"] > 0
+
+
+def test_probe_every_steps_logs_the_probe_auroc_during_pretraining(tmp_path, smoke_phantoms, phantom_dir):
+    flags = smoke_flags(tmp_path, smoke_phantoms, "--probe_every_steps", "4", "--probe_labels",
+                        os.path.join(phantom_dir, "labels.csv"), "--ckpt_dir", "none")
+    assert main(flags) == 0
+    probes = [r for r in read_jsonl(tmp_path / "runs" / "r" / "metrics.jsonl") if r["split"] == "probe"]
+    assert [r["step"] for r in probes] == [4, 8]
+    assert all(0.0 <= r["probe_auroc"] <= 1.0 and 0.0 <= r["probe_bal_acc"] <= 1.0 for r in probes)
