@@ -92,6 +92,8 @@ class Config:
     ckpt_every_steps: int = 100  # checkpoint every N updates and at the end
     keep_last: int = 2  # step checkpoints kept (best.pt is kept besides)
     resume: Optional[str] = None  # None | auto (latest in ckpt_dir, if any) | path to a checkpoint
+    extend: bool = False  # with resume: allow more updates than the checkpoint's plan; schedules continue smoothly
+    ckpt_dir_shared: bool = False  # multi-node DDP with a local ckpt_dir: every node sees it (NFS); checked at start
     wandb: str = "disabled"  # auto | online | offline | disabled
     wandb_project: str = "octjepa"  # W&B project
     wandb_entity: Optional[str] = None  # W&B entity (team); None = your default
@@ -365,6 +367,9 @@ def validate(cfg: Config) -> None:
     if cfg.schedule == "constant" and (cfg.warmup_steps or 0) > 0:
         raise ConfigError("warmup_steps: schedule 'constant' uses base_lr from the first update; "
                           "set warmup_steps to 0 or use schedule cosine.")
+    if cfg.extend and cfg.resume is None:
+        raise ConfigError("extend: lengthens a run that is resumed; add --resume auto (or a checkpoint path), "
+                          "or drop --extend to start a new run.")
 
 
 @dataclass
@@ -377,6 +382,13 @@ class RunPlan:
     steps_per_epoch: int
     total_steps: int
     warmup_steps: int
+    # [at_step, old_total, new_total] of each --extend, oldest first: the schedules stretch what was left of them
+    extensions: List[List[int]] = field(default_factory=list)
+
+    @property
+    def planned_steps(self) -> int:
+        """The run length the schedules were first planned for (total_steps before any extension)."""
+        return self.extensions[0][1] if self.extensions else self.total_steps
 
 
 def plan_run(cfg: Config, world_size: int, train_volumes: int) -> RunPlan:
@@ -404,7 +416,7 @@ def plan_run(cfg: Config, world_size: int, train_volumes: int) -> RunPlan:
                           f"({world_size}) x grad_accum_steps ({accum}) = {per_core * world_size * accum}; "
                           f"set one of them to null to derive it.")
     steps_per_epoch = train_volumes // global_batch
-    if cfg.max_steps is None and steps_per_epoch < 1:
+    if steps_per_epoch < 1:
         raise ConfigError(f"global_batch_size: {global_batch} is larger than the {train_volumes} training volumes; "
                           f"lower the batch size or add data.")
     total = cfg.max_steps if cfg.max_steps is not None else steps_per_epoch * cfg.epochs

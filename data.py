@@ -746,7 +746,6 @@ def load_prepared(paths: Sequence[str], cfg: Config) -> np.ndarray:
 # Reserved "epochs" of sample_rng, beyond any run, so that no two streams share a generator.
 VAL_EPOCH = 2 ** 32 - 1  # validation samples: sample_rng(seed, VAL_EPOCH, index), the same every time
 ORDER_EPOCH = 2 ** 32 - 2  # the permutation of epoch e: sample_rng(seed, ORDER_EPOCH, e)
-SPLIT_EPOCH = 2 ** 32 - 3  # the train/val split of patients
 MAX_TRIES = 8  # files tried for one sample before the loader gives up
 
 
@@ -879,12 +878,23 @@ def index_records(cfg: Config) -> List[dict]:
     return records
 
 
+def val_draw(seed: int, patient: str) -> float:
+    """A number in [0, 1) that depends only on (seed, patient): the patient is in val when it is < val_fraction."""
+    digest = hashlib.sha256(f"{seed}/{patient}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2 ** 64
+
+
 def split_by_patient(records: Sequence[dict], val_fraction: float, seed: int) -> Tuple[List[dict], List[dict]]:
-    """(train, val) records: a deterministic share of patients (PatientID, else file) goes to val, whole."""
-    patients = sorted({r["patient"] for r in records})
-    order = sample_rng(seed, SPLIT_EPOCH).permutation(len(patients))
-    n_val = min(len(patients) - 1, max(int(val_fraction > 0), round(val_fraction * len(patients))))
-    val_patients = {patients[i] for i in order[:n_val]}
+    """(train, val) records: whole patients (PatientID, else file) go to val by a hash of (seed, patient), so a
+    patient's side never depends on the other patients (a lost or added file moves no one else). A set too small
+    for that still gets one val patient and keeps one train patient."""
+    draws = {p: val_draw(seed, p) for p in {r["patient"] for r in records}}
+    val_patients = {p for p, u in draws.items() if u < val_fraction}
+    by_draw = sorted(draws, key=draws.get)
+    if val_fraction > 0 and not val_patients and len(by_draw) > 1:
+        val_patients = {by_draw[0]}
+    if len(val_patients) == len(by_draw) and by_draw:
+        val_patients.discard(by_draw[-1])
     return ([r for r in records if r["patient"] not in val_patients],
             [r for r in records if r["patient"] in val_patients])
 

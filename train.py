@@ -10,6 +10,7 @@ Exit codes: 0 done, 2 bad config, 3 no usable data, 4 diverged beyond recovery.
 """
 import contextlib
 import glob
+import hashlib
 import io
 import json
 import math
@@ -18,13 +19,15 @@ import random
 import re
 import sys
 import time
-from dataclasses import dataclass
-from typing import List, Optional
+import uuid
+from dataclasses import dataclass, replace
+from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
 
 from config import Config, ConfigError, RunPlan, config_to_dict, load_config, plan_run, save_config
+from data import read_bytes
 from model import VJEPA3D, activation_bytes_per_sample, training_flops_per_sample
 
 EXIT_OK, EXIT_CONFIG, EXIT_NO_DATA, EXIT_DIVERGED = 0, 2, 3, 4
@@ -38,7 +41,7 @@ class Diverged(Exception):
 # Schedules: pure functions of the optimizer-update count (incidents 2, 3). No state, no restarts.
 # ----------------------------------------------------------------------------------------------------------
 
-def cosine_ramp(step: int, start_step: int, end_step: int, start: float, end: float) -> float:
+def cosine_ramp(step: float, start_step: int, end_step: int, start: float, end: float) -> float:
     """Half-cosine from `start` at start_step to `end` at end_step; holds `end` afterwards."""
     if step >= end_step:
         return end
@@ -46,25 +49,36 @@ def cosine_ramp(step: int, start_step: int, end_step: int, start: float, end: fl
     return end + 0.5 * (start - end) * (1.0 + math.cos(math.pi * progress))
 
 
+def schedule_clock(step: int, plan: RunPlan) -> float:
+    """Update `step` on the clock of the run's first plan. Each --extend stretches what was left of the schedules
+    over the longer run, so they continue from the values they had (a finished run holds its final values)."""
+    clock = float(step)
+    for at, old_total, new_total in reversed(plan.extensions):
+        if clock > at:
+            clock = at + (clock - at) * max(0, old_total - 1 - at) / (new_total - 1 - at)
+    return clock
+
+
 def lr_at(step: int, cfg: Config, plan: RunPlan) -> float:
     """LR of update number `step` (0-based): linear warmup to base_lr, cosine to min_lr, then min_lr.
     The first update (step 0) already uses a non-zero LR: base_lr / warmup_steps."""
     if cfg.schedule == "constant":
         return cfg.base_lr
-    if step < plan.warmup_steps:
-        return cfg.base_lr * (step + 1) / plan.warmup_steps
-    return cosine_ramp(step, plan.warmup_steps, plan.total_steps - 1, cfg.base_lr, cfg.min_lr)
+    clock = schedule_clock(step, plan)
+    if clock < plan.warmup_steps:
+        return cfg.base_lr * (clock + 1) / plan.warmup_steps
+    return cosine_ramp(clock, plan.warmup_steps, plan.planned_steps - 1, cfg.base_lr, cfg.min_lr)
 
 
 def wd_at(step: int, cfg: Config, plan: RunPlan) -> float:
     """Weight decay of update `step`: cosine from weight_decay to weight_decay_end (constant when None)."""
     end = cfg.weight_decay if cfg.weight_decay_end is None else cfg.weight_decay_end
-    return cosine_ramp(step, 0, plan.total_steps - 1, cfg.weight_decay, end)
+    return cosine_ramp(schedule_clock(step, plan), 0, plan.planned_steps - 1, cfg.weight_decay, end)
 
 
 def ema_at(step: int, cfg: Config, plan: RunPlan) -> float:
     """EMA momentum of the target update after update `step`: cosine from ema_base to ema_end."""
-    return cosine_ramp(step, 0, plan.total_steps - 1, cfg.ema_base, cfg.ema_end)
+    return cosine_ramp(schedule_clock(step, plan), 0, plan.planned_steps - 1, cfg.ema_base, cfg.ema_end)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -80,10 +94,16 @@ class Runtime:
     process_count: int
     local_replicas: int  # replicas fed by this process (XLA SPMD: its devices; DDP: 1)
     mesh: object = None  # XLA SPMD: 1-D device mesh with the axis 'data'
+    multi_host: bool = False  # processes on more than one machine (they share no local disk)
 
     @property
     def is_master(self) -> bool:
         return self.process_index == 0
+
+    @property
+    def ddp(self) -> bool:
+        """Several DDP processes: a torch.distributed process group joins them."""
+        return self.kind != "xla" and self.world_size > 1
 
 
 def setup_runtime(cfg: Config) -> Runtime:
@@ -102,7 +122,7 @@ def setup_runtime(cfg: Config) -> Runtime:
     if world > 1:
         torch.distributed.init_process_group("nccl" if kind == "cuda" else "gloo")
     device = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
-    return Runtime(device, kind, world, rank, world, 1)
+    return Runtime(device, kind, world, rank, world, 1, multi_host=int(os.environ.get("LOCAL_WORLD_SIZE", world)) < world)
 
 
 def _xla_configured() -> bool:
@@ -128,16 +148,63 @@ def _setup_xla() -> Runtime:
     devices = xr.global_runtime_device_count()
     mesh = xs.Mesh(np.arange(devices), (devices,), ("data",))
     return Runtime(torch_xla.device(), "xla", devices, xr.process_index(), xr.process_count(),
-                   xr.addressable_runtime_device_count(), mesh)
+                   xr.addressable_runtime_device_count(), mesh, multi_host=xr.process_count() > 1)
 
 
 def reduce_mean(value: torch.Tensor, rt: Runtime) -> torch.Tensor:
     """Mean of a tensor over DDP processes (XLA SPMD tensors are already global)."""
-    if rt.kind != "xla" and rt.world_size > 1:
+    if rt.ddp:
         value = value.clone()
         torch.distributed.all_reduce(value)
         value /= rt.world_size
     return value
+
+
+def gather_objects(obj, rt: Runtime) -> list:
+    """[obj of process 0, obj of process 1, ...] in every DDP process; [obj] elsewhere."""
+    if not rt.ddp:
+        return [obj]
+    out = [None] * rt.world_size
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_from_master(obj, rt: Runtime):
+    """The master's obj, in every DDP process (obj itself elsewhere)."""
+    if not rt.ddp:
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def master_decides(rt: Runtime, fn, *args):
+    """fn(*args), run by the master only in a DDP run; every process returns its result, or raises its ConfigError
+    (so that no rank can decide differently, and none waits for a rank that stopped)."""
+    result = error = None
+    if rt.is_master or not rt.ddp:
+        try:
+            result = fn(*args)
+        except ConfigError as e:
+            error = str(e)
+    result, error = broadcast_from_master((result, error), rt)
+    if error is not None:
+        raise ConfigError(error)
+    return result
+
+
+def runs_probe(rt: Runtime) -> bool:
+    """Whether this process computes the probe during pretraining: the master; on XLA every host, since an SPMD
+    graph that only one host runs would leave it waiting for the others."""
+    return rt.is_master or rt.kind == "xla"
+
+
+def check_ranks_agree(value, what: str, rt: Runtime) -> None:
+    """Stop every DDP process when they hold different `value`s (they would train on different data or weights)."""
+    values = gather_objects(value, rt)
+    if any(v != values[0] for v in values):
+        raise RuntimeError(f"the {len(values)} processes disagree about {what}: "
+                           + ", ".join(f"rank {r}: {v}" for r, v in enumerate(values)))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -165,9 +232,9 @@ class RunLog:
         record = {k: _json_number(v) for k, v in record.items()}
         self.history.append(record)
         _append_jsonl(os.path.join(self.run_dir, "metrics.jsonl"), record)
-        if self.wandb_run is not None:
-            self.wandb_run.log({f"{record['split']}/{k}": v for k, v in record.items()
-                                if k not in ("split", "step") and v is not None}, step=record["step"])
+        if self.wandb_run is not None:  # W&B's own step only increases: after a rollback "update" goes back, it does not
+            self.wandb_run.log({"update": record["step"], **{f"{record['split']}/{k}": v for k, v in record.items()
+                                                             if k not in ("split", "step") and v is not None}})
         warnings = collapse_warnings(self.history, self.cfg)
         for w in warnings:
             if (w["split"], w["metric"]) not in self.collapsing:
@@ -175,6 +242,19 @@ class RunLog:
                 self.print(f"WARNING step {record['step']}: {w['split']} {w['metric']} {w['reason']}: the "
                            f"representations may be collapsing (check the EMA schedule, the LR, the masks)")
         self.collapsing = {(w["split"], w["metric"]) for w in warnings}
+
+    def drop_metrics_after(self, step: int) -> None:
+        """Drop the metrics lines after update `step`: a resume or a rollback logs those updates again."""
+        path = os.path.join(self.run_dir, "metrics.jsonl")
+        if not self.active or not os.path.exists(path):
+            return
+        with open(path) as f:
+            lines = f.readlines()
+        keep = [line for line in lines if json.loads(line)["step"] <= step]
+        if len(keep) < len(lines):
+            write_bytes_atomic(path, "".join(keep).encode())
+            self.event("metrics_truncated", step, dropped_lines=len(lines) - len(keep))
+        self.history = [json.loads(line) for line in keep]
 
     def event(self, kind: str, step: int, **fields) -> None:
         """Append one line to events.jsonl (skips, rollbacks, unreadable files, resumes...)."""
@@ -238,14 +318,17 @@ def start_wandb(cfg: Config, run_dir: str):
     import wandb
     settings = wandb.Settings(init_timeout=30, silent=True)
     try:
-        return wandb.init(project=cfg.wandb_project, entity=cfg.wandb_entity, name=os.path.basename(run_dir),
-                          dir=run_dir, mode=mode, config=config_to_dict(cfg), settings=settings)
+        run = wandb.init(project=cfg.wandb_project, entity=cfg.wandb_entity, name=os.path.basename(run_dir),
+                         dir=run_dir, mode=mode, config=config_to_dict(cfg), settings=settings)
     except Exception as e:  # an unreachable server must not stop the run: log offline instead
         if mode != "online":
             raise
         print(f"wandb online failed ({e}); logging offline to {run_dir}/wandb", file=sys.stderr)
-        return wandb.init(project=cfg.wandb_project, name=os.path.basename(run_dir), dir=run_dir,
-                          mode="offline", config=config_to_dict(cfg), settings=settings)
+        run = wandb.init(project=cfg.wandb_project, name=os.path.basename(run_dir), dir=run_dir,
+                         mode="offline", config=config_to_dict(cfg), settings=settings)
+    run.define_metric("update")
+    run.define_metric("*", step_metric="update")  # charts use the optimizer update as x-axis
+    return run
 
 
 def _fs(path: str):
@@ -279,11 +362,53 @@ def list_checkpoints(ckpt_dir: str) -> List[str]:
     return sorted(paths, key=lambda p: int(re.search(r"step_(\d+)\.pt$", p).group(1)), reverse=True)
 
 
-def read_checkpoint(path: str) -> dict:
-    """Load a checkpoint to CPU tensors (weights_only: no code runs on load)."""
-    fs, p = _fs(path)
-    payload = fs.cat_file(p) if fs is not None else open(p, "rb").read()
+def read_checkpoint(path: str, tries: int = 1) -> dict:
+    """Load a checkpoint (local or gs://) to CPU tensors (weights_only: no code runs on load); a failed read (a
+    transient storage error) is tried up to `tries` times in all."""
+    for attempt in range(tries):
+        try:
+            payload = read_bytes(path)
+            break
+        except Exception:
+            if attempt == tries - 1:
+                raise
+            time.sleep(2 ** attempt)
     return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+
+
+def newest_readable_checkpoint(ckpt_dir: str) -> Tuple[Optional[str], Optional[dict], List[Tuple[str, str]]]:
+    """(path, checkpoint) of the newest step checkpoint that loads, or (None, None); plus (path, error) of each
+    newer one that did not (a damaged file must not stop a resume: it falls back to the one before)."""
+    unreadable = []
+    for path in list_checkpoints(ckpt_dir):
+        try:
+            return path, read_checkpoint(path, tries=2), unreadable
+        except Exception as e:
+            unreadable.append((path, repr(e)))
+    return None, None, unreadable
+
+
+def load_resume_checkpoint(cfg: Config, rt: Runtime) -> Tuple[Optional[str], Optional[dict], list]:
+    """(path, checkpoint) that this run resumes from, or (None, None); plus (path, error) of newer unreadable files.
+    The master chooses; every process loads that same file (retrying a transient read error) or every one stops."""
+    path, ckpt, unreadable = None, None, []
+    if rt.is_master or not rt.ddp:
+        if cfg.resume == "auto":
+            path, ckpt, unreadable = newest_readable_checkpoint(cfg.ckpt_dir)
+        else:
+            path = cfg.resume
+    path = broadcast_from_master(path, rt)
+    error = None
+    if path is not None and ckpt is None:
+        try:
+            ckpt = read_checkpoint(path, tries=3)
+        except Exception as e:
+            error = repr(e)
+    failed = [f"process {rank}: {e}" for rank, e in enumerate(gather_objects(error, rt)) if e is not None]
+    if failed:
+        raise ConfigError(f"resume: {path} could not be read ({'; '.join(failed)}). Every process must start from "
+                          f"the same checkpoint, so none trains; check the path and retry.")
+    return path, ckpt, unreadable
 
 
 def checkpoint_path(ckpt_dir: str, step: int) -> str:
@@ -499,14 +624,30 @@ def mark_step(rt: Runtime) -> None:
         torch_xla.sync()
 
 
-def note_bad_files(micro_batches: list, bad_files: dict, step: int, total_files: int, cfg: Config, log) -> None:
-    """Log each file the loader had to replace, once; stop with exit 3 when too many are bad."""
+def next_update_batches(groups, rt: Runtime) -> Tuple[Optional[list], list]:
+    """(micro-batches of the next update, the files every process had to replace in them). A NoUsableData on any
+    process stops every process with it (exit 3 everywhere, none left waiting in a collective)."""
+    from data import NoUsableData
+    try:
+        micro_batches, error = next(groups, None), None
+    except NoUsableData as e:
+        micro_batches, error = None, str(e)
+    skipped = [item for batch in micro_batches or [] for item in batch["skipped"]]
+    reports = gather_objects((skipped, error), rt)
+    errors = [e for _, e in reports if e is not None]
+    if errors:
+        raise NoUsableData(errors[0])
+    return micro_batches, [item for s, _ in reports for item in s]
+
+
+def note_bad_files(skipped: list, bad_files: dict, step: int, total_files: int, cfg: Config, log) -> None:
+    """Log each (path, reason, detail) the loaders had to replace, once; stop with exit 3 when too many are bad.
+    `skipped` holds every process's files, so all processes take the same decision."""
     from data import NoUsableData, format_reason_table
-    for batch in micro_batches:
-        for path, reason, detail in batch["skipped"]:
-            if path not in bad_files:
-                bad_files[path] = reason
-                log.event("unreadable_file", step, path=path, reason=reason, detail=detail)
+    for path, reason, detail in skipped:
+        if path not in bad_files:
+            bad_files[path] = reason
+            log.event("unreadable_file", step, path=path, reason=reason, detail=detail)
     if len(bad_files) > cfg.max_bad_fraction * total_files:
         counts = {}
         for reason in bad_files.values():
@@ -666,7 +807,6 @@ def save_training_plot(history: List[dict], path: str) -> None:
 
 def resolve_run_dir(cfg: Config) -> Config:
     """Fill run_name and ckpt_dir 'auto'; refuse to overwrite checkpoints of an earlier run by accident."""
-    from dataclasses import replace
     if cfg.resume == "auto" and cfg.run_name is None:
         raise ConfigError("resume: 'auto' continues the run named by --run_name; give --run_name.")
     run_name = cfg.run_name or time.strftime("run-%Y%m%d-%H%M%S")
@@ -680,14 +820,39 @@ def resolve_run_dir(cfg: Config) -> Config:
     return cfg
 
 
+def check_checkpoints_are_shared(cfg: Config, rt: Runtime) -> None:
+    """Every process of a multi-machine run must resume from the same files: ckpt_dir on gs://, or (DDP) a local
+    path declared shared with ckpt_dir_shared, which every process must then see."""
+    if not rt.multi_host or cfg.ckpt_dir is None or cfg.ckpt_dir.startswith("gs://"):
+        return
+    if rt.kind == "xla" or not cfg.ckpt_dir_shared:
+        raise ConfigError(f"ckpt_dir: {cfg.ckpt_dir} is local to each machine, but the processes of this run are on "
+                          f"several machines and must all resume from the same checkpoint; use a gs:// ckpt_dir"
+                          + ("." if rt.kind == "xla" else ", or add --ckpt_dir_shared true if every machine mounts it."))
+    marker = master_decides(rt, write_shared_marker, cfg.ckpt_dir)
+    blind = [rank for rank, seen in enumerate(gather_objects(os.path.exists(marker), rt)) if not seen]
+    if rt.is_master:
+        os.remove(marker)
+    if blind:
+        raise ConfigError(f"ckpt_dir_shared: processes {blind} cannot see {marker}, written by process 0: {cfg.ckpt_dir} "
+                          f"is not shared by every machine; use a gs:// ckpt_dir or a filesystem that all of them mount.")
+
+
+def write_shared_marker(ckpt_dir: str) -> str:
+    """An empty file with a unique name in ckpt_dir, for the other processes to look for."""
+    os.makedirs(ckpt_dir, exist_ok=True)
+    marker = os.path.join(ckpt_dir, f".shared-check-{uuid.uuid4().hex}")
+    open(marker, "w").close()
+    return marker
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     from data import NoUsableData
     try:
-        cfg = resolve_run_dir(load_config(argv))
+        cfg = load_config(argv)
         rt = setup_runtime(cfg)
-        if rt.kind == "xla" and rt.process_count > 1 and cfg.ckpt_dir and not cfg.ckpt_dir.startswith("gs://"):
-            raise ConfigError(f"ckpt_dir: {cfg.ckpt_dir} is local to each host, but every host of this "
-                              f"{rt.process_count}-host run must resume from the same checkpoint; use a gs:// ckpt_dir.")
+        cfg = master_decides(rt, resolve_run_dir, cfg)  # one run name and checkpoint folder for every process
+        check_checkpoints_are_shared(cfg, rt)
         return train(cfg, rt)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
@@ -706,14 +871,11 @@ def train(cfg: Config, rt: Runtime) -> int:
     # --- data, model, optimizer ---
     torch.manual_seed(cfg.seed)
     train_ds, val_ds = build_datasets(cfg)
+    check_ranks_agree(split_fingerprint(train_ds, val_ds), "the train/val split (use an index_path)", rt)
     plan = plan_run(cfg, rt.world_size, len(train_ds))
     model = VJEPA3D.from_config(cfg).to(rt.device)
     optimizer = make_optimizer(model, cfg, rt)
-    ddp_model = model
-    if rt.kind != "xla" and rt.world_size > 1:
-        ddp_model = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
     run_dir = os.path.join(cfg.out_dir, cfg.run_name)
-    log = RunLog(run_dir, cfg, active=rt.is_master and not cfg.dry_run)
     local_batch = plan.per_core_batch_size * rt.local_replicas
     # Val batches are full like train batches (static shapes), and smaller when the val split is small.
     val_per_process = len(val_ds) // rt.process_count
@@ -728,26 +890,39 @@ def train(cfg: Config, rt: Runtime) -> int:
             print(f"dry run: nothing trained; schedule and mask pictures in {run_dir}/")
         return EXIT_OK
 
-    # --- resume ---
+    # --- resume: the same checkpoint in every process, and the plan it was written for ---
     state = TrainState()
-    resume_path = None
-    if cfg.resume == "auto":
-        for path in list_checkpoints(cfg.ckpt_dir):
-            try:
-                ckpt = read_checkpoint(path)
-                resume_path = path
-                break
-            except Exception as e:  # a damaged file must not stop the resume: fall back to the one before
-                log.event("unreadable_checkpoint", 0, path=path, reason=repr(e))
-        if resume_path is None:
-            log.print(f"resume auto: no checkpoint in {cfg.ckpt_dir}; starting from scratch")
-    elif cfg.resume is not None:
-        ckpt, resume_path = read_checkpoint(cfg.resume), cfg.resume
-    if resume_path is not None:
+    resume_path, ckpt, unreadable = load_resume_checkpoint(cfg, rt)
+    extended_from = None  # the total_steps of the plan this resume extends
+    if ckpt is not None:
+        if "plan" in ckpt:
+            plan = resumed_plan(ckpt["plan"], cfg, plan, train_ds, val_ds, ckpt["train_state"]["step"], resume_path)
+            if plan.total_steps > ckpt["plan"]["total_steps"]:
+                extended_from = ckpt["plan"]["total_steps"]
         restore(ckpt, model, optimizer, state)
+        check_ranks_agree(state.step, f"the update they resume {resume_path} at", rt)
+    run_plan = plan_record(cfg, plan, train_ds, val_ds)  # stored in every checkpoint of this run
+    ddp_model = model  # wrapped after the restore: DDP starts every process from the same weights
+    if rt.ddp:
+        ddp_model = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
+    log = RunLog(run_dir, cfg, active=rt.is_master)
+    for path, error in unreadable:
+        log.event("unreadable_checkpoint", state.step, path=path, reason=error)
+    if cfg.resume == "auto" and resume_path is None:
+        log.print(f"resume auto: no checkpoint in {cfg.ckpt_dir}; starting from scratch")
+    if resume_path is not None:
         log.event("resume", state.step, path=resume_path)
         log.print(f"resumed from {resume_path} at update {state.step}")
-        drop_metrics_after(os.path.join(run_dir, "metrics.jsonl"), state.step, log)
+        if "plan" not in ckpt:
+            log.print(f"WARNING: {resume_path} records no plan (an older octjepa wrote it): the schedules follow this "
+                      f"config's plan, which nothing could compare with the one the run started with")
+        log.drop_metrics_after(state.step)
+    if extended_from is not None:
+        lr = lr_at(state.step, cfg, plan) * state.lr_scale
+        log.event("extend", state.step, from_total_steps=extended_from, to_total_steps=plan.total_steps, lr=lr,
+                  ema_momentum=ema_at(state.step, cfg, plan))
+        log.print(f"extend: {extended_from} -> {plan.total_steps} updates from update {state.step}; the LR continues "
+                  f"from {lr:.3g} and the schedules stretch over the longer run")
     if log.active:
         save_config(cfg, os.path.join(run_dir, "config.yaml"))
         if cfg.ckpt_dir is None:
@@ -761,7 +936,7 @@ def train(cfg: Config, rt: Runtime) -> int:
                   f"{rt.kind} x {rt.world_size}, {model.num_trainable_params():,} parameters")
 
     probe_set = None
-    if cfg.probe_every_steps is not None and rt.is_master:
+    if cfg.probe_every_steps is not None and runs_probe(rt):
         from probe import prepare_probe_set
         probe_set = prepare_probe_set(cfg, cfg.probe_labels)  # loaded once; features are recomputed at each probe
     mark_step(rt)  # XLA: materialise weights and optimizer state now, so update 1 compiles the graph update 2 reuses
@@ -795,12 +970,12 @@ def train(cfg: Config, rt: Runtime) -> int:
         groups = micro_batch_groups(loader, plan.grad_accum_steps)
         for _ in range(plan.total_steps - state.step):
             t0 = time.perf_counter()
-            micro_batches = next(groups, None)
+            micro_batches, skipped = next_update_batches(groups, rt)
             if micro_batches is None:
                 raise RuntimeError(f"the loader ended before update {state.step}: the sampler yields fewer batches "
                                    f"than plan_run counted")
             data_time += time.perf_counter() - t0
-            note_bad_files(micro_batches, bad_files, state.step, len(train_ds) + len(val_ds), cfg, log)
+            note_bad_files(skipped, bad_files, state.step, len(train_ds) + len(val_ds), cfg, log)
 
             # One optimizer update: schedules first, as pure functions of the update count.
             lr = lr_at(state.step, cfg, plan) * state.lr_scale
@@ -856,28 +1031,28 @@ def train(cfg: Config, rt: Runtime) -> int:
                 bar.set_postfix(loss=record["loss"], lr=f"{lr:.2e}")
                 window_start, data_time, window_updates = time.perf_counter(), 0.0, 0
 
+            best = False  # best.pt is judged only on a validation of these very weights
             if is_val:
                 val_metrics = validate(model, val_loader, cfg, rt)
                 if val_metrics:
                     log.metrics({"split": "val", "step": state.step, **val_metrics})
                     log.print(f"val   step {state.step:>6d} | loss {val_metrics['loss']:.4f} | target_std "
                               f"{val_metrics['target_std']:.4f} | rankme {val_metrics['rankme']:.1f}")
+                    best = val_metrics["loss"] < state.best_val_loss
+                    state.best_val_loss = min(state.best_val_loss, val_metrics["loss"])
             if is_probe:
                 from probe import probe_auroc
                 scores = probe_auroc(model, probe_set, rt.device)
                 log.metrics({"split": "probe", "step": state.step, **scores})
                 log.print(f"probe step {state.step:>6d} | auroc {scores['probe_auroc']:.3f} | balanced accuracy "
                           f"{scores['probe_bal_acc']:.3f}")
-            if is_ckpt:
-                best = bool(val_metrics) and val_metrics["loss"] < state.best_val_loss
-                if best:
-                    state.best_val_loss = val_metrics["loss"]
+            if is_ckpt or (best and cfg.ckpt_dir is not None):  # a new best val loss is checkpointed at once
                 last_ckpt = checkpoint_path(cfg.ckpt_dir, state.step)
-                ckpt = checkpoint_state(model, optimizer, state, cfg, rt)  # every process: XLA gathers shards
+                ckpt = checkpoint_state(model, optimizer, state, cfg, run_plan, rt)  # every process: XLA gathers
                 if rt.is_master:
                     save_checkpoint(last_ckpt, ckpt, cfg.keep_last, best)
                     log.event("checkpoint", state.step, path=last_ckpt, best=best)
-                if rt.world_size > 1 and rt.kind != "xla":
+                if rt.ddp:
                     torch.distributed.barrier()  # no rank may roll back to a file that is not written yet
 
     bar.close()
@@ -897,14 +1072,57 @@ def format_train_line(record: dict, plan: RunPlan) -> str:
             f"{record['samples_per_s']:.1f} samples/s")
 
 
-def checkpoint_state(model: VJEPA3D, optimizer, state: TrainState, cfg: Config, rt: Runtime) -> dict:
+# What a resume must find unchanged (incident 2: a changed plan restarts or jumps the schedules).
+PLAN_FIELDS = ("total_steps", "warmup_steps", "steps_per_epoch", "global_batch_size", "world_size")
+SCHEDULE_FIELDS = ("schedule", "base_lr", "min_lr", "weight_decay", "weight_decay_end", "ema_base", "ema_end", "seed")
+
+
+def split_fingerprint(train_ds, val_ds) -> str:
+    """A short hash of which volumes are in the train split and which in the val split."""
+    split = [sorted(r["paths"] for r in train_ds.records), sorted(r["paths"] for r in val_ds.records)]
+    return hashlib.sha256(json.dumps(split).encode()).hexdigest()[:16]
+
+
+def plan_record(cfg: Config, plan: RunPlan, train_ds, val_ds) -> dict:
+    """The run's plan, schedule settings, data-order seed and train/val split, as stored in its checkpoints."""
+    return {**{k: getattr(plan, k) for k in PLAN_FIELDS}, **{k: getattr(cfg, k) for k in SCHEDULE_FIELDS},
+            "train_volumes": len(train_ds), "val_volumes": len(val_ds), "split": split_fingerprint(train_ds, val_ds),
+            "extensions": plan.extensions}
+
+
+def resumed_plan(saved: dict, cfg: Config, plan: RunPlan, train_ds, val_ds, step: int, ckpt_path: str) -> RunPlan:
+    """The plan a resumed run continues: the checkpoint's, or with cfg.extend the same plan made longer from update
+    `step` on. Any other difference is a ConfigError that says what changed and how to proceed."""
+    reference = plan_run(replace(cfg, max_steps=saved["total_steps"]), plan.world_size, len(train_ds))
+    now = plan_record(cfg, reference, train_ds, val_ds)
+    changes = [f"{k}: {saved[k]} -> {now[k]}" for k in now if k != "extensions" and now[k] != saved.get(k)]
+    longer = plan.total_steps > saved["total_steps"]
+    if plan.total_steps != saved["total_steps"] and not (longer and cfg.extend):
+        changes.insert(0, f"total_steps: {saved['total_steps']} -> {plan.total_steps}")
+    if changes:
+        run_dir = os.path.join(cfg.out_dir, cfg.run_name)
+        raise ConfigError(
+            f"resume: {ckpt_path} was written for another plan:\n    " + "\n    ".join(changes) +
+            "\nA resume continues the plan it was started with (a changed plan would restart or jump the LR, EMA and "
+            f"data order). To continue this run: use its settings (--config {run_dir}/config.yaml --resume auto)."
+            + (" To train longer on purpose: add --extend true (the LR, weight decay and EMA continue from their "
+               "last values, never back up)." if longer and not cfg.extend and len(changes) == 1 else "")
+            + " To train with the new settings: start a new run (another --run_name).")
+    extensions = list(saved["extensions"])
+    if longer:
+        extensions.append([step, saved["total_steps"], plan.total_steps])
+    return replace(reference, total_steps=plan.total_steps, extensions=extensions)
+
+
+def checkpoint_state(model: VJEPA3D, optimizer, state: TrainState, cfg: Config, run_plan: dict,
+                     rt: Runtime) -> dict:
     """Everything a resume needs, as CPU tensors and plain types (torch.load(weights_only=True) reads it, on a
     machine with or without torch_xla)."""
     model_state, optimizer_state = fetch_to_host([model.state_dict(), optimizer.state_dict()], rt)
     for group in optimizer_state["param_groups"]:
         group["lr"] = float(group["lr"])  # a device tensor on XLA
     return {"model": model_state, "optimizer": optimizer_state, "train_state": dict(vars(state)),
-            "rng": rng_state(), "config": config_to_dict(cfg), "version": 1}
+            "rng": rng_state(), "config": config_to_dict(cfg), "plan": run_plan, "version": 2}
 
 
 def restore(ckpt: dict, model: VJEPA3D, optimizer, state: TrainState) -> None:
@@ -931,30 +1149,18 @@ def rollback(cfg, model, optimizer, state: TrainState, last_ckpt, recent_grad_no
         raise Diverged(diagnosis + "\nLower base_lr (measure one with `python sanity.py --lr_sweep`), check the data "
                                    "named in events.jsonl, or raise max_rollbacks.")
     failed_at = state.step + state.data_skip
-    ckpt = read_checkpoint(last_ckpt)  # load_state_dict moves the tensors to the model's device
+    ckpt = read_checkpoint(last_ckpt, tries=3)  # load_state_dict moves the tensors to the model's device
     rollbacks, lr_scale, skipped = state.rollbacks + 1, state.lr_scale * cfg.rollback_lr_factor, state.nonfinite_skipped
     restore(ckpt, model, optimizer, state)
     state.rollbacks, state.lr_scale, state.nonfinite_skipped = rollbacks, lr_scale, skipped
     state.consecutive_nonfinite = 0
     state.data_skip = failed_at - state.step  # resume the data after the batches that failed
+    log.drop_metrics_after(state.step)  # the updates after the checkpoint are logged again
     log.event("rollback", state.step, checkpoint=last_ckpt, lr_scale=lr_scale, rollbacks=rollbacks,
               data_skip=state.data_skip)
     log.print(f"rollback {rollbacks}/{cfg.max_rollbacks} to {last_ckpt}: lr x{lr_scale:g}, "
               f"skipping {state.data_skip} updates' worth of data")
     return last_ckpt
-
-
-def drop_metrics_after(path: str, step: int, log: RunLog) -> None:
-    """On resume, drop metrics lines the interrupted run wrote after the checkpoint (they are logged again)."""
-    if not log.active or not os.path.exists(path):
-        return
-    with open(path) as f:
-        lines = f.readlines()
-    keep = [line for line in lines if json.loads(line)["step"] <= step]
-    if len(keep) < len(lines):
-        write_bytes_atomic(path, "".join(keep).encode())
-        log.event("metrics_truncated", step, dropped_lines=len(lines) - len(keep))
-    log.history = [json.loads(line) for line in keep]
 
 
 def summary(history: List[dict], run_dir: str, cfg: Config, state: TrainState) -> str:

@@ -1,0 +1,60 @@
+"""Run train.py's real main() under torchrun with faults injected into some processes (tests/test_resume.py uses
+it for the multi-process stories). Faults, comma-separated:
+
+    late_start   process 1 starts 1.5 s after process 0 (their clocks name different seconds)
+    nan_5_7      updates 5 to 7 have a non-finite loss in every process (a rollback follows)
+    read_once    process 1's first checkpoint read fails (a transient storage error)
+    read_always  every checkpoint read of process 1 fails
+    bad_files    process 1 cannot read about half of the volumes
+    no_data      process 1 cannot read any volume
+
+usage: torchrun ... tests/ddp_faults.py FAULTS TRAIN_FLAGS...
+"""
+import hashlib
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import data  # noqa: E402
+import train  # noqa: E402
+
+faults = set(sys.argv[1].split(","))
+rank = int(os.environ["RANK"])
+
+if "late_start" in faults and rank == 1:
+    time.sleep(1.5)
+
+if "nan_5_7" in faults:
+    real_forward_backward, updates = train.forward_backward, []
+
+    def forward_backward(*args, **kwargs):
+        loss, target_std = real_forward_backward(*args, **kwargs)
+        updates.append(len(updates) + 1)
+        return (loss * float("nan") if 5 <= updates[-1] <= 7 else loss), target_std
+
+    train.forward_backward = forward_backward
+
+if rank == 1 and faults & {"read_once", "read_always"}:
+    real_read_bytes, reads = train.read_bytes, []
+
+    def read_bytes(path):
+        reads.append(path)
+        if "read_always" in faults or len(reads) == 1:
+            raise OSError(f"injected read error for {path}")
+        return real_read_bytes(path)
+
+    train.read_bytes = read_bytes
+
+if rank == 1 and faults & {"bad_files", "no_data"}:
+    real_load = data.load_prepared
+
+    def load_prepared(paths, cfg):
+        if "no_data" in faults or hashlib.sha256(paths[0].encode()).digest()[0] % 2:
+            raise data.UnusableFile("read_error", f"injected read error on process 1 for {paths[0]}")
+        return real_load(paths, cfg)
+
+    data.load_prepared = load_prepared
+
+sys.exit(train.main(sys.argv[2:]))
