@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from config import Config, ConfigError, RunPlan, config_to_dict, load_config, plan_run, save_config
-from data import read_bytes
+from data import NoUsableData, build_datasets, format_reason_table, gcs_filesystem, make_loader, read_bytes
 from model import VJEPA3D, activation_bytes_per_sample, training_flops_per_sample
 
 EXIT_OK, EXIT_CONFIG, EXIT_NO_DATA, EXIT_DIVERGED = 0, 2, 3, 4
@@ -122,7 +122,8 @@ def setup_runtime(cfg: Config) -> Runtime:
     if world > 1:
         torch.distributed.init_process_group("nccl" if kind == "cuda" else "gloo")
     device = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
-    return Runtime(device, kind, world, rank, world, 1, multi_host=int(os.environ.get("LOCAL_WORLD_SIZE", world)) < world)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # torchrun: processes on this machine
+    return Runtime(device, kind, world, rank, world, 1, multi_host=local_world < world)
 
 
 def _xla_configured() -> bool:
@@ -232,7 +233,7 @@ class RunLog:
         record = {k: _json_number(v) for k, v in record.items()}
         self.history.append(record)
         _append_jsonl(os.path.join(self.run_dir, "metrics.jsonl"), record)
-        if self.wandb_run is not None:  # W&B's own step only increases: after a rollback "update" goes back, it does not
+        if self.wandb_run is not None:  # no step=: W&B drops a log whose step goes back, as after a rollback
             self.wandb_run.log({"update": record["step"], **{f"{record['split']}/{k}": v for k, v in record.items()
                                                              if k not in ("split", "step") and v is not None}})
         warnings = collapse_warnings(self.history, self.cfg)
@@ -334,7 +335,6 @@ def start_wandb(cfg: Config, run_dir: str):
 def _fs(path: str):
     """(filesystem, path) for a local path or a gs:// URL."""
     if path.startswith("gs://"):
-        from data import gcs_filesystem
         return gcs_filesystem(), path
     return None, path
 
@@ -627,7 +627,6 @@ def mark_step(rt: Runtime) -> None:
 def next_update_batches(groups, rt: Runtime) -> Tuple[Optional[list], list]:
     """(micro-batches of the next update, the files every process had to replace in them). A NoUsableData on any
     process stops every process with it (exit 3 everywhere, none left waiting in a collective)."""
-    from data import NoUsableData
     try:
         micro_batches, error = next(groups, None), None
     except NoUsableData as e:
@@ -643,7 +642,6 @@ def next_update_batches(groups, rt: Runtime) -> Tuple[Optional[list], list]:
 def note_bad_files(skipped: list, bad_files: dict, step: int, total_files: int, cfg: Config, log) -> None:
     """Log each (path, reason, detail) the loaders had to replace, once; stop with exit 3 when too many are bad.
     `skipped` holds every process's files, so all processes take the same decision."""
-    from data import NoUsableData, format_reason_table
     for path, reason, detail in skipped:
         if path not in bad_files:
             bad_files[path] = reason
@@ -826,16 +824,18 @@ def check_checkpoints_are_shared(cfg: Config, rt: Runtime) -> None:
     if not rt.multi_host or cfg.ckpt_dir is None or cfg.ckpt_dir.startswith("gs://"):
         return
     if rt.kind == "xla" or not cfg.ckpt_dir_shared:
+        shared_flag = "" if rt.kind == "xla" else ", or add --ckpt_dir_shared true if every machine mounts it"
         raise ConfigError(f"ckpt_dir: {cfg.ckpt_dir} is local to each machine, but the processes of this run are on "
                           f"several machines and must all resume from the same checkpoint; use a gs:// ckpt_dir"
-                          + ("." if rt.kind == "xla" else ", or add --ckpt_dir_shared true if every machine mounts it."))
+                          f"{shared_flag}.")
     marker = master_decides(rt, write_shared_marker, cfg.ckpt_dir)
     blind = [rank for rank, seen in enumerate(gather_objects(os.path.exists(marker), rt)) if not seen]
     if rt.is_master:
         os.remove(marker)
     if blind:
-        raise ConfigError(f"ckpt_dir_shared: processes {blind} cannot see {marker}, written by process 0: {cfg.ckpt_dir} "
-                          f"is not shared by every machine; use a gs:// ckpt_dir or a filesystem that all of them mount.")
+        raise ConfigError(f"ckpt_dir_shared: processes {blind} cannot see {marker}, written by process 0: "
+                          f"{cfg.ckpt_dir} is not shared by every machine; use a gs:// ckpt_dir or a filesystem that "
+                          f"all of them mount.")
 
 
 def write_shared_marker(ckpt_dir: str) -> str:
@@ -847,7 +847,6 @@ def write_shared_marker(ckpt_dir: str) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    from data import NoUsableData
     try:
         cfg = load_config(argv)
         rt = setup_runtime(cfg)
@@ -866,7 +865,6 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def train(cfg: Config, rt: Runtime) -> int:
-    from data import build_datasets, make_loader
 
     # --- data, model, optimizer ---
     torch.manual_seed(cfg.seed)
@@ -1048,7 +1046,8 @@ def train(cfg: Config, rt: Runtime) -> int:
                           f"{scores['probe_bal_acc']:.3f}")
             if is_ckpt or (best and cfg.ckpt_dir is not None):  # a new best val loss is checkpointed at once
                 last_ckpt = checkpoint_path(cfg.ckpt_dir, state.step)
-                ckpt = checkpoint_state(model, optimizer, state, cfg, run_plan, rt)  # every process: XLA gathers
+                # every process: XLA gathers the shards; the plan lets a resume check it continues the same run
+                ckpt = {**checkpoint_state(model, optimizer, state, cfg, rt), "plan": run_plan}
                 if rt.is_master:
                     save_checkpoint(last_ckpt, ckpt, cfg.keep_last, best)
                     log.event("checkpoint", state.step, path=last_ckpt, best=best)
@@ -1114,15 +1113,14 @@ def resumed_plan(saved: dict, cfg: Config, plan: RunPlan, train_ds, val_ds, step
     return replace(reference, total_steps=plan.total_steps, extensions=extensions)
 
 
-def checkpoint_state(model: VJEPA3D, optimizer, state: TrainState, cfg: Config, run_plan: dict,
-                     rt: Runtime) -> dict:
+def checkpoint_state(model: VJEPA3D, optimizer, state: TrainState, cfg: Config, rt: Runtime) -> dict:
     """Everything a resume needs, as CPU tensors and plain types (torch.load(weights_only=True) reads it, on a
     machine with or without torch_xla)."""
     model_state, optimizer_state = fetch_to_host([model.state_dict(), optimizer.state_dict()], rt)
     for group in optimizer_state["param_groups"]:
         group["lr"] = float(group["lr"])  # a device tensor on XLA
     return {"model": model_state, "optimizer": optimizer_state, "train_state": dict(vars(state)),
-            "rng": rng_state(), "config": config_to_dict(cfg), "plan": run_plan, "version": 2}
+            "rng": rng_state(), "config": config_to_dict(cfg), "version": 2}
 
 
 def restore(ckpt: dict, model: VJEPA3D, optimizer, state: TrainState) -> None:
@@ -1146,8 +1144,9 @@ def rollback(cfg, model, optimizer, state: TrainState, last_ckpt, recent_grad_no
                  f"last good checkpoint: {last_ckpt or 'none'}; rollbacks used {state.rollbacks}/{cfg.max_rollbacks}.")
     if last_ckpt is None or state.rollbacks >= cfg.max_rollbacks:
         log.event("diverged", state.step, lr=lr, grad_norms=recent_grad_norms, last_good_checkpoint=last_ckpt)
-        raise Diverged(diagnosis + "\nLower base_lr (measure one with `python sanity.py --lr_sweep`), check the data "
-                                   "named in events.jsonl, or raise max_rollbacks.")
+        raise Diverged(diagnosis + "\nCheck the data named in events.jsonl; resume with a larger --max_rollbacks (each "
+                                   "rollback multiplies the LR by rollback_lr_factor), or start a new run with a lower "
+                                   "base_lr (measure one with `python sanity.py --lr_sweep`).")
     failed_at = state.step + state.data_skip
     ckpt = read_checkpoint(last_ckpt, tries=3)  # load_state_dict moves the tensors to the model's device
     rollbacks, lr_scale, skipped = state.rollbacks + 1, state.lr_scale * cfg.rollback_lr_factor, state.nonfinite_skipped

@@ -5,12 +5,11 @@ it for the multi-process stories). Faults, comma-separated:
     nan_5_7      updates 5 to 7 have a non-finite loss in every process (a rollback follows)
     read_once    process 1's first checkpoint read fails (a transient storage error)
     read_always  every checkpoint read of process 1 fails
-    bad_files    process 1 cannot read about half of the volumes
+    bad_files    process 1 cannot read the Heidelberg-style volumes (a quarter of the phantoms)
     no_data      process 1 cannot read any volume
 
 usage: torchrun ... tests/ddp_faults.py FAULTS TRAIN_FLAGS...
 """
-import hashlib
 import os
 import sys
 import time
@@ -51,7 +50,7 @@ if rank == 1 and faults & {"bad_files", "no_data"}:
     real_load = data.load_prepared
 
     def load_prepared(paths, cfg):
-        if "no_data" in faults or hashlib.sha256(paths[0].encode()).digest()[0] % 2:
+        if "no_data" in faults or "heidelberg" in paths[0]:
             raise data.UnusableFile("read_error", f"injected read error on process 1 for {paths[0]}")
         return real_load(paths, cfg)
 
