@@ -1,0 +1,249 @@
+"""data.py on the shapes real OCT exports take (issue 13): Zeiss Cirrus, non-raster scans, broken series, garbled
+headers, stale indexes and caches; whatever a scan accepts is read without an exception."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pydicom
+import pytest
+
+from config import load_config
+from data import (REASONS, OCTDataset, UnusableFile, cache_path, crop_starts, find_files, index_records,
+                  load_prepared, prepare, read_index, read_volume, scan_files, to_sample, unscramble_czm)
+from phantom import (STYLES, _jp2_file, czm_scramble, quantize, synth_reflectivity, write_odd_cases, write_oct,
+                     write_phantom)
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.filterwarnings("ignore:End of file reached before delimiter", "ignore::UserWarning")
+
+
+def config(**overrides):
+    return load_config([], **{"image_size": [8, 32, 32], "patch_size": [4, 8, 8], "workers": 0, **overrides})
+
+
+def top_name(record, root):
+    return Path(os.path.relpath(record["paths"][0], root)).parts[0]
+
+
+@pytest.fixture(scope="module")
+def odd_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("odd")
+    return root, write_odd_cases(str(root))
+
+
+@pytest.fixture(scope="module")
+def odd_records(odd_dir):
+    root, _ = odd_dir
+    records = sorted(scan_files(find_files(str(root))), key=lambda r: r["reason"] != "duplicate_instance")
+    return {top_name(r, root): r for r in records}  # a series folder: its volume, not the copy in it
+
+
+# --- each odd case gets its reason, from scan and from read alike (findings 1-7, 12) ---
+
+@pytest.mark.parametrize("name", [
+    "two_stacks.dcm", "radial.dcm", "duplicate_frames.dcm", "missing_bscan.dcm", "uneven_gaps.dcm",
+    "volumetric_flag_no.dcm", "slice_thickness_zero.dcm", "slice_thickness_disagrees.dcm",
+    "number_of_frames_garbled.dcm", "orientation_garbled.dcm", "rescale_garbled.dcm", "jpeg_truncated_frame.dcm",
+    "trailing_bytes.dcm", "zeiss_cirrus_czm.dcm", "series_with_copy", "series_missing_bscan", "series_without_order"])
+def test_each_odd_export_gets_the_same_verdict_from_scan_and_from_read(odd_dir, odd_records, name):
+    root, expected = odd_dir
+    record = odd_records[name]
+    assert record["reason"] == expected[name], record
+    if expected[name] is None:
+        volume = read_volume(record["paths"])
+        assert list(volume.voxels.shape) == record["shape"]
+        assert to_sample(prepare(volume, config()), config(), np.random.default_rng(0), True).shape == (1, 8, 32, 32)
+    else:
+        assert expected[name] in REASONS
+        with pytest.raises(UnusableFile) as error:
+            read_volume(record["paths"])
+        assert error.value.reason == expected[name]
+
+
+def test_two_stacks_without_in_stack_numbers_do_not_crash_the_loader(odd_dir):
+    root, _ = odd_dir
+    records = scan_files([str(root / "two_stacks.dcm")])
+    dataset = OCTDataset([{**records[0], "ok": True}] + scan_files([str(root / "trailing_bytes.dcm")]), config(),
+                         train=True)
+    sample = dataset[(0, 0)]  # the two-stack file is replaced, never a TypeError
+    assert sample["skipped"][0][1] == "multiple_stacks"
+
+
+def test_a_copied_b_scan_file_is_listed_once_and_the_volume_keeps_its_count(odd_records, odd_dir):
+    root, _ = odd_dir
+    records = scan_files(find_files(str(root / "series_with_copy")))
+    volume = [r for r in records if r["ok"]]
+    assert len(volume) == 1 and volume[0]["shape"][0] == 12
+    copies = [r for r in records if not r["ok"]]
+    assert [r["reason"] for r in copies] == ["duplicate_instance"]
+    assert sum(len(r["paths"]) for r in records) == 13  # every file appears exactly once
+
+
+def test_a_bad_member_file_marks_its_series_bad(tmp_path):
+    paths = write_oct(str(tmp_path / "s"), quantize(synth_reflectivity((8, 64, 64), np.random.default_rng(2)), 8),
+                      (0.1, 0.03, 0.09), STYLES["optovue_series"])
+    ds = pydicom.dcmread(paths[3])
+    ds.BitsAllocated = 12
+    ds.save_as(paths[3])
+    records = scan_files(find_files(str(tmp_path / "s")))
+    assert not any(r["ok"] for r in records)
+    assert {r["reason"] for r in records} == {"bad_header"}
+
+
+def test_garbled_number_of_frames_does_not_stop_the_scan_of_the_others(odd_dir, tmp_path):
+    root, _ = odd_dir
+    records = scan_files([str(root / "number_of_frames_garbled.dcm"), str(root / "trailing_bytes.dcm")])
+    assert [r["reason"] for r in records] == ["bad_header", None]
+
+
+# --- Zeiss Cirrus (finding 6) ---
+
+def test_czm_unscrambler_inverts_the_scrambling_of_real_cirrus_exports():
+    jp2 = _jp2_file(quantize(synth_reflectivity((1, 64, 64), np.random.default_rng(3)), 8)[0])
+    scrambled = czm_scramble(jp2)
+    assert scrambled != jp2 and len(scrambled) == len(jp2)
+    assert unscramble_czm(scrambled) == jp2
+
+
+@pytest.mark.parametrize("bits", [8, 16])
+def test_zeiss_cirrus_volume_reads_back_the_written_voxels_and_garbled_spacing(tmp_path, bits):
+    voxels, spacing, paths = write_phantom(str(tmp_path / "z.dcm"), "zeiss_cirrus", shape=(12, 64, 64), bits=bits)
+    raw = pydicom.dcmread(paths[0]).PerFrameFunctionalGroupsSequence[0].PixelMeasuresSequence[0]["PixelSpacing"]
+    assert "," in str(raw.value)  # written the Cirrus way
+    volume = read_volume(paths[0])
+    np.testing.assert_array_equal(volume.voxels, voxels)
+    assert volume.spacing == pytest.approx(spacing)
+    assert scan_files(paths)[0]["ok"]
+
+
+# --- spacing (finding 7) ---
+
+def test_b_scan_spacing_comes_from_positions_and_a_disagreeing_slice_thickness_is_reported(odd_records):
+    for name in ("slice_thickness_zero.dcm", "slice_thickness_disagrees.dcm"):
+        record = odd_records[name]
+        dz = record["spacing"][0]
+        assert dz == pytest.approx(5.8 / 12, rel=1e-4), name  # the positions' gap
+    assert "SliceThickness" in odd_records["slice_thickness_disagrees.dcm"]["spacing_issue"]
+
+
+# --- index provenance (finding 8) ---
+
+def test_new_files_under_a_reused_index_are_scanned(tmp_path):
+    root = tmp_path / "data"
+    write_phantom(str(root / "a.dcm"), "heidelberg", shape=(8, 64, 64))
+    cfg = config(data_root=str(root), index_path=str(tmp_path / "index.jsonl"))
+    assert len([r for r in index_records(cfg) if r["ok"]]) == 1
+    write_phantom(str(root / "b.dcm"), "heidelberg", shape=(8, 64, 64), seed=1)
+    assert len([r for r in index_records(cfg) if r["ok"]]) == 2
+    assert len(read_index(cfg.index_path)) == 2
+
+
+def test_a_passing_failure_in_a_reused_index_is_checked_again(tmp_path):
+    root = tmp_path / "data"
+    write_phantom(str(root / "a.dcm"), "heidelberg", shape=(8, 64, 64))
+    cfg = config(data_root=str(root), index_path=str(tmp_path / "index.jsonl"))
+    index_records(cfg)
+    header, line = Path(cfg.index_path).read_text().splitlines()
+    record = {**json.loads(line), "ok": False, "reason": "read_error", "detail": "503 from the bucket"}
+    Path(cfg.index_path).write_text(f"{header}\n{json.dumps(record)}\n")
+    assert index_records(cfg)[0]["ok"]
+
+
+def test_an_index_of_other_settings_is_not_reused(tmp_path):
+    root = tmp_path / "data"
+    write_phantom(str(root / "a.dcm"), "heidelberg", shape=(8, 64, 64))
+    write_oct(str(root / "sc.dcm"), quantize(synth_reflectivity((8, 64, 64), np.random.default_rng(1)), 8),
+              (0.1, 0.03, 0.09), STYLES["heidelberg"], sop_class="1.2.840.10008.5.1.4.1.1.7.2", uid_seed="sc")
+    cfg = config(data_root=str(root), index_path=str(tmp_path / "index.jsonl"))
+    assert sum(r["ok"] for r in index_records(cfg)) == 1
+    assert sum(r["ok"] for r in index_records(replace(cfg, sop_classes="any"))) == 2
+
+
+# --- folder walk (finding 9) ---
+
+def test_the_folder_walk_follows_symlinked_sub_folders_like_the_glob(tmp_path):
+    write_phantom(str(tmp_path / "elsewhere" / "a.dcm"), "heidelberg", shape=(8, 64, 64))
+    (tmp_path / "root").mkdir()
+    os.symlink(tmp_path / "elsewhere", tmp_path / "root" / "linked")
+    os.symlink(tmp_path / "root", tmp_path / "root" / "loop")  # a cycle is walked once
+    walked = find_files(str(tmp_path / "root"))
+    assert [os.path.basename(p) for p in walked] == ["a.dcm"]
+    assert [os.path.basename(p) for p in find_files(str(tmp_path / "root" / "*" / "*.dcm"))] == ["a.dcm"]
+
+
+# --- cache (findings 2, 10) ---
+
+def test_a_re_exported_file_at_the_same_path_is_not_served_from_the_cache(tmp_path):
+    path = str(tmp_path / "v.dcm")
+    write_phantom(path, "heidelberg", shape=(8, 64, 64), seed=0)
+    cfg = config(cache_dir=str(tmp_path / "cache"))
+    first = np.array(load_prepared([path], cfg))
+    write_phantom(path, "heidelberg", shape=(8, 64, 64), seed=5)
+    assert not np.array_equal(np.array(load_prepared([path], cfg)), first)
+
+
+def test_an_8_bit_source_is_cached_as_8_bit(tmp_path):
+    path = str(tmp_path / "v.dcm")
+    write_phantom(path, "topcon_triton", shape=(8, 64, 64))
+    cfg = config(cache_dir=str(tmp_path / "cache"))
+    load_prepared([path], cfg)
+    assert np.load(cache_path(cfg, [path])).dtype == np.uint8
+
+
+def test_a_full_disk_while_caching_serves_the_volume_uncached_and_leaves_no_tmp_file(tmp_path):
+    path = str(tmp_path / "v.dcm")
+    write_phantom(path, "heidelberg", shape=(8, 64, 64))
+    cache = tmp_path / "cache"
+    script = f"""
+import resource, signal, sys
+sys.path.insert(0, {str(REPO)!r})
+from config import load_config
+from data import OCTDataset, scan_files
+cfg = load_config([], image_size=[8, 32, 32], patch_size=[4, 8, 8], workers=0, cache_dir={str(cache)!r})
+dataset = OCTDataset(scan_files([{path!r}]), cfg, train=True)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))  # a full disk
+for epoch in range(3):
+    assert dataset[(epoch, 0)]["volume"].shape == (1, 8, 32, 32)
+print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("not cached") == 1  # reported once
+    assert os.listdir(cache) == []  # no tmp file left behind
+
+
+# --- preprocessing (findings 11, 12) ---
+
+def test_the_axial_crop_is_centred_on_the_retina():
+    prepared = np.zeros((8, 128, 32), np.uint16)
+    prepared[:, 90:100] = 60000  # the retina sits low in a tall scan
+    starts = crop_starts(prepared, (8, 32, 32), None, train=False)
+    assert starts[1] <= 95 - 16 + 1 and starts[1] + 32 >= 100
+    for seed in range(20):
+        start = crop_starts(prepared, (8, 32, 32), np.random.default_rng(seed), train=True)[1]
+        assert start <= 90 and start + 32 >= 100  # jitter never cuts the retina out
+
+
+def test_a_bright_low_contrast_crop_is_normalized_to_unit_std():
+    prepared = np.random.default_rng(0).normal(60100, 58, (8, 32, 32)).clip(0, 65535).astype(np.uint16)
+    x = to_sample(prepared, config(intensity_jitter=0.0), None, train=False)
+    assert float(x.mean()) == pytest.approx(0, abs=1e-3) and float(x.std()) == pytest.approx(1, abs=1e-3)
+
+
+# --- the command line (acceptance) ---
+
+def test_scan_cli_on_phantoms_and_odd_cases_lists_every_reason_and_exits_0(phantom_dir, odd_dir, tmp_path):
+    root, expected = odd_dir
+    shutil.copytree(phantom_dir, tmp_path / "all" / "phantoms")
+    shutil.copytree(root, tmp_path / "all" / "odd")
+    result = subprocess.run([sys.executable, str(REPO / "data.py"), "scan", str(tmp_path / "all")],
+                            cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    for reason in {r for r in expected.values() if r} | {"duplicate_instance"}:
+        assert reason in result.stdout
