@@ -8,9 +8,17 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from collections import Counter
+
 import numpy as np
 import pydicom
 import pytest
+from pydicom.datadict import dictionary_VR
+from pydicom.dataelem import RawDataElement
+from pydicom.dataset import Dataset
+from pydicom.sequence import Sequence as DicomSequence
+from pydicom.tag import Tag
+from pydicom.uid import JPEGBaseline8Bit
 
 from config import load_config
 from data import (REASONS, OCTDataset, UnusableFile, cache_path, crop_starts, find_files, index_records,
@@ -247,3 +255,116 @@ def test_scan_cli_on_phantoms_and_odd_cases_lists_every_reason_and_exits_0(phant
     assert result.returncode == 0, result.stderr
     for reason in {r for r in expected.values() if r} | {"duplicate_instance"}:
         assert reason in result.stdout
+
+
+# --- the contract: whatever scan accepts is read; whatever it rejects, read rejects for the same reason ---
+
+def _set_raw(place, keyword, text: bytes):
+    """Write a string tag's bytes as they are, garbage included (pydicom would refuse to convert them)."""
+    tag = Tag(keyword)
+    text += b" " * (len(text) % 2)
+    place[tag] = RawDataElement(tag, dictionary_VR(tag), len(text), text, 0, False, True)
+
+
+def _tilted() -> Dataset:
+    item = Dataset()
+    item.ImageOrientationPatient = [0.9, 0.43589, 0, 0, 0, -1]
+    return item
+
+
+def _header_mutations():
+    """(name, edit(dataset)) pairs: garbage values, dropped tags, duplicated and moved frames."""
+    shared = lambda ds: ds.SharedFunctionalGroupsSequence[0]  # noqa: E731
+    frame = lambda ds, k: ds.PerFrameFunctionalGroupsSequence[k]  # noqa: E731
+    garbage = [("frames_x1", lambda ds: _set_raw(ds, "NumberOfFrames", b"x1")),
+               ("frames_0", lambda ds: _set_raw(ds, "NumberOfFrames", b"0")),
+               ("frames_nul", lambda ds: _set_raw(ds, "NumberOfFrames", b"8\x00")),
+               ("orientation_2_values", lambda ds: _set_raw(shared(ds).PlaneOrientationSequence[0],
+                                                            "ImageOrientationPatient", b"1\\0")),
+               ("orientation_zero", lambda ds: _set_raw(shared(ds).PlaneOrientationSequence[0],
+                                                        "ImageOrientationPatient", b"0\\0\\0\\0\\0\\0")),
+               ("spacing_nan", lambda ds: _set_raw(shared(ds).PixelMeasuresSequence[0], "PixelSpacing", b"nan\\1")),
+               ("thickness_negative", lambda ds: _set_raw(shared(ds).PixelMeasuresSequence[0], "SliceThickness",
+                                                          b"-1")),
+               ("position_2_values", lambda ds: _set_raw(frame(ds, 0).PlanePositionSequence[0],
+                                                         "ImagePositionPatient", b"1\\2")),
+               ("position_text", lambda ds: _set_raw(frame(ds, 3).PlanePositionSequence[0],
+                                                     "ImagePositionPatient", b"a\\b\\c")),
+               ("slope_zero", lambda ds: _set_raw(ds, "RescaleSlope", b"0")),
+               ("slope_text", lambda ds: _set_raw(ds, "RescaleSlope", b"abc")),
+               ("rows_0", lambda ds: setattr(ds, "Rows", 0)),
+               ("columns_odd", lambda ds: setattr(ds, "Columns", 63)),
+               ("bits_12", lambda ds: setattr(ds, "BitsAllocated", 12)),
+               ("samples_3", lambda ds: setattr(ds, "SamplesPerPixel", 3)),
+               ("in_stack_repeats", lambda ds: setattr(frame(ds, 2).FrameContentSequence[0],
+                                                       "InStackPositionNumber", 1)),
+               ("volumetric_no", lambda ds: setattr(ds, "OphthalmicVolumetricPropertiesFlag", "NO"))]
+    dropped = [(f"no_{name}", lambda ds, name=name: delattr(ds, name))
+               for name in ("NumberOfFrames", "Rows", "SOPClassUID", "Manufacturer", "PhotometricInterpretation",
+                            "SharedFunctionalGroupsSequence", "PerFrameFunctionalGroupsSequence")]
+    dropped += [("no_position_of_frame_3", lambda ds: delattr(frame(ds, 3), "PlanePositionSequence")),
+                ("no_frame_content_2", lambda ds: delattr(frame(ds, 2), "FrameContentSequence")),
+                ("no_pixel_spacing", lambda ds: delattr(shared(ds).PixelMeasuresSequence[0], "PixelSpacing"))]
+    moved = [("frame_2_at_3", lambda ds: setattr(frame(ds, 2), "PlanePositionSequence",
+                                                   frame(ds, 3).PlanePositionSequence)),
+             ("frame_0_far_away", lambda ds: setattr(frame(ds, 0).PlanePositionSequence[0], "ImagePositionPatient",
+                                                     [0.0, 40.0, 0.0])),
+             ("frame_1_tilted", lambda ds: setattr(frame(ds, 1), "PlaneOrientationSequence", DicomSequence(
+                 [_tilted()])))]
+    return garbage + dropped + moved
+
+
+def _mutants(directory: Path):
+    """Valid files of several encodings, then each of them truncated and edited in many ways."""
+    voxels = quantize(synth_reflectivity((8, 64, 64), np.random.default_rng(4)), 8)
+    bases = {}
+    for name, style, syntax in (("native", "heidelberg", None), ("czm", "zeiss_cirrus", None),
+                                ("j2k", "topcon_triton", None), ("jpeg", "heidelberg", JPEGBaseline8Bit)):
+        path = directory / f"{name}.dcm"
+        write_oct(str(path), voxels, (0.1, 0.03, 0.09), STYLES[style], uid_seed=name, transfer_syntax=syntax)
+        bases[name] = path
+    mutants = list(bases.values())
+    for name, path in bases.items():
+        data = path.read_bytes()
+        for cut in (200, len(data) // 3, len(data) // 2, len(data) - 300, len(data) - 3):
+            mutants.append(directory / f"{name}_cut_{cut}.dcm")
+            mutants[-1].write_bytes(data[:cut])
+        for edit_name, edit in _header_mutations():
+            ds = pydicom.dcmread(path)
+            try:
+                edit(ds)
+            except (AttributeError, IndexError, KeyError):  # this base file has no such tag
+                continue
+            mutants.append(directory / f"{name}_{edit_name}.dcm")
+            ds.save_as(mutants[-1])
+    return mutants
+
+
+def test_whatever_scan_accepts_is_read_by_read_volume_the_loader_and_prepare(tmp_path):
+    cfg = config(cache_dir=str(tmp_path / "cache"))
+    mutants = _mutants(tmp_path)
+    records = [r for p in mutants for r in scan_files([str(p)])]  # never raises, whatever the files hold
+    assert len(records) == len(mutants)  # each on its own: they share their SOPInstanceUID
+    verdicts = Counter()
+    for record in records:
+        verdicts[record["reason"]] += 1
+        if record["ok"]:
+            volume = read_volume(record["paths"])
+            assert list(volume.voxels.shape) == record["shape"]
+            prepared = load_prepared(record["paths"], cfg, record["sources"])
+            assert to_sample(prepared, cfg, np.random.default_rng(0), True).shape == (1, 8, 32, 32)
+        else:
+            assert record["reason"] in REASONS, record
+            with pytest.raises(UnusableFile) as error:
+                read_volume(record["paths"])
+            assert error.value.reason == record["reason"], record["paths"]
+    assert verdicts[None] >= 4 and len(verdicts) >= 6, verdicts  # the valid files pass; many reasons are named
+    dataset = OCTDataset([{**r, "ok": True, "patient": "p"} for r in records], cfg, train=True)
+    for index in range(0, len(dataset), 7):  # the loader replaces rejected files, never raises
+        assert dataset[(0, index)]["volume"].shape == (1, 8, 32, 32)
+
+
+def test_the_readme_lists_every_reason_with_its_meaning():
+    readme = (REPO / "README.md").read_text()
+    for reason, meaning in REASONS.items():
+        assert f"| `{reason}` | {meaning}" in readme, reason
