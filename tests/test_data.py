@@ -321,13 +321,12 @@ def test_files_that_break_after_the_scan_are_replaced_and_batches_stay_full(phan
     shutil.copytree(phantom_dir, tmp_path / "d")
     cfg = config(data_root=str(tmp_path / "d"), index_path=str(tmp_path / "index.jsonl"), val_fraction=0.0,
                  max_bad_fraction=0.5)
-    build_datasets(cfg)  # scans and writes the index
+    train, _ = build_datasets(cfg)  # scans and writes the index
     broken = ["0001_topcon_triton.dcm", "0002_zeiss_cirrus.dcm", "0005_heidelberg.dcm"]
-    for name in broken:  # an interrupted re-sync after the scan
+    for name in broken:  # an interrupted re-sync during the run (the next run's index rescans them)
         data = (tmp_path / "d" / name).read_bytes()
         (tmp_path / "d" / name).write_bytes(data[: len(data) // 2])
-    train, _ = build_datasets(cfg)
-    assert len(train) == 10  # the index still lists them: the loader meets them at run time
+    assert len(train) == 10  # the loader meets them at run time
     batches = list(make_loader(train, 3, train=True, workers=2, epoch=0, seed=0))
     assert len(batches) == 3 and all(b["volume"].shape == (3, 1, 8, 32, 32) for b in batches)
     skipped = {(Path(path).name, reason) for b in batches for path, reason, _ in b["skipped"]}
