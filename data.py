@@ -177,7 +177,8 @@ class UnusableFile(Exception):
 
     def __init__(self, reason: str, detail: str = "", manufacturer: str = "", model: str = "", series: str = ""):
         super().__init__(f"{reason}: {detail}")
-        self.reason, self.detail, self.manufacturer, self.model, self.series = reason, detail, manufacturer, model, series
+        self.reason, self.detail, self.manufacturer, self.model = reason, detail, manufacturer, model
+        self.series = series
 
     def __reduce__(self):  # keep the fields across processes (DataLoader workers, prepare pool)
         return UnusableFile, (self.reason, self.detail, self.manufacturer, self.model, self.series)
@@ -359,6 +360,12 @@ def _first_numbers(places: Sequence[pydicom.Dataset], *names: str) -> Optional[T
     return None
 
 
+def _scalar(places: Sequence[pydicom.Dataset], name: str, default: float) -> float:
+    """One finite number of a DS tag found in the places, else `default`."""
+    found = _first_numbers(places, name)
+    return default if found is None else float(_vector(found, 1)[0])
+
+
 def _count(value: Optional[List[float]], name: str, default: Optional[int] = None) -> Optional[int]:
     """One positive integer of an IS tag."""
     if value is None:
@@ -384,16 +391,21 @@ def _frame(ds: pydicom.Dataset, item: Optional[pydicom.Dataset], single: bool) -
     orientation = _vector(_first_numbers(_places(ds, "PlaneOrientationSequence", item), "ImageOrientationPatient"), 6)
     if orientation is not None and np.linalg.norm(np.cross(orientation[:3], orientation[3:])) < 0.5:
         raise ValueError(f"ImageOrientationPatient {list(orientation)}: row and column are not orthogonal unit vectors")
-    own = _groups(item, "PlanePositionSequence")[:1] if item is not None else []
-    position = _vector(_first_numbers(own + ([ds] if single else []), "ImagePositionPatient"), 3)
-    content = (_groups(item, "FrameContentSequence")[:1] + [item] if item is not None else []) + ([ds] if single else [])
+    own = [] if item is None else [item]  # a multi-frame file's top level describes no single frame
+    top = [ds] if single else []
+    position_places = [p for i in own for p in _groups(i, "PlanePositionSequence")[:1]] + top
+    position = _vector(_first_numbers(position_places, "ImagePositionPatient"), 3)
+    content = [p for i in own for p in _groups(i, "FrameContentSequence")[:1] + [i]] + top
     in_stack = _first(content, "InStackPositionNumber")
     dimension_index = _first(content, "DimensionIndexValues")
     stack_id = _first(content, "StackID")
-    instance = _count(_numbers(ds, "InstanceNumber"), "InstanceNumber") if single else None
+    instance = _scalar([ds], "InstanceNumber", math.nan) if single else math.nan
+    if not (math.isnan(instance) or instance.is_integer()):
+        raise ValueError(f"InstanceNumber {instance} is not an integer")
     return Frame(orientation, position, None if stack_id is None else str(stack_id),
                  None if in_stack is None else int(in_stack),
-                 None if dimension_index is None else tuple(int(v) for v in np.atleast_1d(dimension_index)), instance)
+                 None if dimension_index is None else tuple(int(v) for v in np.atleast_1d(dimension_index)),
+                 None if math.isnan(instance) else int(instance))
 
 
 def _patient_key(ds: pydicom.Dataset, path: str) -> str:
@@ -430,10 +442,7 @@ def _header(ds: pydicom.Dataset, path: str, sop_classes: str) -> Header:
         raise UnusableFile("bad_header", f"Rows {rows}, Columns {cols}, BitsAllocated {bits}")
     frames = _count(_numbers(ds, "NumberOfFrames"), "NumberOfFrames", 1)
     transform = _places(ds, "PixelValueTransformationSequence")
-    slope = float(_vector(_first_numbers(transform, "RescaleSlope"), 1)[0]) if _first_numbers(
-        transform, "RescaleSlope") else 1.0
-    intercept = float(_vector(_first_numbers(transform, "RescaleIntercept"), 1)[0]) if _first_numbers(
-        transform, "RescaleIntercept") else 0.0
+    slope, intercept = _scalar(transform, "RescaleSlope", 1.0), _scalar(transform, "RescaleIntercept", 0.0)
     if slope == 0:
         raise ValueError("RescaleSlope 0")
     items = _groups(ds, "PerFrameFunctionalGroupsSequence")
@@ -444,8 +453,8 @@ def _header(ds: pydicom.Dataset, path: str, sop_classes: str) -> Header:
     flag = ds.get("OphthalmicVolumetricPropertiesFlag")
     pixel_spacing, slice_spacing, spacing_error = _spacing_tags(ds)
     manufacturer, model = _maker(ds)
-    return Header(path, manufacturer, model, frames, int(rows), int(cols), int(bits), ds.file_meta.TransferSyntaxUID.name,
-                  str(ds.get("SOPInstanceUID", "") or ""), str(ds.get("SeriesInstanceUID", "") or path),
+    return Header(path, manufacturer, model, frames, int(rows), int(cols), int(bits),
+                  ds.file_meta.TransferSyntaxUID.name, str(ds.get("SOPInstanceUID", "") or ""), str(ds.get("SeriesInstanceUID", "") or path),
                   _patient_key(ds, path), slope, intercept, geometry, None if flag is None else str(flag).upper(),
                   pixel_spacing, slice_spacing, spacing_error)
 
@@ -637,19 +646,19 @@ def _layout(headers: Sequence[Header]) -> Tuple[List[Tuple[int, int]], Optional[
                                          f"{sorted({(h.frames, h.rows, h.cols, h.bits) for h in headers})}")
     if any(h.raster_flag == "NO" for h in headers):
         raise UnusableFile("not_raster", "OphthalmicVolumetricPropertiesFlag NO")
-    frames = [f for h in headers for f in h.geometry]
     pairs = [(i, k) for i, h in enumerate(headers) for k in range(h.frames)]
+    shape = [len(pairs), first.rows, first.cols]
+    if any(n < m for n, m in zip(shape, MIN_SHAPE)):
+        raise UnusableFile("too_small", f"shape {shape} < {list(MIN_SHAPE)}")
+    frames = [f for h in headers for f in h.geometry]
     gap = None
-    if len(frames) == len(pairs) and len(pairs) > 1:
+    if len(frames) == len(pairs):
         _check_one_stack(frames)
         if all(f.position is not None for f in frames):
             order, gap = _order_by_position(frames)
         else:
             order = _order_by_number(frames, series=len(headers) > 1)
         pairs = [pairs[i] for i in order]
-    shape = [len(pairs), first.rows, first.cols]
-    if any(n < m for n, m in zip(shape, MIN_SHAPE)):
-        raise UnusableFile("too_small", f"shape {shape} < {list(MIN_SHAPE)}")
     spacing, note = _spacing(first, gap)
     return pairs, spacing, note, shape
 
