@@ -148,13 +148,13 @@ REASONS = {  # stable codes used in the scan index, events.jsonl and NoUsableDat
     "not_dicom": "not a DICOM file (no DICM prefix)",
     "truncated": "the file or one of its frames ends before its data does (interrupted copy or upload)",
     "empty_dataset": "pydicom read no data elements",
-    "read_error": "the file could not be read (I/O or unexpected parser error); checked again by the next run",
+    "read_error": "the file could not be read (missing, permissions, network); checked again by the next run",
     "not_oct": "another object (en-face, fundus, analysis, report...); --sop_classes any accepts generic images",
     "not_image": "no pixel data and not an OCT object (report, analysis, DICOMDIR...)",
     "not_grayscale": "a colour image (more than one sample per pixel)",
     "duplicate_instance": "a copy of another file (same SOPInstanceUID): the other one is used",
     "no_pixel_data": "an OCT object without PixelData",
-    "bad_header": "image tags missing, garbled or inconsistent (Rows, NumberOfFrames, orientation, rescale...)",
+    "bad_header": "tags missing, garbled or inconsistent (Rows, NumberOfFrames, orientation, rescale...)",
     "frame_count_mismatch": "the pixel data holds another number of frames than NumberOfFrames says",
     "undecodable": "the pixel data could not be decoded (corrupt stream, or obfuscated otherwise than Zeiss CZM)",
     "not_raster": "not parallel, evenly spaced B-scans (radial or circle scan, uneven gaps, volumetric flag NO)",
@@ -292,15 +292,18 @@ def _parse(path: str) -> pydicom.Dataset:
     with f:
         try:
             ds = pydicom.dcmread(f)
+            cut = not _ends_cleanly(ds, f, size)
         except InvalidDicomError as e:
             raise UnusableFile("not_dicom", str(e).split(".")[0]) from None
         except EOFError as e:
             raise UnusableFile("truncated", f"{size} bytes: {e}") from None
-        except Exception as e:
+        except OSError as e:  # the storage failed while reading: may pass next time
             raise UnusableFile("read_error", f"{type(e).__name__}: {e}") from None
-        if not _ends_cleanly(ds, f, size):
-            what = "pydicom returned an empty dataset" if len(ds) == 0 else f"{len(ds)} elements read"
-            raise UnusableFile("truncated", f"{size} bytes, {what}")
+        except Exception as e:  # the parser met garbage: the same next time
+            raise UnusableFile("bad_header", f"pydicom cannot parse it: {type(e).__name__}: {e}") from None
+    if cut:
+        what = "pydicom returned an empty dataset" if len(ds) == 0 else f"{len(ds)} elements read"
+        raise UnusableFile("truncated", f"{size} bytes, {what}")
     if len(ds) == 0:
         raise UnusableFile("empty_dataset", "no data elements after the file meta information")
     return ds
