@@ -457,9 +457,9 @@ def _header(ds: pydicom.Dataset, path: str, sop_classes: str) -> Header:
     pixel_spacing, slice_spacing, spacing_error = _spacing_tags(ds)
     manufacturer, model = _maker(ds)
     return Header(path, manufacturer, model, frames, int(rows), int(cols), int(bits),
-                  ds.file_meta.TransferSyntaxUID.name, str(ds.get("SOPInstanceUID", "") or ""), str(ds.get("SeriesInstanceUID", "") or path),
-                  _patient_key(ds, path), slope, intercept, geometry, None if flag is None else str(flag).upper(),
-                  pixel_spacing, slice_spacing, spacing_error)
+                  ds.file_meta.TransferSyntaxUID.name, str(ds.get("SOPInstanceUID", "") or ""),
+                  str(ds.get("SeriesInstanceUID", "") or path), _patient_key(ds, path), slope, intercept, geometry,
+                  None if flag is None else str(flag).upper(), pixel_spacing, slice_spacing, spacing_error)
 
 
 def unscramble_czm(frame: bytes) -> bytes:
