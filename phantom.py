@@ -33,6 +33,7 @@ import json
 import os
 import shutil
 import sys
+import warnings
 import zlib
 from dataclasses import dataclass
 from typing import Dict, Optional, Sequence, Tuple
@@ -284,8 +285,10 @@ def _czm_pixel_spacing(dy: float, dx: float) -> RawDataElement:
 def _save(ds: Dataset, path: str) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     big_endian = ds.file_meta.TransferSyntaxUID == ExplicitVRBigEndian
-    ds.save_as(path, enforce_file_format=True, little_endian=not big_endian,
-               implicit_vr=ds.file_meta.TransferSyntaxUID == ImplicitVRLittleEndian)
+    with warnings.catch_warnings():  # pydicom's note on a garbled value written on purpose (Cirrus PixelSpacing)
+        warnings.filterwarnings("ignore", "The value length", UserWarning)
+        ds.save_as(path, enforce_file_format=True, little_endian=not big_endian,
+                   implicit_vr=ds.file_meta.TransferSyntaxUID == ImplicitVRLittleEndian)
 
 
 def _pixel_measures(spacing, czm: bool = False) -> Dataset:
