@@ -761,37 +761,47 @@ def _walk(folder: str) -> List[str]:
     return paths
 
 
-def find_files(data_root: Optional[str], manifest_path: Optional[str] = None) -> List[str]:
-    """Every candidate file of a source, sorted: the manifest's `filepath` column when given, else data_root as
-    a folder (recursive), a glob or a single file, local or gs://. Hidden files and sidecars (csv, json, txt...)
-    are left out."""
+def list_sources(data_root: Optional[str], manifest_path: Optional[str] = None) -> Dict[str, str]:
+    """{path: identity} of every candidate file of a source, sorted by path: the manifest's `filepath` column when
+    given, else data_root as a folder (recursive), a glob or a single file, local or gs://. Hidden files and
+    sidecars (csv, json, txt...) are left out. The identity (source_identity) of a gs:// folder's objects comes with
+    the listing; gs:// paths of a manifest are not looked up one by one ('': a new manifest is what counts)."""
     if manifest_path is not None:
-        return sorted(set(_manifest_paths(manifest_path, data_root)))
+        paths = set(_manifest_paths(manifest_path, data_root))
+        return {p: "" if p.startswith("gs://") else source_identity(p) for p in sorted(paths)}
     if data_root is None:
         raise ConfigError("data_root: give a folder, glob or gs:// prefix of DICOM files (or a manifest_path).")
     is_glob = any(c in data_root for c in "*?[")
     if data_root.startswith("gs://"):
         fs = gcs_filesystem()
         found = fs.glob(data_root, detail=True) if is_glob else fs.find(data_root, detail=True)
-        paths = ["gs://" + name for name, info in found.items() if info.get("type") == "file"]
+        listing = {"gs://" + name: _gcs_version(info) for name, info in found.items() if info.get("type") == "file"}
     elif is_glob:
-        paths = [p for p in glob.glob(data_root, recursive=True) if os.path.isfile(p)]
+        listing = {p: source_identity(p) for p in glob.glob(data_root, recursive=True) if os.path.isfile(p)}
     elif os.path.isdir(data_root):
-        paths = _walk(data_root)
+        listing = {p: source_identity(p) for p in _walk(data_root)}
     elif os.path.isfile(data_root):
-        paths = [data_root]
+        listing = {data_root: source_identity(data_root)}
     else:
         raise ConfigError(f"data_root: {data_root!r} is not a folder, glob or file.")
-    return sorted(p for p in paths if _is_candidate(p))
+    return {p: listing[p] for p in sorted(listing) if _is_candidate(p)}
+
+
+def find_files(data_root: Optional[str], manifest_path: Optional[str] = None) -> List[str]:
+    """Every candidate file of a source, sorted (see list_sources)."""
+    return list(list_sources(data_root, manifest_path))
+
+
+def _gcs_version(info: dict) -> str:
+    version = info.get("generation") or info.get("etag") or info.get("md5Hash") or info.get("updated")
+    return f"{info.get('size')}:{version}"
 
 
 def source_identity(path: str) -> str:
     """What changes when a file is written again: size and mtime (local), generation or etag (gs://); '' if gone."""
     try:
         if path.startswith("gs://"):
-            info = gcs_filesystem().info(path)
-            version = info.get("generation") or info.get("etag") or info.get("md5Hash") or info.get("updated")
-            return f"{info.get('size')}:{version}"
+            return _gcs_version(gcs_filesystem().info(path))
         stat = os.stat(path)
         return f"{stat.st_size}:{stat.st_mtime_ns}"
     except Exception:  # gone or unreadable: the scan says why
@@ -826,18 +836,21 @@ def _volume_record(headers: List[Header], identities: Dict[str, str]) -> dict:
             "patient": first.patient, "transfer_syntax": first.transfer_syntax, "bits": first.bits}
 
 
-def scan_files(files: Sequence[str], sop_classes: str = "oct", progress: bool = False, threads: int = 8) -> List[dict]:
+def scan_files(files: Sequence[str], sop_classes: str = "oct", progress: bool = False, threads: int = 8,
+               identities: Optional[Dict[str, str]] = None) -> List[dict]:
     """Index records: one per volume (a multi-frame file, or the single-frame files of one series) and one
     per rejected file, so every file appears exactly once. A record has paths, sources (source_identity of each),
     ok, reason (None when ok), detail, manufacturer, model, series, shape [D,H,W], spacing [dz,dy,dx] or None,
     spacing_issue, patient. Copies of a file (same SOPInstanceUID) are listed as duplicate_instance; a bad file of
-    a series makes the whole series bad.
+    a series makes the whole series bad. `identities` ({path: source_identity}, e.g. from list_sources) saves
+    looking them up.
     """
     def inspect(path):
+        identity = identities[path] if identities is not None and path in identities else source_identity(path)
         try:
-            return source_identity(path), inspect_file(path, sop_classes)
+            return identity, inspect_file(path, sop_classes)
         except UnusableFile as e:
-            return source_identity(path), e
+            return identity, e
 
     from tqdm import tqdm
     with ThreadPoolExecutor(threads) as pool:  # fetching (gs://) and file reads overlap
@@ -894,13 +907,7 @@ def _unchanged(record: dict, identities: Dict[str, str]) -> bool:
     """The record's files are all still listed, unchanged, and its verdict was not a passing failure."""
     sources = record.get("sources") or []
     return (record["reason"] not in TRANSIENT_REASONS and len(sources) == len(record["paths"])
-            and all(identities.get(p) == s != "" for p, s in zip(record["paths"], sources)))
-
-
-def source_identities(files: Sequence[str]) -> Dict[str, str]:
-    """{path: source_identity} of many files, looked up in parallel."""
-    with ThreadPoolExecutor(8) as pool:
-        return dict(zip(files, pool.map(source_identity, files)))
+            and all(p in identities and identities[p] == s for p, s in zip(record["paths"], sources)))
 
 
 def index_source(data_root: Optional[str], manifest_path: Optional[str], sop_classes: str,
@@ -919,12 +926,14 @@ def update_index(records: Sequence[dict], identities: Dict[str, str], sop_classe
     again."""
     keep = [r for r in records if _unchanged(r, identities)]
     known = {p for r in keep for p in r["paths"]}
-    fresh = scan_files([p for p in sorted(identities) if p not in known], sop_classes, progress)
+    fresh = scan_files([p for p in sorted(identities) if p not in known], sop_classes, progress,
+                       identities=identities)
     joined = {r["series"] for r in fresh if r.get("series")} & {r.get("series") for r in keep}
     if joined:  # a new B-scan of an indexed series, or a copy of an indexed file: its series is scanned again
         again = [p for r in keep + fresh if r.get("series") in joined for p in r["paths"]]
         keep = [r for r in keep if r.get("series") not in joined]
-        fresh = [r for r in fresh if r.get("series") not in joined] + scan_files(sorted(again), sop_classes)
+        fresh = [r for r in fresh if r.get("series") not in joined] + scan_files(sorted(again), sop_classes,
+                                                                                  identities=identities)
     return sorted(keep + fresh, key=lambda r: r["paths"][0])
 
 
@@ -1278,7 +1287,7 @@ def index_records(cfg: Config) -> List[dict]:
         if cfg.index_path is not None and _exists(cfg.index_path):
             return read_index(cfg.index_path)
         root = ensure_phantoms(cfg)
-    identities = source_identities(find_files(root, cfg.manifest_path))
+    identities = list_sources(root, cfg.manifest_path)
     built_from = index_source(root, cfg.manifest_path, cfg.sop_classes, identities)
     old_from, records = (None, [])
     if cfg.index_path is not None and _exists(cfg.index_path):
@@ -1379,7 +1388,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         cfg = load_config(rest, data_root=args.src)
         if args.command == "scan":
-            identities = source_identities(find_files(cfg.data_root, cfg.manifest_path))
+            identities = list_sources(cfg.data_root, cfg.manifest_path)
             records = update_index([], identities, cfg.sop_classes, progress=True)
             print(format_scan_report(records))
             if args.out:

@@ -369,3 +369,16 @@ def test_the_readme_lists_every_reason_with_its_meaning():
     readme = (REPO / "README.md").read_text()
     for reason, meaning in REASONS.items():
         assert f"| `{reason}` | {meaning}" in readme, reason
+
+
+@pytest.mark.slow
+def test_an_object_uploaded_again_to_a_gs_prefix_is_scanned_again(gcs_emulator, tmp_path):
+    write_phantom(str(tmp_path / "a" / "v.dcm"), "heidelberg", shape=(8, 64, 64))
+    url = gcs_emulator.upload(str(tmp_path / "a"), "reexport")
+    cfg = config(data_root=url, index_path=str(tmp_path / "index.jsonl"))
+    first = index_records(cfg)
+    assert index_records(cfg) == first  # nothing changed: the index is reused as it is
+    write_phantom(str(tmp_path / "a" / "v.dcm"), "heidelberg", shape=(12, 64, 64), seed=3)  # re-exported
+    gcs_emulator.upload(str(tmp_path / "a"), "reexport")
+    again = index_records(cfg)
+    assert again[0]["sources"] != first[0]["sources"] and again[0]["shape"][0] == 12
