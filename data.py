@@ -6,11 +6,13 @@
 
 SRC is a folder (recursive), a glob, a gs:// prefix or glob, or a manifest (--manifest_path, a TSV/CSV with a
 `filepath` column relative to SRC). gs:// goes through gcsfs; set STORAGE_EMULATOR_HOST to use a local
-emulator. A sample is: read the DICOM (any maker, multi-frame or one file per B-scan) -> resample to
-target_spacing (or resize to image_size) -> robust percentile clip, stored as uint16 (what the cache holds)
--> random (train) / center (val) crop and pad to image_size -> zero mean, unit std over the sample -> flip
-and intensity jitter (train) -> patch mask. Files that cannot be used raise UnusableFile with a stable
-reason code (REASONS); the loader replaces them and reports them (incident 11).
+emulator. A sample is: read the DICOM (any maker, multi-frame or one file per B-scan, Zeiss Cirrus unscrambled;
+only one stack of parallel, evenly spaced B-scans is a volume) -> resample to target_spacing (or resize to
+image_size) -> robust percentile clip, stored as uint8 (8-bit sources) or uint16 (what the cache holds) ->
+crop and pad to image_size, axially centred on the retina (random elsewhere and jittered for train, centred
+for val) -> zero mean, unit std over the sample -> flip and intensity jitter (train) -> patch mask. Files that
+cannot be used raise UnusableFile with a stable reason code (REASONS), whatever is wrong with them; the loader
+replaces them and reports them (incident 11). A file that `scan` accepts is one the loader reads.
 
 Masks are index tensors of a fixed length per sample (incident 6): every sample of a config has exactly
 `n_target = round(mask_ratio * N)` target tokens and `N - n_target` context tokens, disjoint and covering
