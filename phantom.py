@@ -24,7 +24,8 @@ and every 7th byte XORed with 0x5A (`czm_scramble`, the inverse of the public un
 discussion #1618), with PixelSpacing written the Cirrus way, "0.0117,0.0469\\x00" (a comma, a NUL).
 Spacing tags are scaled to the volume size so that the field of view stays that of the real device.
 `write_decoys` and `write_broken_corpus` write the other objects that share real folders and the broken
-files a reader must report (incident 11).
+files a reader must report (incident 11); `write_odd_cases` the shapes real exports take that are not clean
+raster volumes (two stacks, radial scans, broken series, garbled headers...).
 """
 import argparse
 import csv
@@ -670,8 +671,11 @@ def write_odd_cases(directory: str, shape: Sequence[int] = (12, 64, 64)) -> Dict
     shutil.copy(paths[0], os.path.join(directory, "series_with_copy", "copy_of_first.dcm"))
     paths = volume("series_missing_bscan", "series_gap", style=optovue)
     os.remove(paths[D // 2])
+    def unordered(ds):
+        del ds.ImagePositionPatient, ds.InstanceNumber
+
     for p in volume("series_without_order", "no_stack_order", style=optovue):
-        _edit(p, lambda ds: [delattr(ds, name) for name in ("ImagePositionPatient", "InstanceNumber")])
+        _edit(p, unordered)
     return expected
 
 
