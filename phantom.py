@@ -13,15 +13,19 @@ Each volume is an Ophthalmic Tomography Image Storage object in the style of one
 |-----------------|-------------------------------------|-------------------------------|-----------------------|
 | heidelberg      | Heidelberg Engineering Spectralis   | uncompressed 16-bit           | shared groups         |
 | topcon_triton   | Topcon DRI OCT Triton               | JPEG 2000 lossless, 8-bit     | shared groups         |
-| zeiss_cirrus    | Carl Zeiss Meditec Cirrus HD-OCT    | JPEG 2000 lossless, 8-bit     | per-frame groups      |
+| zeiss_cirrus    | Carl Zeiss Meditec Cirrus HD-OCT    | scrambled JP2 lossless, 8-bit | per-frame, garbled    |
 | topcon_maestro2 | Topcon Maestro2                     | JPEG 2000 lossy, 8-bit        | shared groups         |
 | optovue_series  | Optovue RTVue XR Avanti             | one file per B-scan, 8-bit    | top-level tags        |
 
 Zeiss frames are stored in reverse stack order (InStackPositionNumber says where each goes) and the series
 files are named in shuffled order, so a reader must order B-scans by their tags, not by file position.
+Zeiss frames are also scrambled like real Cirrus (CZM) exports: JP2 files whose bytes are permuted in blocks
+and every 7th byte XORed with 0x5A (`czm_scramble`, the inverse of the public unscrambler of pydicom
+discussion #1618), with PixelSpacing written the Cirrus way, "0.0117,0.0469\\x00" (a comma, a NUL).
 Spacing tags are scaled to the volume size so that the field of view stays that of the real device.
 `write_decoys` and `write_broken_corpus` write the other objects that share real folders and the broken
-files a reader must report (incident 11).
+files a reader must report (incident 11); `write_odd_cases` the shapes real exports take that are not clean
+raster volumes (two stacks, radial scans, broken series, garbled headers...).
 """
 import argparse
 import csv
@@ -30,20 +34,23 @@ import json
 import os
 import shutil
 import sys
+import warnings
 import zlib
 from dataclasses import dataclass
 from typing import Dict, Optional, Sequence, Tuple
 
 import numpy as np
 import pydicom
+from pydicom.dataelem import RawDataElement
 from pydicom.dataset import Dataset, FileMetaDataset
 from pydicom.encaps import encapsulate, generate_frames
 from pydicom.sequence import Sequence as DicomSequence
+from pydicom.tag import Tag
 from pydicom.uid import (JPEG2000, ExplicitVRBigEndian, ExplicitVRLittleEndian, ImplicitVRLittleEndian,
                          JPEG2000Lossless, JPEGBaseline8Bit, RLELossless, UID, generate_uid)
 
 OPT_SOP = "1.2.840.10008.5.1.4.1.1.77.1.5.4"  # Ophthalmic Tomography Image Storage
-PHANTOM_VERSION = 2  # bump when the look or the files change: ensure_phantoms then rewrites old sets
+PHANTOM_VERSION = 3  # bump when the look or the files change: ensure_phantoms then rewrites old sets
 DEFAULT_SIZE = (32, 128, 128)  # [D, H, W]: small so that the demo and CI stay fast
 LABELS = ("none", "drusen", "fluid")
 # B-scan rows run along x, columns go down in depth (-z); B-scans are stacked along y = row x column.
@@ -60,6 +67,7 @@ class Style:
     spacing_tags: str  # where PixelSpacing/SliceThickness go: shared | per_frame | top_level
     series: bool = False  # one file per B-scan instead of one multi-frame file
     reverse_frames: bool = False  # frames stored last-to-first; InStackPositionNumber gives the order
+    czm: bool = False  # Zeiss Cirrus export: scrambled JP2 frames, garbled PixelSpacing string
 
 
 STYLES: Dict[str, Style] = {
@@ -67,7 +75,7 @@ STYLES: Dict[str, Style] = {
                         "shared"),
     "topcon_triton": Style("Topcon", "DRI OCT Triton", JPEG2000Lossless, 8, (7.0, 2.6, 7.0), "shared"),
     "zeiss_cirrus": Style("Carl Zeiss Meditec", "Cirrus HD-OCT 5000", JPEG2000Lossless, 8, (6.0, 2.0, 6.0),
-                          "per_frame", reverse_frames=True),
+                          "per_frame", reverse_frames=True, czm=True),
     "topcon_maestro2": Style("Topcon", "Maestro2", JPEG2000, 8, (6.0, 2.3, 6.0), "shared"),
     "optovue_series": Style("Optovue", "RTVue XR Avanti", ExplicitVRLittleEndian, 8, (6.0, 2.0, 6.0),
                             "top_level", series=True),
@@ -194,8 +202,8 @@ def _base_dataset(sop_class: str, sop_uid: str, transfer_syntax: UID, patient_id
 
 
 def _set_pixels(ds: Dataset, frames: np.ndarray, transfer_syntax: UID, photometric: str = "MONOCHROME2",
-                obfuscate: bool = False) -> None:
-    """Store frames [F,H,W] (uint8/uint16) as PixelData in `transfer_syntax`."""
+                obfuscate: bool = False, czm: bool = False) -> None:
+    """Store frames [F,H,W] (uint8/uint16) as PixelData in `transfer_syntax` (scrambled JP2 files when `czm`)."""
     F, H, W = frames.shape
     bits = frames.dtype.itemsize * 8
     ds.Rows, ds.Columns, ds.NumberOfFrames = H, W, F
@@ -219,8 +227,11 @@ def _set_pixels(ds: Dataset, frames: np.ndarray, transfer_syntax: UID, photometr
         ds.LossyImageCompression = "01"
     elif transfer_syntax == ExplicitVRBigEndian:
         ds.PixelData = frames.astype(frames.dtype.newbyteorder(">")).tobytes()
+    if czm:
+        ds.PixelData = encapsulate([czm_scramble(_jp2_file(frame)) for frame in frames])
+        ds.file_meta.TransferSyntaxUID = JPEG2000Lossless
     if obfuscate:
-        # Zeiss Cirrus style: the frames are real JPEG 2000 codestreams with scrambled main headers.
+        # An unknown obfuscation: the frames are real JPEG 2000 codestreams with scrambled main headers.
         scrambled = []
         for frame in generate_frames(ds.PixelData, number_of_frames=F):
             key = np.random.default_rng(len(frame)).integers(0, 256, 120, dtype=np.uint8)
@@ -229,16 +240,64 @@ def _set_pixels(ds: Dataset, frames: np.ndarray, transfer_syntax: UID, photometr
         ds.PixelData = encapsulate(scrambled)
 
 
+CZM_MIN_BYTES = 1694  # the scheme moves fixed blocks up to byte 1016 and needs the JP2 header at >= 3/5 of the frame
+
+
+def _jp2_file(frame: np.ndarray) -> bytes:
+    """A lossless JP2 file (boxes around a JPEG 2000 codestream) of one frame [H,W], at least CZM_MIN_BYTES long:
+    a small frame gets a `free` box before its codestream box, which decoders skip."""
+    import openjpeg
+    jp2 = bytes(openjpeg.encode(np.ascontiguousarray(frame), codec_format=1))
+    missing = CZM_MIN_BYTES - len(jp2)
+    if missing > 0:
+        at = jp2.index(b"jp2c") - 4
+        size = max(missing, 8)
+        jp2 = jp2[:at] + size.to_bytes(4, "big") + b"free" + bytes(size - 8) + jp2[at:]
+    return jp2
+
+
+def czm_scramble(jp2: bytes) -> bytes:
+    """A JP2 file scrambled like a Zeiss Cirrus (CZM) frame: the exact inverse of the public unscrambler
+    (pydicom discussion #1618), which XORs every 7th byte with 0x5A and reorders eight blocks."""
+    n = len(jp2)
+    offset = n * 3 // 5  # where the JP2 header goes in the scrambled frame
+    if n < CZM_MIN_BYTES:
+        raise ValueError(f"a CZM frame needs at least {CZM_MIN_BYTES} bytes, got {n}")
+    # The unscrambler's output is these slices of the scrambled frame, in this order.
+    blocks = ((offset, offset + 253), (993, 1016), (276, 763), (23, 276), (1016, offset), (0, 23), (763, 993),
+              (offset + 253, n))
+    scrambled = np.zeros(n, np.uint8)
+    source = np.frombuffer(jp2, np.uint8)
+    start = 0
+    for a, b in blocks:
+        scrambled[a:b] = source[start:start + b - a]
+        start += b - a
+    scrambled[::7] ^= 0x5A
+    return scrambled.tobytes()
+
+
+def _czm_pixel_spacing(dy: float, dx: float) -> RawDataElement:
+    """PixelSpacing as Cirrus writes it: one string with a comma and a trailing NUL, not two DS values."""
+    value = f"{dy},{dx}\x00".encode()
+    value += b" " * (len(value) % 2)
+    return RawDataElement(Tag("PixelSpacing"), "DS", len(value), value, 0, False, True)
+
+
 def _save(ds: Dataset, path: str) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     big_endian = ds.file_meta.TransferSyntaxUID == ExplicitVRBigEndian
-    ds.save_as(path, enforce_file_format=True, little_endian=not big_endian,
-               implicit_vr=ds.file_meta.TransferSyntaxUID == ImplicitVRLittleEndian)
+    with warnings.catch_warnings():  # pydicom's note on a garbled value written on purpose (Cirrus PixelSpacing)
+        warnings.filterwarnings("ignore", "The value length", UserWarning)
+        ds.save_as(path, enforce_file_format=True, little_endian=not big_endian,
+                   implicit_vr=ds.file_meta.TransferSyntaxUID == ImplicitVRLittleEndian)
 
 
-def _pixel_measures(spacing) -> Dataset:
+def _pixel_measures(spacing, czm: bool = False) -> Dataset:
     dz, dy, dx = spacing
-    return _item(PixelSpacing=[dy, dx], SliceThickness=dz, SpacingBetweenSlices=dz)
+    item = _item(PixelSpacing=[dy, dx], SliceThickness=dz, SpacingBetweenSlices=dz)
+    if czm:
+        item[Tag("PixelSpacing")] = _czm_pixel_spacing(dy, dx)
+    return item
 
 
 def write_oct(path: str, voxels: np.ndarray, spacing: Optional[Sequence[float]], style: Style, *,
@@ -301,11 +360,11 @@ def write_oct(path: str, voxels: np.ndarray, spacing: Optional[Sequence[float]],
             position = [0.0, round(k * spacing[0], 6), 0.0]
             item.PlanePositionSequence = DicomSequence([_item(ImagePositionPatient=position)])
             if style.spacing_tags == "per_frame":
-                item.PixelMeasuresSequence = DicomSequence([_pixel_measures(spacing)])
+                item.PixelMeasuresSequence = DicomSequence([_pixel_measures(spacing, style.czm)])
         per_frame.append(item)
     ds.PerFrameFunctionalGroupsSequence = DicomSequence(per_frame)
     ds.DimensionOrganizationSequence = DicomSequence([_item(DimensionOrganizationUID=uid_for("dim", uid_seed))])
-    _set_pixels(ds, stored[stack], syntax, photometric, obfuscate)
+    _set_pixels(ds, stored[stack], syntax, photometric, obfuscate, czm=style.czm and transfer_syntax is None)
     _save(ds, path)
     return [path]
 
@@ -489,7 +548,7 @@ def write_broken_corpus(directory: str, shape: Sequence[int] = (8, 64, 64)) -> D
     good("wrong_sop_class.dcm", heid, sop_class=SOP_CLASSES["en_face"])
     expected["wrong_sop_class.dcm"] = "not_oct"
 
-    good("zeiss_obfuscated.dcm", zeiss, obfuscate=True)
+    good("zeiss_obfuscated.dcm", zeiss, obfuscate=True, transfer_syntax=JPEG2000Lossless)  # not the CZM scheme
     expected["zeiss_obfuscated.dcm"] = "undecodable"
 
     write_oct(os.path.join(directory, "tiny.dcm"), voxels[:2, :8, :8], spacing, heid, uid_seed="tiny")
@@ -501,6 +560,122 @@ def write_broken_corpus(directory: str, shape: Sequence[int] = (8, 64, 64)) -> D
         del item.PlanePositionSequence
     _save(ds, os.path.join(directory, "garbled_spacing.dcm"))
     expected["garbled_spacing.dcm"] = None
+    return expected
+
+
+def _patch(path: str, old: bytes, new: bytes) -> None:
+    """Replace bytes in a written file (same length): garbles a value the way a broken exporter does."""
+    with open(path, "rb") as f:
+        data = f.read()
+    if len(old) != len(new) or data.count(old) != 1:
+        raise ValueError(f"{old!r} must occur once in {path} and keep its length")
+    with open(path, "wb") as f:
+        f.write(data.replace(old, new))
+
+
+def _edit(path: str, edit) -> None:
+    """Rewrite a DICOM file after edit(dataset)."""
+    ds = pydicom.dcmread(path)
+    edit(ds)
+    _save(ds, path)
+
+
+def _set_frame_geometry(ds: Dataset, orientations: Sequence[Sequence[float]], positions: Sequence[Sequence[float]],
+                        stack_ids: Optional[Sequence[str]] = None) -> None:
+    """Give each frame its own PlaneOrientation/PlanePosition (and StackID), InStackPositionNumber dropped."""
+    for k, item in enumerate(ds.PerFrameFunctionalGroupsSequence):
+        item.PlaneOrientationSequence = DicomSequence([_item(ImageOrientationPatient=list(orientations[k]))])
+        item.PlanePositionSequence = DicomSequence([_item(ImagePositionPatient=[round(v, 6) for v in positions[k]])])
+        content = item.FrameContentSequence[0]
+        del content.InStackPositionNumber
+        if stack_ids is not None:
+            content.StackID = stack_ids[k]
+    del ds.SharedFunctionalGroupsSequence[0].PlaneOrientationSequence
+
+
+def write_odd_cases(directory: str, shape: Sequence[int] = (12, 64, 64)) -> Dict[str, Optional[str]]:
+    """The shapes real exports take that are not clean raster volumes, each in its own file or series folder;
+    returns {name: the reason a reader must give, or None for a usable volume} (issue 13)."""
+    os.makedirs(directory, exist_ok=True)
+    D, H, W = shape
+    voxels = quantize(synth_reflectivity(shape, np.random.default_rng(13)), 8)
+    heid, optovue = STYLES["heidelberg"], STYLES["optovue_series"]
+    dz, dy, dx = spacing = spacing_for(heid, shape)
+    expected = {}
+
+    def volume(name: str, reason: Optional[str], style: Style = heid, frames: np.ndarray = voxels, **kwargs) -> list:
+        expected[name] = reason
+        return write_oct(os.path.join(directory, name), frames, spacing, style, uid_seed=name,
+                         patient_id=f"ODD-{name}", **kwargs)
+
+    # Two stacks in one file, a horizontal and a vertical raster, without InStackPositionNumber.
+    path = volume("two_stacks.dcm", "multiple_stacks", frames=np.concatenate([voxels, voxels]))[0]
+    horizontal, vertical = [1, 0, 0, 0, 0, -1], [0, 1, 0, 0, 0, -1]
+    _edit(path, lambda ds: _set_frame_geometry(
+        ds, [horizontal] * D + [vertical] * D,
+        [[0, k * dz, 0] for k in range(D)] + [[k * dz, 0, 0] for k in range(D)], ["1"] * D + ["2"] * D))
+
+    # Radial scan: the B-scan rotates 15 degrees a frame around one centre.
+    path = volume("radial.dcm", "not_raster")[0]
+    angles = np.deg2rad(15 * np.arange(D))
+    rows = [[float(np.cos(a)), float(np.sin(a)), 0.0] for a in angles]
+    _edit(path, lambda ds: _set_frame_geometry(ds, [r + [0, 0, -1] for r in rows],
+                                               [[-W / 2 * dx * r[0], -W / 2 * dx * r[1], 0] for r in rows]))
+
+    def positions(ks):
+        return lambda ds: _set_frame_geometry(ds, [horizontal] * len(ks), [[0, k * dz, 0] for k in ks])
+
+    repeated, missing = [*range(D // 2), *range(D // 2 - 1, D)], [k for k in range(D) if k != D // 2]
+    _edit(volume("duplicate_frames.dcm", "duplicate_frames", frames=voxels[repeated])[0], positions(repeated))
+    _edit(volume("missing_bscan.dcm", "series_gap", frames=voxels[missing])[0], positions(missing))
+    gaps = np.cumsum([0] + [1.0 if k % 2 else 1.4 for k in range(D - 1)])
+    path = volume("uneven_gaps.dcm", "not_raster")[0]
+    _edit(path, positions(list(gaps)))
+
+    path = volume("volumetric_flag_no.dcm", "not_raster")[0]
+    _edit(path, lambda ds: setattr(ds, "OphthalmicVolumetricPropertiesFlag", "NO"))
+
+    def thickness(value):
+        def edit(ds):
+            measures = ds.SharedFunctionalGroupsSequence[0].PixelMeasuresSequence[0]
+            measures.SliceThickness = value
+            del measures.SpacingBetweenSlices
+        return edit
+
+    _edit(volume("slice_thickness_zero.dcm", None)[0], thickness(0))
+    _edit(volume("slice_thickness_disagrees.dcm", None)[0], thickness(round(2 * dz, 6)))
+
+    path = volume("number_of_frames_garbled.dcm", "bad_header")[0]
+    number = f"{D}".encode() + b" " * (len(str(D)) % 2)
+    _patch(path, b"(\x00\x08\x00IS" + len(number).to_bytes(2, "little") + number,
+           b"(\x00\x08\x00IS" + len(number).to_bytes(2, "little") + number[:-1] + b"a")
+    path = volume("orientation_garbled.dcm", "bad_header")[0]
+    _patch(path, b"0.0\\0.0\\-1", b"0.0\\0.0\\-x")
+    path = volume("rescale_garbled.dcm", "bad_header", rescale=(1.5, 0.0))[0]
+    _patch(path, b"1.5 ", b"1.x ")
+
+    path = volume("jpeg_truncated_frame.dcm", "truncated", transfer_syntax=JPEGBaseline8Bit)[0]
+    ds = pydicom.dcmread(path)
+    frames = list(generate_frames(ds.PixelData, number_of_frames=D))
+    frames[D // 2] = frames[D // 2][: len(frames[D // 2]) // 2]
+    ds.PixelData = encapsulate(frames)
+    _save(ds, path)
+
+    path = volume("trailing_bytes.dcm", None)[0]
+    with open(path, "ab") as f:
+        f.write(b"\x00" * 16)
+    volume("zeiss_cirrus_czm.dcm", None, style=STYLES["zeiss_cirrus"])
+
+    # One file per B-scan: a copied file, a missing file, files without any tag that orders them.
+    paths = volume("series_with_copy", None, style=optovue)
+    shutil.copy(paths[0], os.path.join(directory, "series_with_copy", "copy_of_first.dcm"))
+    paths = volume("series_missing_bscan", "series_gap", style=optovue)
+    os.remove(paths[D // 2])
+    def unordered(ds):
+        del ds.ImagePositionPatient, ds.InstanceNumber
+
+    for p in volume("series_without_order", "no_stack_order", style=optovue):
+        _edit(p, unordered)
     return expected
 
 

@@ -1,5 +1,6 @@
 """phantom.py: synthetic OCT that looks like OCT, written as real DICOM in each maker's style, once and atomically."""
 import csv
+import json
 import os
 import signal
 import subprocess
@@ -10,7 +11,9 @@ from pathlib import Path
 import numpy as np
 import pydicom
 import pytest
+from pydicom.encaps import generate_frames
 
+from data import JP2_SIGNATURE, unscramble_czm
 from phantom import (LABELS, MARKER, OPT_SOP, STYLES, phantom_set_complete, synth_reflectivity, write_phantom,
                      write_phantom_set)
 
@@ -102,3 +105,19 @@ def test_phantom_cli_writes_a_set_and_rejects_bad_sizes(tmp_path):
     bad = subprocess.run([sys.executable, str(REPO / "phantom.py"), str(tmp_path / "y"), "--size", "8,64"],
                          cwd=REPO, capture_output=True, text=True)
     assert bad.returncode == 2 and "--size" in bad.stderr
+
+
+def test_a_set_of_an_older_phantom_version_is_rewritten_with_scrambled_zeiss_files(tmp_path):
+    target = str(tmp_path / "set")
+    write_phantom_set(target, n=3, shape=(8, 64, 64))
+    marker = os.path.join(target, MARKER)
+    with open(marker) as f:
+        spec = json.load(f)
+    with open(marker, "w") as f:
+        json.dump({**spec, "version": spec["version"] - 1}, f)  # a set written before the Zeiss files were scrambled
+    assert not phantom_set_complete(target, 3, (8, 64, 64))
+    write_phantom_set(target, n=3, shape=(8, 64, 64))
+    assert phantom_set_complete(target, 3, (8, 64, 64))
+    ds = pydicom.dcmread(os.path.join(target, "0002_zeiss_cirrus.dcm"))
+    first = next(generate_frames(ds.PixelData, number_of_frames=ds.NumberOfFrames))
+    assert not first.startswith(JP2_SIGNATURE) and unscramble_czm(first).startswith(JP2_SIGNATURE)  # Cirrus way
