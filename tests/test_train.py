@@ -287,7 +287,8 @@ def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, smo
     read_checkpoint(good)
     # Also a damaged step file (copied by hand, say) is skipped by --resume auto, with an event.
     (ckpt_dir / "step_0000010.pt").write_bytes(Path(good).read_bytes()[:1000])
-    assert main(smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "6", "--resume", "auto")) == 0
+    assert main(smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "6", "--resume", "auto",
+                            "--extend", "true")) == 0
     events = read_jsonl(tmp_path / "runs" / "r" / "events.jsonl")
     assert any(e["event"] == "unreadable_checkpoint" and e["path"].endswith("step_0000010.pt") for e in events)
     assert any(e["event"] == "resume" and e["path"] == good for e in events)
@@ -421,7 +422,7 @@ def test_checkpoints_go_to_gs_and_the_run_resumes_from_there(tmp_path, smoke_pha
     assert main([*flags, "--max_steps", "4"]) == 0
     assert [p.rsplit("/", 1)[1] for p in list_checkpoints(ckpt_dir)] == ["step_0000004.pt", "step_0000002.pt"]
     assert read_checkpoint(list_checkpoints(ckpt_dir)[0])["train_state"]["step"] == 4
-    assert main([*flags, "--max_steps", "6", "--resume", "auto"]) == 0
+    assert main([*flags, "--max_steps", "6", "--resume", "auto", "--extend", "true"]) == 0
     resumed = [e for e in read_jsonl(tmp_path / "runs" / "r" / "events.jsonl") if e["event"] == "resume"]
     assert resumed[-1]["path"] == f"{ckpt_dir}/step_0000004.pt"
     assert [r["step"] for r in train_lines(tmp_path / "runs" / "r")][-2:] == [5, 6]
