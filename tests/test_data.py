@@ -283,7 +283,8 @@ def test_split_is_by_patient_and_deterministic():
     records = [{"patient": f"p{i // 3}", "paths": [f"f{i}"]} for i in range(30)]
     train, val = split_by_patient(records, 0.2, seed=1)
     assert (train, val) == split_by_patient(records, 0.2, seed=1)
-    assert len(val) == 6 and not {r["patient"] for r in train} & {r["patient"] for r in val}
+    assert val and len(val) % 3 == 0  # whole patients (the count follows a hash of each patient: test_resume.py)
+    assert not {r["patient"] for r in train} & {r["patient"] for r in val}
     assert split_by_patient(records, 0.2, seed=2)[1] != val
 
 
