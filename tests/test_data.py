@@ -280,7 +280,7 @@ def test_val_samples_are_fixed_center_crops_without_augmentation(phantom_dir):
 # --- datasets, sampler, loader ---
 
 def test_split_is_by_patient_and_deterministic():
-    records = [{"patient": f"p{i // 3}", "paths": [f"f{i}"]} for i in range(30)]
+    records = [{"patient": f"p{i // 3}", "paths": [f"f{i}"]} for i in range(90)]
     train, val = split_by_patient(records, 0.2, seed=1)
     assert (train, val) == split_by_patient(records, 0.2, seed=1)
     assert val and len(val) % 3 == 0  # whole patients (the count follows a hash of each patient: test_resume.py)
