@@ -1,5 +1,4 @@
 """Resume, extend, rollback and multi-process runs: no silent schedule restarts (incident 2), no split brains."""
-import json
 import os
 import re
 import shutil
@@ -17,19 +16,7 @@ import train
 from config import load_config, plan_run
 from data import split_by_patient
 from train import Runtime, ema_at, list_checkpoints, lr_at, main, runs_probe, wd_at
-
-REPO = Path(__file__).resolve().parents[1]
-SMOKE = str(REPO / "configs" / "smoke.yaml")
-
-
-def smoke_flags(tmp_path, phantom_dir, *flags):
-    return ["--config", SMOKE, "--phantom_dir", phantom_dir, "--out_dir", str(tmp_path / "runs"),
-            "--run_name", "r", *flags]
-
-
-def read_jsonl(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f]
+from test_train import REPO, SMOKE, read_jsonl, read_wandb_offline_history, smoke_flags
 
 
 def events(run_dir, kind=None):
@@ -134,11 +121,6 @@ def test_a_tiny_dataset_still_gets_one_val_and_one_train_patient():
 
 # --- 3. rollbacks in metrics.jsonl and W&B ---
 
-def read_wandb_rows(run_dir):
-    from test_train import read_wandb_offline_history
-    return read_wandb_offline_history(run_dir)
-
-
 @pytest.mark.slow
 def test_a_rollback_drops_the_metrics_it_rewinds_and_wandb_keeps_every_update(tmp_path, smoke_phantoms,
                                                                              monkeypatch):
@@ -157,7 +139,7 @@ def test_a_rollback_drops_the_metrics_it_rewinds_and_wandb_keeps_every_update(tm
     assert [r["step"] for r in lines] == list(range(1, 11))  # 5-7 once, from after the rollback
     assert all(r["loss"] is not None for r in lines)
     rows = {}
-    for row in read_wandb_rows(run_dir):  # W&B's own step only increases; the update counter goes back
+    for row in read_wandb_offline_history(run_dir):  # W&B's own step only increases; the update counter goes back
         if "train/loss" in row:
             rows[row["update"]] = row
     for r in lines:
