@@ -8,8 +8,9 @@
 predictor, loss, backward, clipping, AdamW, EMA) on synthetic inputs at the config's size and device
 (default: the demo config; --quick: the smoke config), after warm-up, eager and compiled (compile: true's
 compile_parts; not on XLA) interleaved, and compares their model FLOP/s with the peak of a large matmul
-measured in the same run and dtype (MFU) and with a plain ViT encoder of the same width. Memory: CUDA max allocated; CPU peak
-RSS growth. Targets (issue 7): CPU fp32 demo >= 70% of the matmul peak; GPU bf16 production >= 40%.
+measured in the same run and dtype (MFU) and with a plain ViT encoder of the same width. Memory: CUDA max
+allocated; CPU peak RSS growth. Targets (issue 7): CPU fp32 demo >= 70% of the matmul peak; GPU bf16 production
+>= 40%.
 
 `data` writes OCT volumes of a realistic size (Spectralis-like 49x496x512; --quick: 16x128x128) in each
 transfer syntax and measures, on one core (torch threads = 1): raw pydicom decode, the full uncached
@@ -285,7 +286,8 @@ def bench_train(cfg, warmup: int, repeats: int) -> dict:
         t = times[name]
         achieved = flops * batch_size / step[name]
         return {"step_time_s_median": step[name], "step_time_s_min": min(t), "step_time_s_max": max(t),
-                "step_time_spread": (max(t) - min(t)) / step[name], "cpu_time_s_median": float(np.median(cpu_times[name])),
+                "step_time_spread": (max(t) - min(t)) / step[name],
+                "cpu_time_s_median": float(np.median(cpu_times[name])),
                 "first_update_s": first_update_s[name], "samples_per_s": batch_size / step[name],
                 "tokens_per_s": batch_size * tokens / step[name], "achieved_flops": achieved, "mfu": achieved / peak,
                 "share_of_plain_vit_flops": achieved / plain, "peak_memory_bytes": memory[name], "loss": loss[name]}
@@ -320,9 +322,10 @@ def bench_train(cfg, warmup: int, repeats: int) -> dict:
               f"{100 * f['mfu']:.1f}% MFU, {100 * f['share_of_plain_vit_flops']:.0f}% of the plain ViT's FLOP/s")
     if "compiled" in out:
         ratio = out["compiled_over_eager"]
-        print(f"  compiled / eager: {ratio['step_time_median']:.3f}x median time (paired {ratio['step_time_paired_median']:.3f}x, "
-              f"min {ratio['step_time_min']:.3f}x, CPU time {ratio['cpu_time_median']:.3f}x); compile time "
-              f"{out['compiled']['compile_time_s']:.1f} s (first compiled update less a median one)")
+        print(f"  compiled / eager: {ratio['step_time_median']:.3f}x median time "
+              f"(paired {ratio['step_time_paired_median']:.3f}x, min {ratio['step_time_min']:.3f}x, CPU time "
+              f"{ratio['cpu_time_median']:.3f}x); compile time {out['compiled']['compile_time_s']:.1f} s (first "
+              f"compiled update less a median one)")
     print(f"reference: {peak / 1e9:.1f} GFLOP/s {out['dtype']} matmul peak; a plain ViT encoder of this width "
           f"{plain / 1e9:.1f} GFLOP/s = {100 * out['plain_vit_mfu']:.1f}% MFU\n"
           f"peak memory (eager) {memory['eager'] / 2 ** 30:.2f} GiB ({out['memory_measure']}), "

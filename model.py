@@ -13,7 +13,7 @@ update_target(momentum) (incident 12).
 import copy
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -260,7 +260,7 @@ class VJEPA3D(nn.Module):
                 {"params": no_decay, "weight_decay": 0.0, "apply_wd": False}]
 
 
-def jepa_loss(pred: torch.Tensor, target: torch.Tensor, loss_type: str):
+def jepa_loss(pred: torch.Tensor, target: torch.Tensor, loss_type: str) -> Tuple[torch.Tensor, torch.Tensor]:
     """(loss, target_std) of predictions and targets [B, Nt, E]: mean l1 or mse error, and feature_std(target)."""
     # In fp32: XLA reduces a bf16 tensor in bf16, and a mean over thousands of terms then loses a third of it.
     error = pred.float() - target.float()
