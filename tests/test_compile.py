@@ -2,7 +2,6 @@
 state or validation; checkpoints are unchanged (resume across compile on/off); DDP and grad_checkpointing."""
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,25 +14,14 @@ from config import ConfigError, load_config
 from model import VJEPA3D
 from train import Runtime, checkpoint_path, make_optimizer, read_checkpoint, train_update, validate
 
-REPO = Path(__file__).resolve().parents[1]
-SMOKE = str(REPO / "configs" / "smoke.yaml")
+from test_train import REPO, SMOKE, run_cli, smoke_flags, train_lines
+
 CPU = Runtime(torch.device("cpu"), "cpu", 1, 0, 1, 1)
 
 
-def smoke_flags(tmp_path, phantom_dir, *flags):
-    return ["--config", SMOKE, "--phantom_dir", phantom_dir, "--out_dir", str(tmp_path / "runs"),
-            "--run_name", "r", *flags]
-
-
-def run_cli(args, timeout=900):
-    return subprocess.run([sys.executable, str(REPO / "train.py"), *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
-
-
-def train_losses(run_dir):
-    import json
-    lines = [json.loads(line) for line in open(Path(run_dir) / "metrics.jsonl")]
-    return {r["step"]: (r["loss"], r["grad_norm"]) for r in lines if r["split"] == "train"}
+def train_losses(run_dir) -> dict:
+    """{step: (loss, grad_norm)} of a run's train metrics."""
+    return {r["step"]: (r["loss"], r["grad_norm"]) for r in train_lines(run_dir)}
 
 
 def one_update(cfg, batch, compiled: bool):
