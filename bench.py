@@ -6,9 +6,11 @@
 
 `train` times the full training update of train.py (context encoder on the visible tokens, target encoder,
 predictor, loss, backward, clipping, AdamW, EMA) on synthetic inputs at the config's size and device
-(default: the demo config; --quick: the smoke config), after warm-up, and compares its model FLOP/s with
-the peak of a large matmul measured in the same run and dtype (MFU). Memory: CUDA max allocated; CPU peak
-RSS growth. Targets (issue 7): CPU fp32 demo >= 70% of the matmul peak; GPU bf16 production >= 40%.
+(default: the demo config; --quick: the smoke config), after warm-up, eager and compiled (compile: true's
+compile_parts; not on XLA) interleaved, and compares their model FLOP/s with the peak of a large matmul
+measured in the same run and dtype (MFU) and with a plain ViT encoder of the same width. Memory: CUDA max
+allocated; CPU peak RSS growth. Targets (issue 7): CPU fp32 demo >= 70% of the matmul peak; GPU bf16 production
+>= 40%.
 
 `data` writes OCT volumes of a realistic size (Spectralis-like 49x496x512; --quick: 16x128x128) in each
 transfer syntax and measures, on one core (torch threads = 1): raw pydicom decode, the full uncached
@@ -218,65 +220,117 @@ def plain_vit_flops(model: VJEPA3D, volume: torch.Tensor, cfg, rt: train.Runtime
 
 
 def bench_train(cfg, warmup: int, repeats: int) -> dict:
-    """Step time, samples/s, tokens/s, model FLOP/s and MFU, and peak memory of train.py's training update."""
+    """Step time, samples/s, tokens/s, model FLOP/s and MFU, and peak memory of train.py's training update, eager
+    and (except on XLA, which compiles anyway) with compile_parts(), timed interleaved so that a change in the
+    machine's load hits both alike. Top-level figures are the eager update's; "compiled" holds the same figures
+    for the compiled update and compiled_over_eager the ratios."""
     rt = train.setup_runtime(cfg)
     dtype = torch.bfloat16 if cfg.use_bf16 else torch.float32
     rss_before = peak_rss_bytes()
     if rt.kind == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    torch.manual_seed(cfg.seed)
-    model = VJEPA3D.from_config(cfg).to(rt.device)
-    optimizer = train.make_optimizer(model, cfg, rt)
     batch = train.to_device(synthetic_batch(cfg, cfg.per_core_batch_size * rt.local_replicas), rt)
-
-    def update():
-        result = train.train_update(model, model, optimizer, [batch], cfg.base_lr, cfg.weight_decay, cfg.ema_base,
-                                    cfg, rt)
-        train.mark_step(rt)
-        return result
-
-    for _ in range(warmup):
-        update()
-    synchronize(rt)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = update()
-        synchronize(rt)
-        times.append(time.perf_counter() - start)
-    loss = float(train.fetch_to_host([result.stats], rt)[0][0])
-    memory = (torch.cuda.max_memory_allocated() if rt.kind == "cuda" else peak_rss_bytes() - rss_before)
     batch_size = len(batch["path"])
-    step = float(np.median(times))
+    variants = ["eager"] if rt.kind == "xla" else ["eager", "compiled"]
+    models, updates, first_update_s, memory = {}, {}, {}, {}
+    for name in variants:
+        torch.manual_seed(cfg.seed)
+        model = VJEPA3D.from_config(cfg).to(rt.device)
+        if name == "compiled":
+            model.compile_parts()
+        optimizer = train.make_optimizer(model, cfg, rt)
+        models[name] = model
+
+        def update(model=model, optimizer=optimizer):
+            result = train.train_update(model, model, optimizer, [batch], cfg.base_lr, cfg.weight_decay,
+                                        cfg.ema_base, cfg, rt)
+            train.mark_step(rt)
+            return result
+
+        updates[name] = update
+        if rt.kind == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        update()
+        synchronize(rt)
+        first_update_s[name] = time.perf_counter() - start  # compiled: compilation included
+        for _ in range(warmup - 1):
+            update()
+        synchronize(rt)
+        # CPU: the process's RSS high-water mark, so only the eager update (built first) has its own figure.
+        memory[name] = (torch.cuda.max_memory_allocated() if rt.kind == "cuda"
+                        else peak_rss_bytes() - rss_before if name == "eager" else None)
+
+    load_before = os.getloadavg()
+    times = {name: [] for name in variants}
+    cpu_times = {name: [] for name in variants}
+    last = {}
+    for _ in range(repeats):
+        for name in variants:
+            start, cpu_start = time.perf_counter(), time.process_time()
+            last[name] = updates[name]()
+            synchronize(rt)
+            times[name].append(time.perf_counter() - start)
+            cpu_times[name].append(time.process_time() - cpu_start)
+    load_after = os.getloadavg()
+    loss = {name: float(train.fetch_to_host([last[name].stats], rt)[0][0]) for name in variants}
+    step = {name: float(np.median(times[name])) for name in variants}
     flops = training_flops_per_sample(cfg)["total"]
-    peak = matmul_peak_flops(rt, dtype, seconds=max(1.0, 3 * step) if repeats > 3 else 0.5)
-    plain = plain_vit_flops(model, batch["volume"], cfg, rt, warmup, repeats)
+    peak = matmul_peak_flops(rt, dtype, seconds=max(1.0, 3 * step["eager"]) if repeats > 3 else 0.5)
+    plain = plain_vit_flops(models["eager"], batch["volume"], cfg, rt, warmup, repeats)
     n_context, n_target = cfg.token_counts()
     tokens = n_context + n_target
     heads_attention_bytes = tokens ** 2 * cfg.num_heads * (2 if cfg.use_bf16 else 4)
+
+    def figures(name: str) -> dict:
+        t = times[name]
+        achieved = flops * batch_size / step[name]
+        return {"step_time_s_median": step[name], "step_time_s_min": min(t), "step_time_s_max": max(t),
+                "step_time_spread": (max(t) - min(t)) / step[name],
+                "cpu_time_s_median": float(np.median(cpu_times[name])),
+                "first_update_s": first_update_s[name], "samples_per_s": batch_size / step[name],
+                "tokens_per_s": batch_size * tokens / step[name], "achieved_flops": achieved, "mfu": achieved / peak,
+                "share_of_plain_vit_flops": achieved / plain, "peak_memory_bytes": memory[name], "loss": loss[name]}
+
     out = {"device": rt.kind, "dtype": str(dtype).replace("torch.", ""), "batch_size": batch_size,
-           "parameters": model.num_trainable_params(), "tokens_per_sample": tokens,
-           "context_tokens": n_context, "target_tokens": n_target,
-           "step_time_s_median": step, "step_time_s_min": min(times), "step_time_s_max": max(times),
-           "step_time_spread": (max(times) - min(times)) / step, "repeats": repeats, "warmup": warmup,
-           "samples_per_s": batch_size / step, "tokens_per_s": batch_size * tokens / step,
-           "model_flops_per_sample": flops, "achieved_flops": flops * batch_size / step,
-           "matmul_peak_flops": peak, "mfu": flops * batch_size / step / peak,
-           "plain_vit_flops": plain, "plain_vit_mfu": plain / peak,
-           "peak_memory_bytes": memory, "peak_memory_bytes_per_sample": memory / batch_size,
+           "parameters": models["eager"].num_trainable_params(), "tokens_per_sample": tokens,
+           "context_tokens": n_context, "target_tokens": n_target, "repeats": repeats, "warmup": warmup,
+           "model_flops_per_sample": flops, "matmul_peak_flops": peak, "plain_vit_flops": plain,
+           "plain_vit_mfu": plain / peak, **figures("eager"),
+           "peak_memory_bytes_per_sample": memory["eager"] / batch_size,
            "memory_measure": "cuda max_memory_allocated" if rt.kind == "cuda" else "peak RSS growth",
            "activation_bytes_per_sample_estimate": activation_bytes_per_sample(cfg),
-           "one_layer_attention_matrix_bytes": heads_attention_bytes,
-           "grad_checkpointing": cfg.grad_checkpointing, "loss": loss}
+           "one_layer_attention_matrix_bytes": heads_attention_bytes, "grad_checkpointing": cfg.grad_checkpointing,
+           "load_average_1min": [load_before[0], load_after[0]]}
+    rows = [("eager", out)]
+    if "compiled" in variants:
+        out["compiled"] = figures("compiled")
+        out["compiled"]["compile_time_s"] = first_update_s["compiled"] - step["compiled"]
+        paired = np.array(times["compiled"]) / np.array(times["eager"])
+        out["compiled_over_eager"] = {
+            "step_time_median": step["compiled"] / step["eager"], "step_time_paired_median": float(np.median(paired)),
+            "step_time_min": min(times["compiled"]) / min(times["eager"]),
+            "cpu_time_median": out["compiled"]["cpu_time_s_median"] / out["cpu_time_s_median"]}
+        rows.append(("compiled", out["compiled"]))
     print(f"train update on {rt.kind} ({out['dtype']}, batch {batch_size}, {tokens} tokens/sample, "
-          f"{out['parameters']:,} params): {step * 1e3:.1f} ms median ({min(times) * 1e3:.1f}-{max(times) * 1e3:.1f}), "
-          f"{out['samples_per_s']:.2f} samples/s, {out['tokens_per_s']:,.0f} tokens/s\n"
-          f"model {flops / 1e9:.2f} GFLOP/sample -> {out['achieved_flops'] / 1e9:.1f} GFLOP/s of a "
-          f"{peak / 1e9:.1f} GFLOP/s {out['dtype']} matmul peak = {100 * out['mfu']:.1f}% MFU (a plain ViT encoder "
-          f"of this width: {100 * out['plain_vit_mfu']:.1f}%)\n"
-          f"peak memory {memory / 2 ** 30:.2f} GiB ({out['memory_measure']}), {memory / batch_size / 2 ** 30:.2f} "
-          f"GiB/sample; one materialised attention matrix would be {heads_attention_bytes / 2 ** 30:.2f} GiB per layer",
-          flush=True)
+          f"{out['parameters']:,} params, {flops / 1e9:.2f} GFLOP/sample), {repeats} interleaved repeats, load "
+          f"average {load_before[0]:.1f} -> {load_after[0]:.1f}:")
+    for name, f in rows:
+        print(f"  {name:<9}{f['step_time_s_median'] * 1e3:9.1f} ms median ({f['step_time_s_min'] * 1e3:.1f}-"
+              f"{f['step_time_s_max'] * 1e3:.1f}), CPU time {f['cpu_time_s_median'] * 1e3:.1f} ms, "
+              f"{f['samples_per_s']:.2f} samples/s, {f['achieved_flops'] / 1e9:.1f} GFLOP/s = "
+              f"{100 * f['mfu']:.1f}% MFU, {100 * f['share_of_plain_vit_flops']:.0f}% of the plain ViT's FLOP/s")
+    if "compiled" in out:
+        ratio = out["compiled_over_eager"]
+        print(f"  compiled / eager: {ratio['step_time_median']:.3f}x median time "
+              f"(paired {ratio['step_time_paired_median']:.3f}x, min {ratio['step_time_min']:.3f}x, CPU time "
+              f"{ratio['cpu_time_median']:.3f}x); compile time {out['compiled']['compile_time_s']:.1f} s (first "
+              f"compiled update less a median one)")
+    print(f"reference: {peak / 1e9:.1f} GFLOP/s {out['dtype']} matmul peak; a plain ViT encoder of this width "
+          f"{plain / 1e9:.1f} GFLOP/s = {100 * out['plain_vit_mfu']:.1f}% MFU\n"
+          f"peak memory (eager) {memory['eager'] / 2 ** 30:.2f} GiB ({out['memory_measure']}), "
+          f"{memory['eager'] / batch_size / 2 ** 30:.2f} GiB/sample; one materialised attention matrix would be "
+          f"{heads_attention_bytes / 2 ** 30:.2f} GiB per layer", flush=True)
     return out
 
 

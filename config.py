@@ -76,6 +76,7 @@ class Config:
     ema_end: float = 1.0  # EMA momentum at the end of the run
     grad_clip: Optional[float] = 1.0  # max total grad norm; None = no clipping (the norm is still logged)
     use_bf16: bool = False  # bf16 autocast (CUDA, XLA; CPU with AMX); weights and optimizer stay fp32
+    compile: bool = False  # torch.compile the encoders, predictor and loss (CPU, CUDA); XLA compiles the update anyway
     max_consecutive_nonfinite: int = 3  # skipped updates in a row before a rollback
     max_rollbacks: int = 3  # rollbacks before giving up with exit 4
     rollback_lr_factor: float = 0.5  # LR multiplier applied at each rollback
@@ -339,6 +340,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError("weight_decay: must be >= 0.")
     if not all(0.0 <= b < 1.0 for b in cfg.adam_betas):
         raise ConfigError(f"adam_betas: {cfg.adam_betas} must be in [0, 1).")
+    if cfg.compile and cfg.device == "xla":
+        raise ConfigError("compile: XLA already compiles the whole update; use --compile false with --device xla "
+                          "(with --device auto, compile is ignored when the device turns out to be XLA).")
     if cfg.probe_every_steps is not None and cfg.probe_every_steps < 1:
         raise ConfigError(f"probe_every_steps: {cfg.probe_every_steps} must be >= 1, or none to turn probing off.")
     if min(cfg.collapse_min_target_std, cfg.collapse_min_rankme) < 0 or cfg.collapse_window_steps < 1:

@@ -13,7 +13,7 @@ update_target(momentum) (incident 12).
 import copy
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -163,6 +163,7 @@ class VJEPA3D(nn.Module):
                 block.mlp.fc2.weight.data.div_(math.sqrt(2.0 * (i + 1)))
         self.target_encoder = copy.deepcopy(self.encoder)
         self.target_encoder.requires_grad_(False)
+        self.loss_fn = jepa_loss  # compile_parts() swaps in a compiled version
 
     @classmethod
     def from_config(cls, cfg) -> "VJEPA3D":
@@ -175,6 +176,14 @@ class VJEPA3D(nn.Module):
         """Recompute block activations in backward: less memory, about a third more compute."""
         self.encoder.grad_checkpointing = enabled
         self.predictor.grad_checkpointing = enabled
+
+    def compile_parts(self) -> None:
+        """torch.compile the encoders, the predictor and the loss in place. forward() itself stays eager, so its
+        input checks (which read the host) run outside the compiled code, and state_dict keys do not change.
+        Shapes are static (dynamic=False): one graph per part for the training update's shapes."""
+        for part in (self.encoder, self.target_encoder, self.predictor):
+            part.compile(dynamic=False)
+        self.loss_fn = torch.compile(jepa_loss, dynamic=False)
 
     def num_trainable_params(self) -> int:
         """Parameters of the context encoder and predictor (the EMA target is not trained)."""
@@ -216,10 +225,8 @@ class VJEPA3D(nn.Module):
         target = self.target_features(volume, target_idx)
         context = self.encoder(volume, keep_idx=context_idx)  # [B, Nc, E]: the targets are never seen
         pred = self.predictor(context, context_idx, target_idx)  # [B, Nt, E]
-        # In fp32: XLA reduces a bf16 tensor in bf16, and a mean over thousands of terms then loses a third of it.
-        error = pred.float() - target.float()
-        loss = error.abs().mean() if self.loss_type == "l1" else error.pow(2).mean()
-        return JEPAOutput(loss=loss, pred=pred, target=target, target_std=feature_std(target))
+        loss, target_std = self.loss_fn(pred, target, self.loss_type)
+        return JEPAOutput(loss=loss, pred=pred, target=target, target_std=target_std)
 
     @torch.no_grad()
     def update_target(self, momentum) -> None:
@@ -231,6 +238,7 @@ class VJEPA3D(nn.Module):
             weight = [weight] * len(target_params)
         torch._foreach_lerp_(target_params, online_params, weight)
 
+    @torch.compiler.set_stance("force_eager")  # any batch size, no recompiles, after compile_parts() too
     @torch.no_grad()
     def encode(self, volume: torch.Tensor) -> torch.Tensor:
         """Frozen target-encoder features of whole volumes: [B,1,D,H,W] -> [B, N, E]."""
@@ -250,6 +258,14 @@ class VJEPA3D(nn.Module):
             (no_decay if p.ndim < 2 or "mask_token" in name or "pos_embed" in name else decay).append(p)
         return [{"params": decay, "weight_decay": weight_decay, "apply_wd": True},
                 {"params": no_decay, "weight_decay": 0.0, "apply_wd": False}]
+
+
+def jepa_loss(pred: torch.Tensor, target: torch.Tensor, loss_type: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(loss, target_std) of predictions and targets [B, Nt, E]: mean l1 or mse error, and feature_std(target)."""
+    # In fp32: XLA reduces a bf16 tensor in bf16, and a mean over thousands of terms then loses a third of it.
+    error = pred.float() - target.float()
+    loss = error.abs().mean() if loss_type == "l1" else error.pow(2).mean()
+    return loss, feature_std(target)
 
 
 def feature_std(features: torch.Tensor) -> torch.Tensor:

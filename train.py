@@ -485,16 +485,49 @@ class TrainState:
 
 def make_optimizer(model: VJEPA3D, cfg: Config, rt: Runtime) -> torch.optim.Optimizer:
     """AdamW over the model's parameter groups, with its state created up front (the NaN guard can then restore
-    the very first update, and XLA compiles the update once). On XLA it is capturable: lr and the step count
-    stay on the device."""
+    the very first update, and XLA compiles the update once). CPU and CUDA use the fused kernel (one pass over all
+    parameters; 2.3x faster than the for-loop AdamW on CPU at the demo size). On XLA it is capturable: lr and the
+    step count stay on the device."""
     xla = rt.kind == "xla"
+    implementation = {"capturable": xla, "foreach": False if xla else None, "fused": None if xla else True}
     optimizer = torch.optim.AdamW(model.param_groups(cfg.weight_decay), lr=cfg.base_lr, betas=tuple(cfg.adam_betas),
-                                  capturable=xla, foreach=False if xla else None)
+                                  **implementation)
     for group in optimizer.param_groups:
         for p in group["params"]:
-            optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device if xla else "cpu"),
+            optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
                                   "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+
+    def keep_this_devices_implementation(opt: torch.optim.Optimizer) -> None:
+        # load_state_dict takes the param groups' flags from the checkpoint, i.e. from the device that wrote it.
+        for group in opt.param_groups:
+            group.update(implementation)
+            for p in group["params"]:
+                if "step" in opt.state[p]:
+                    opt.state[p]["step"] = opt.state[p]["step"].to(p.device, torch.float32)
+
+    optimizer.register_load_state_dict_post_hook(keep_this_devices_implementation)
     return optimizer
+
+
+def compile_model(model: VJEPA3D, batch_size: int, cfg: Config, rt: Runtime, log: RunLog) -> None:
+    """With cfg.compile: compile the model's parts now, on inputs of the training update's shapes and dtypes
+    (a forward and backward whose gradients are dropped), and print how long that took. Ignored on XLA, which
+    compiles the whole update by itself."""
+    if not cfg.compile:
+        return
+    if rt.kind == "xla":
+        log.print("compile: ignored on xla (XLA compiles the whole update by itself)")
+        return
+    start = time.perf_counter()
+    model.compile_parts()
+    n_context, n_target = cfg.token_counts()
+    volume = torch.zeros(batch_size, 1, *cfg.image_size, device=rt.device)
+    tokens = torch.arange(n_context + n_target, device=rt.device).repeat(batch_size, 1)  # [B, N]
+    with torch.autocast(rt.kind, dtype=torch.bfloat16, enabled=cfg.use_bf16):
+        out = model(volume, tokens[:, :n_context].contiguous(), tokens[:, n_context:].contiguous())
+    out.loss.backward()
+    model.zero_grad(set_to_none=True)
+    log.print(f"compile: encoders, predictor and loss compiled in {time.perf_counter() - start:.1f} s")
 
 
 def set_hyperparameters(optimizer: torch.optim.Optimizer, lr) -> None:
@@ -675,6 +708,7 @@ def rankme(embeddings: torch.Tensor, eps: float = 1e-7) -> float:
     return float(torch.exp(-(p * p.log()).sum()))
 
 
+@torch.compiler.set_stance("force_eager")  # compiled parts are for the training update: no eval recompiles
 @torch.no_grad()
 def validate(model: VJEPA3D, loader, cfg: Config, rt: Runtime, max_tokens: int = 4096) -> dict:
     """Val loss and target_std with fixed masks and crops, and RankMe of target-encoder token embeddings."""
@@ -887,6 +921,7 @@ def train(cfg: Config, rt: Runtime) -> int:
             save_mask_plot(train_ds[(0, 0)], cfg, os.path.join(run_dir, "mask.png"))
             print(f"dry run: nothing trained; schedule and mask pictures in {run_dir}/")
         return EXIT_OK
+    compile_model(model, local_batch, cfg, rt, log)
 
     # --- resume: the same checkpoint in every process, and the plan it was written for ---
     state = TrainState()

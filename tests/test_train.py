@@ -440,6 +440,9 @@ def test_bench_quick_mode_reports_every_figure(tmp_path):
     assert {"samples_per_s", "tokens_per_s", "step_time_s_median", "step_time_spread", "model_flops_per_sample",
             "achieved_flops", "matmul_peak_flops", "mfu", "plain_vit_mfu", "peak_memory_bytes_per_sample"} <= set(train)
     assert 0 < train["mfu"] < 1 and train["samples_per_s"] > 0 and math.isfinite(train["loss"])
+    compiled = train["compiled"]  # eager and compiled, side by side
+    assert 0 < compiled["mfu"] < 1 and compiled["compile_time_s"] > 0
+    assert train["compiled_over_eager"]["step_time_median"] > 0
     data = report["data"]
     assert {"decode_vol_s", "uncached_vol_s", "cached_vol_s"} <= set(data["per_syntax"]["JPEG 2000 lossless 8-bit"])
     assert data["loader"]["vol_s"] > 0
