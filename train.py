@@ -921,7 +921,6 @@ def train(cfg: Config, rt: Runtime) -> int:
             save_mask_plot(train_ds[(0, 0)], cfg, os.path.join(run_dir, "mask.png"))
             print(f"dry run: nothing trained; schedule and mask pictures in {run_dir}/")
         return EXIT_OK
-    compile_model(model, local_batch, cfg, rt, log)
 
     # --- resume: the same checkpoint in every process, and the plan it was written for ---
     state = TrainState()
@@ -935,10 +934,11 @@ def train(cfg: Config, rt: Runtime) -> int:
         restore(ckpt, model, optimizer, state)
         check_ranks_agree(state.step, f"the update they resume {resume_path} at", rt)
     run_plan = plan_record(cfg, plan, train_ds, val_ds)  # stored in every checkpoint of this run
+    log = RunLog(run_dir, cfg, active=rt.is_master)
+    compile_model(model, local_batch, cfg, rt, log)
     ddp_model = model  # wrapped after the restore: DDP starts every process from the same weights
     if rt.ddp:
         ddp_model = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
-    log = RunLog(run_dir, cfg, active=rt.is_master)
     for path, error in unreadable:
         log.event("unreadable_checkpoint", state.step, path=path, reason=error)
     if cfg.resume == "auto" and resume_path is None:
@@ -1160,12 +1160,9 @@ def checkpoint_state(model: VJEPA3D, optimizer, state: TrainState, cfg: Config, 
 
 def restore(ckpt: dict, model: VJEPA3D, optimizer, state: TrainState) -> None:
     """Load weights, optimizer, schedule position, data position and RNG states from a checkpoint (written on any
-    device: the optimizer keeps this device's capturable/foreach flags, which load_state_dict would overwrite)."""
+    device: make_optimizer's load hook keeps this device's AdamW implementation flags)."""
     model.load_state_dict(ckpt["model"])
-    optimizer_state = ckpt["optimizer"]
-    for saved, current in zip(optimizer_state["param_groups"], optimizer.param_groups):
-        saved["capturable"], saved["foreach"] = current["capturable"], current["foreach"]
-    optimizer.load_state_dict(optimizer_state)
+    optimizer.load_state_dict(ckpt["optimizer"])
     for key, value in ckpt["train_state"].items():
         setattr(state, key, value)
     set_rng_state(ckpt["rng"])
