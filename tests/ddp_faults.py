@@ -49,10 +49,10 @@ if rank == 1 and faults & {"read_once", "read_always"}:
 if rank == 1 and faults & {"bad_files", "no_data"}:
     real_load = data.load_prepared
 
-    def load_prepared(paths, cfg):
+    def load_prepared(paths, cfg, sources=None):
         if "no_data" in faults or "heidelberg" in paths[0]:
             raise data.UnusableFile("read_error", f"injected read error on process 1 for {paths[0]}")
-        return real_load(paths, cfg)
+        return real_load(paths, cfg, sources)
 
     data.load_prepared = load_prepared
 
