@@ -72,6 +72,18 @@ def test_ema_and_weight_decay_run_on_the_same_clock():
     assert wds[0] == pytest.approx(0.04) and wds[-1] == pytest.approx(0.4)
 
 
+@pytest.mark.parametrize("ema_schedule", ["cosine", "linear"])
+def test_ema_with_an_end_below_one_keeps_the_target_moving_to_the_last_update(ema_schedule):
+    cfg, plan = schedule_plan(ema_base=0.99, ema_end=0.999, ema_schedule=ema_schedule)
+    emas = [ema_at(s, cfg, plan) for s in range(plan.total_steps)]
+    assert emas[0] == pytest.approx(0.99) and emas[-1] == pytest.approx(0.999) and max(emas) < 1.0
+    assert all(b >= a for a, b in zip(emas, emas[1:]))
+    middle = emas[len(emas) // 2]
+    assert middle == pytest.approx(0.9945, abs=1e-3)  # both ramps pass the midpoint halfway
+    quarter = emas[len(emas) // 4] - 0.99
+    assert (quarter < 0.25 * 0.009) if ema_schedule == "cosine" else quarter == pytest.approx(0.25 * 0.009, abs=1e-4)
+
+
 # --- the update ---
 
 def tiny_update_setup(seed=0):
