@@ -90,7 +90,7 @@ class Config:
     summary_probe: bool = True  # end of run: does the encoder beat a random one on a quick mean-pool probe (probe_labels)?
     collapse_min_target_std: float = 0.05  # warn (events.jsonl, console) when target_std falls under this
     collapse_min_rankme: float = 2.0  # warn when val RankMe falls under this
-    collapse_window_steps: int = 1000  # warn when either falls under half its best of this many updates
+    collapse_window_steps: int = 1000  # warn when either falls under half its best of this many updates (probe AUROC: half its gain over 0.5)
     ckpt_dir: Optional[str] = "auto"  # auto = out_dir/run_name/checkpoints; None = no checkpoints
     ckpt_every_steps: int = 100  # checkpoint every N updates and at the end
     keep_last: int = 2  # step checkpoints kept (best.pt is kept besides)

@@ -197,9 +197,10 @@ class RunLog:
 
 def collapse_warnings(history: List[dict], cfg: Config) -> List[dict]:
     """Collapse signs in the newest metrics record: target_std or RankMe under its floor, or under half of its
-    highest value of the last collapse_window_steps updates (a falling loss proves nothing while they fall)."""
+    highest value of the last collapse_window_steps updates; the probe AUROC (probe_every_steps) back below half
+    of its best gain over chance (0.5) of that window. A falling loss proves nothing while they fall."""
     new = history[-1]
-    floors = {"target_std": cfg.collapse_min_target_std, "rankme": cfg.collapse_min_rankme}
+    floors = {"target_std": cfg.collapse_min_target_std, "rankme": cfg.collapse_min_rankme, "probe_auroc": None}
     found = []
     for metric, floor in floors.items():
         value = new.get(metric)
@@ -207,9 +208,10 @@ def collapse_warnings(history: List[dict], cfg: Config) -> List[dict]:
             continue
         window = [r[metric] for r in history[:-1] if r["split"] == new["split"] and r.get(metric) is not None
                   and new["step"] - r["step"] <= cfg.collapse_window_steps]
-        if value < floor:
+        chance = 0.5 if metric == "probe_auroc" else 0.0  # a drop is measured by what was gained over this
+        if floor is not None and value < floor:
             reason = f"is {value:.4g}, under the floor {floor:g}"
-        elif window and value < 0.5 * max(window):
+        elif window and value - chance < 0.5 * (max(window) - chance):
             reason = f"fell from {max(window):.4g} to {value:.4g} within {cfg.collapse_window_steps} updates"
         else:
             continue

@@ -203,6 +203,18 @@ def test_collapse_warning_when_target_std_halves_within_the_window_once_until_it
     assert capsys.readouterr().out.count("may be collapsing") == 1
 
 
+def test_collapse_warning_when_the_probe_loses_half_its_gain_over_chance(tmp_path):
+    from train import RunLog
+    cfg = load_config(["--config", SMOKE])
+    log = RunLog(str(tmp_path), cfg, active=True)
+    for step, auroc in ((250, 0.77), (500, 0.78), (750, 0.82), (1000, 0.81), (1250, 0.80)):  # healthy: no warning
+        log.metrics({"split": "probe", "step": step, "probe_auroc": auroc})
+    for step, auroc in ((1500, 0.64), (1750, 0.55)):  # what a partial collapse did to the probe (issue 12)
+        log.metrics({"split": "probe", "step": step, "probe_auroc": auroc})
+    events = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "collapse_warning"]
+    assert [(e["step"], e["metric"]) for e in events] == [(1500, "probe_auroc")]
+
+
 # --- real short runs ---
 
 def test_short_run_logs_every_contract_field_with_positive_grad_norms(tmp_path, smoke_phantoms):
