@@ -22,7 +22,7 @@ The learning benchmark (README "Does it learn"): --vs_random probes the checkpoi
 architecture with the same volumes, splits, probes and budget, prints the table, and with --plot draws the run's
 in-training probe AUROC against pretraining updates with the random-init level:
 
-    python probe.py --ckpt runs/learn/checkpoints --vs_random --json learn.json --plot learn_probe.png
+    python probe.py --ckpt runs/learn/checkpoints --vs_random --seeds 10 --json learn.json --plot learn_probe.png
 
 During pretraining, train.py calls prepare_probe_set(cfg) once and probe_auroc(model, probe_set, device) every
 probe_every_steps updates; at the end of the run compare_with_random (summary_probe) says whether the encoder
