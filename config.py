@@ -44,10 +44,11 @@ class Config:
     workers: int = 2  # DataLoader worker processes
     max_bad_fraction: float = 0.2  # stop (exit 3) when more than this share of files is unusable
     # --- masking ---
-    mask_type: str = "multiblock"  # multiblock | random
-    mask_ratio: float = 0.6  # share of tokens that are prediction targets
-    mask_block_scale: List[float] = field(default_factory=lambda: [0.1, 0.3])  # block size as share of tokens
+    mask_type: str = "multiblock"  # multiblock (blocks clipped at the borders) | multiblock_inside (blocks fully inside: nominal size) | random
+    mask_ratio: float = 0.6  # share of tokens that are prediction targets (in each mask set)
+    mask_block_scale: List[float] = field(default_factory=lambda: [0.1, 0.3])  # block size as share of tokens: [min, max] per mask set; more pairs = more mask sets per sample (V-JEPA short/long range)
     mask_block_aspect: float = 1.5  # max aspect ratio distortion of a block per axis pair
+    mask_tube_axis: Optional[int] = None  # 0 | 1 | 2: blocks span the whole grid along this axis (0 = across B-scans); None = 3D blocks
     # --- model ---
     embed_dim: int = 96  # context/target encoder width
     depth: int = 4  # encoder blocks
@@ -72,8 +73,9 @@ class Config:
     weight_decay: float = 0.04  # AdamW decoupled decay on weight matrices (not biases, norms, mask token)
     weight_decay_end: Optional[float] = None  # cosine-ramped to this value; None = constant weight_decay
     adam_betas: List[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW [beta1, beta2]
-    ema_base: float = 0.996  # EMA momentum at step 0, cosine-ramped to ema_end
-    ema_end: float = 1.0  # EMA momentum at the end of the run
+    ema_base: float = 0.996  # EMA momentum at step 0, ramped to ema_end
+    ema_end: float = 1.0  # EMA momentum at the end of the run (below 1: the target encoder keeps moving)
+    ema_schedule: str = "cosine"  # cosine | linear: the ramp from ema_base to ema_end
     grad_clip: Optional[float] = 1.0  # max total grad norm; None = no clipping (the norm is still logged)
     use_bf16: bool = False  # bf16 autocast (CUDA, XLA; CPU with AMX); weights and optimizer stay fp32
     compile: bool = False  # torch.compile the encoders, predictor and loss (CPU, CUDA); XLA compiles the update anyway
@@ -86,9 +88,10 @@ class Config:
     val_batches: int = 4  # val batches per validation (fixed crops and masks)
     probe_every_steps: Optional[int] = None  # linear probe of the target encoder every N updates (probe.py); None = off
     probe_labels: Optional[str] = None  # labels.csv (path,label) for probe_every_steps; None = labelled phantoms
+    summary_probe: bool = True  # end of run: does the encoder beat a random one on a quick mean-pool probe (probe_labels)?
     collapse_min_target_std: float = 0.05  # warn (events.jsonl, console) when target_std falls under this
     collapse_min_rankme: float = 2.0  # warn when val RankMe falls under this
-    collapse_window_steps: int = 1000  # warn when either falls under half its best of this many updates
+    collapse_window_steps: int = 1000  # warn when either falls under half its best of this many updates (probe AUROC: half its gain over 0.5)
     ckpt_dir: Optional[str] = "auto"  # auto = out_dir/run_name/checkpoints; None = no checkpoints
     ckpt_every_steps: int = 100  # checkpoint every N updates and at the end
     keep_last: int = 2  # step checkpoints kept (best.pt is kept besides)
@@ -122,14 +125,15 @@ class Config:
 CHOICES = {
     "sop_classes": ("oct", "any"),
     "missing_spacing": ("resize", "skip"),
-    "mask_type": ("multiblock", "random"),
+    "mask_type": ("multiblock", "multiblock_inside", "random"),
     "loss": ("l1", "mse"),
     "schedule": ("cosine", "constant"),
+    "ema_schedule": ("cosine", "linear"),
     "wandb": ("auto", "online", "offline", "disabled"),
     "device": ("auto", "cpu", "cuda", "xla"),
 }
 LIST_LENGTHS = {"image_size": 3, "patch_size": 3, "target_spacing": 3, "clip_percentiles": 2,
-                "mask_block_scale": 2, "adam_betas": 2}
+                "adam_betas": 2}
 # Fields naming a file, folder or URL: the string "None" there is a YAML/shell slip, never a path (incident 8).
 PATH_FIELDS = ("data_root", "manifest_path", "index_path", "phantom_dir", "cache_dir", "ckpt_dir", "probe_labels",
                "out_dir", "resume")
@@ -299,9 +303,15 @@ def validate(cfg: Config) -> None:
     if n_context < 1 or n_target < 1:
         raise ConfigError(f"mask_ratio: {cfg.mask_ratio} of {cfg.num_tokens()} tokens leaves {n_context} context and "
                           f"{n_target} target tokens; both must be at least 1.")
-    lo, hi = cfg.mask_block_scale
-    if not 0.0 < lo <= hi <= 1.0:
-        raise ConfigError(f"mask_block_scale: {cfg.mask_block_scale} must satisfy 0 < min <= max <= 1.")
+    scales = cfg.mask_block_scale
+    if not scales or len(scales) % 2:
+        raise ConfigError(f"mask_block_scale: {scales} must hold [min, max] pairs, one per mask set, e.g. 0.1,0.3 "
+                          f"or 0.02,0.05,0.3,0.5 for a short-range and a long-range set.")
+    for lo, hi in zip(scales[::2], scales[1::2]):
+        if not 0.0 < lo <= hi <= 1.0:
+            raise ConfigError(f"mask_block_scale: the pair [{lo}, {hi}] of {scales} must satisfy 0 < min <= max <= 1.")
+    if cfg.mask_tube_axis not in (None, 0, 1, 2):
+        raise ConfigError(f"mask_tube_axis: {cfg.mask_tube_axis} must be 0, 1, 2 or none.")
     if cfg.mask_block_aspect < 1.0:
         raise ConfigError(f"mask_block_aspect: {cfg.mask_block_aspect} must be >= 1.")
     p_lo, p_hi = cfg.clip_percentiles

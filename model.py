@@ -25,8 +25,8 @@ from torch.utils.checkpoint import checkpoint
 class JEPAOutput:
     """What VJEPA3D.forward returns; train.py uses only these fields (incident 7)."""
     loss: torch.Tensor  # scalar, differentiable
-    pred: torch.Tensor  # [B, Nt, E] predictor output at the target positions
-    target: torch.Tensor  # [B, Nt, E] layer-normed target-encoder features (no grad)
+    pred: torch.Tensor  # [B*M, Nt, E] predictor output at the target positions (M mask sets per sample, often 1)
+    target: torch.Tensor  # [B*M, Nt, E] layer-normed target-encoder features (no grad)
     target_std: torch.Tensor  # scalar, detached: mean over features of the std over target tokens (collapse -> 0)
 
 
@@ -112,11 +112,12 @@ class Encoder(nn.Module):
         self.grad_checkpointing = False
 
     def forward(self, volume: torch.Tensor, keep_idx: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """volume [B,1,D,H,W] -> features [B,N,E], or [B,K,E] for only the tokens in keep_idx [B,K]."""
+        """volume [B,1,D,H,W] -> features [B,N,E], or [B*M,K,E] for only the tokens in keep_idx [B*M,K]
+        (M mask sets per volume, volume-major)."""
         x = self.patch_embed(volume).flatten(2).transpose(1, 2)  # [B, E, gd, gh, gw] -> [B, N, E]
         x = x + self.pos_embed
         if keep_idx is not None:
-            x = gather_tokens(x, keep_idx)
+            x = gather_tokens(x.repeat_interleave(keep_idx.shape[0] // x.shape[0], dim=0), keep_idx)
         return self.norm(run_blocks(self.blocks, x, self.grad_checkpointing))
 
 
@@ -198,12 +199,16 @@ class VJEPA3D(nn.Module):
             raise ValueError(f"volume: expected a floating dtype, got {volume.dtype}")
         B = volume.shape[0]
         for name, idx in (("context_idx", context_idx), ("target_idx", target_idx)):
-            if idx.dim() != 2 or idx.shape[0] != B:
-                raise ValueError(f"{name}: expected shape [B={B}, num_{name[:-4]}_tokens] of token indices, "
-                                 f"got {list(idx.shape)} (volume {list(volume.shape)})")
+            if idx.dim() not in (2, 3) or idx.shape[0] != B:
+                raise ValueError(f"{name}: expected shape [B={B}, num_{name[:-4]}_tokens] of token indices (or "
+                                 f"[B={B}, mask_sets, num_{name[:-4]}_tokens]), got {list(idx.shape)} "
+                                 f"(volume {list(volume.shape)})")
             if idx.dtype != torch.long:
                 raise ValueError(f"{name}: expected dtype torch.int64 (long), got {idx.dtype}")
-        if context_idx.shape[1] + target_idx.shape[1] > self.num_tokens:
+        if context_idx.shape[:-1] != target_idx.shape[:-1]:
+            raise ValueError(f"context_idx {list(context_idx.shape)} and target_idx {list(target_idx.shape)}: "
+                             f"expected the same batch and mask-set dimensions")
+        if context_idx.shape[-1] + target_idx.shape[-1] > self.num_tokens:
             raise ValueError(f"context_idx {list(context_idx.shape)} + target_idx {list(target_idx.shape)}: "
                              f"more tokens than the volume has ({self.num_tokens})")
         if context_idx.device.type == "cpu":  # a range check elsewhere would force a device->host sync
@@ -214,17 +219,21 @@ class VJEPA3D(nn.Module):
 
     @torch.no_grad()
     def target_features(self, volume: torch.Tensor, target_idx: torch.Tensor) -> torch.Tensor:
-        """Layer-normed EMA-encoder features at target_idx: [B, Nt, E]."""
+        """Layer-normed EMA-encoder features at target_idx [B*M, Nt] (M mask sets per volume): [B*M, Nt, E]."""
         h = self.target_encoder(volume)  # [B, N, E]
         h = F.layer_norm(h, h.shape[-1:])
-        return gather_tokens(h, target_idx)
+        return gather_tokens(h.repeat_interleave(target_idx.shape[0] // h.shape[0], dim=0), target_idx)
 
     def forward(self, volume: torch.Tensor, context_idx: torch.Tensor, target_idx: torch.Tensor) -> JEPAOutput:
-        """Predict target-encoder features at target_idx from the context tokens at context_idx."""
+        """Predict target-encoder features at target_idx from the context tokens at context_idx: [B, Nc] and
+        [B, Nt], or [B, M, Nc] and [B, M, Nt] for M mask sets per volume, each predicted on its own (pred and
+        target are then [B*M, Nt, E]; the loss is their mean)."""
         self.check_inputs(volume, context_idx, target_idx)
+        context_idx = context_idx.reshape(-1, context_idx.shape[-1])  # [B*M, Nc]
+        target_idx = target_idx.reshape(-1, target_idx.shape[-1])  # [B*M, Nt]
         target = self.target_features(volume, target_idx)
-        context = self.encoder(volume, keep_idx=context_idx)  # [B, Nc, E]: the targets are never seen
-        pred = self.predictor(context, context_idx, target_idx)  # [B, Nt, E]
+        context = self.encoder(volume, keep_idx=context_idx)  # [B*M, Nc, E]: the targets are never seen
+        pred = self.predictor(context, context_idx, target_idx)  # [B*M, Nt, E]
         loss, target_std = self.loss_fn(pred, target, self.loss_type)
         return JEPAOutput(loss=loss, pred=pred, target=target, target_std=target_std)
 

@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from config import Config, ConfigError, RunPlan, config_to_dict, load_config, plan_run, save_config
-from data import NoUsableData, build_datasets, format_reason_table, gcs_filesystem, make_loader, read_bytes
+from data import (NoUsableData, build_datasets, describe_masks, format_reason_table, gcs_filesystem, make_loader,
+                  mask_generator_from_config, mask_stats, read_bytes)
 from model import VJEPA3D, activation_bytes_per_sample, training_flops_per_sample
 
 EXIT_OK, EXIT_CONFIG, EXIT_NO_DATA, EXIT_DIVERGED = 0, 2, 3, 4
@@ -77,8 +78,11 @@ def wd_at(step: int, cfg: Config, plan: RunPlan) -> float:
 
 
 def ema_at(step: int, cfg: Config, plan: RunPlan) -> float:
-    """EMA momentum of the target update after update `step`: cosine from ema_base to ema_end."""
-    return cosine_ramp(schedule_clock(step, plan), 0, plan.planned_steps - 1, cfg.ema_base, cfg.ema_end)
+    """EMA momentum of the target update after update `step`: from ema_base to ema_end, cosine or linear."""
+    clock = schedule_clock(step, plan)
+    if cfg.ema_schedule == "linear":
+        return cfg.ema_base + (cfg.ema_end - cfg.ema_base) * min(1.0, clock / max(1, plan.planned_steps - 1))
+    return cosine_ramp(clock, 0, plan.planned_steps - 1, cfg.ema_base, cfg.ema_end)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -276,9 +280,10 @@ class RunLog:
 
 def collapse_warnings(history: List[dict], cfg: Config) -> List[dict]:
     """Collapse signs in the newest metrics record: target_std or RankMe under its floor, or under half of its
-    highest value of the last collapse_window_steps updates (a falling loss proves nothing while they fall)."""
+    highest value of the last collapse_window_steps updates; the probe AUROC (probe_every_steps) back below half
+    of its best gain over chance (0.5) of that window. A falling loss proves nothing while they fall."""
     new = history[-1]
-    floors = {"target_std": cfg.collapse_min_target_std, "rankme": cfg.collapse_min_rankme}
+    floors = {"target_std": cfg.collapse_min_target_std, "rankme": cfg.collapse_min_rankme, "probe_auroc": None}
     found = []
     for metric, floor in floors.items():
         value = new.get(metric)
@@ -286,9 +291,10 @@ def collapse_warnings(history: List[dict], cfg: Config) -> List[dict]:
             continue
         window = [r[metric] for r in history[:-1] if r["split"] == new["split"] and r.get(metric) is not None
                   and new["step"] - r["step"] <= cfg.collapse_window_steps]
-        if value < floor:
+        chance = 0.5 if metric == "probe_auroc" else 0.0  # a drop is measured by what was gained over this
+        if floor is not None and value < floor:
             reason = f"is {value:.4g}, under the floor {floor:g}"
-        elif window and value < 0.5 * max(window):
+        elif window and value - chance < 0.5 * (max(window) - chance):
             reason = f"fell from {max(window):.4g} to {value:.4g} within {cfg.collapse_window_steps} updates"
         else:
             continue
@@ -520,11 +526,11 @@ def compile_model(model: VJEPA3D, batch_size: int, cfg: Config, rt: Runtime, log
         return
     start = time.perf_counter()
     model.compile_parts()
-    n_context, n_target = cfg.token_counts()
+    context, target = mask_generator_from_config(cfg)(np.random.default_rng(0))  # [Nc], [Nt] or [M, Nc], [M, Nt]
     volume = torch.zeros(batch_size, 1, *cfg.image_size, device=rt.device)
-    tokens = torch.arange(n_context + n_target, device=rt.device).repeat(batch_size, 1)  # [B, N]
+    context_idx, target_idx = (torch.from_numpy(i).to(rt.device).expand(batch_size, *i.shape) for i in (context, target))
     with torch.autocast(rt.kind, dtype=torch.bfloat16, enabled=cfg.use_bf16):
-        out = model(volume, tokens[:, :n_context].contiguous(), tokens[:, n_context:].contiguous())
+        out = model(volume, context_idx.contiguous(), target_idx.contiguous())
     out.loss.backward()
     model.zero_grad(set_to_none=True)
     log.print(f"compile: encoders, predictor and loss compiled in {time.perf_counter() - start:.1f} s")
@@ -758,6 +764,7 @@ def describe_run(cfg: Config, plan: RunPlan, model: VJEPA3D, train_ds, val_ds, r
         f"activations       ~{act / 2**20:.1f} MiB/sample, ~{act * plan.per_core_batch_size / 2**30:.2f} GiB per "
         f"replica at batch {plan.per_core_batch_size} (+ {state_bytes / 2**30:.2f} GiB weights, grads, AdamW)",
     ]
+    lines.append(describe_masks(mask_generator_from_config(cfg)))
     geometry = getattr(train_ds, "geometry_report", None)
     if callable(geometry):
         lines.append(geometry())
@@ -785,27 +792,39 @@ def save_schedule_plot(cfg: Config, plan: RunPlan, path: str) -> None:
 
 
 def save_mask_plot(sample: dict, cfg: Config, path: str) -> None:
-    """PNG of the middle B-scan of one sample with its context (blue) and target (red) tokens overlaid."""
+    """PNG of one sample's masks: per mask set, the middle B-scan with its context (blue) and target (red) tokens
+    overlaid and the en-face target map of every B-scan row, titled with the realised block size and the share
+    of target tokens with a context neighbour along each axis (data.mask_stats over 100 masks)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     volume = sample["volume"][0].numpy()  # [D, H, W]
     gd, gh, gw = cfg.grid_size()
     pd, ph, pw = cfg.patch_size
-    is_target = np.zeros(gd * gh * gw, bool)
-    is_target[sample["target_idx"].numpy()] = True
+    targets = sample["target_idx"].numpy().reshape(-1, sample["target_idx"].shape[-1])  # [M, Nt]
+    stats = mask_stats(mask_generator_from_config(cfg))
     frame = volume.shape[0] // 2
-    token_rows = is_target.reshape(gd, gh, gw)[frame // pd]  # [gh, gw]
-    overlay = np.kron(token_rows, np.ones((ph, pw)))  # [H, W]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    axes[0].imshow(volume[frame], cmap="gray")
-    axes[0].set_title(f"B-scan {frame} of {sample['path'].split('/')[-1]}")
-    axes[1].imshow(volume[frame], cmap="gray")
-    axes[1].imshow(np.ma.masked_where(overlay == 0, overlay), cmap="autumn", alpha=0.45, vmin=0, vmax=1)
-    axes[1].imshow(np.ma.masked_where(overlay == 1, 1 - overlay), cmap="winter", alpha=0.25, vmin=0, vmax=1)
-    axes[1].set_title(f"target (red) {int(is_target.sum())} / context (blue) {int((~is_target).sum())} tokens")
-    for ax in axes:
-        ax.axis("off")
+    fig, axes = plt.subplots(len(targets), 3, figsize=(15, 4 * len(targets)), squeeze=False)
+    for row, target_idx in zip(axes, targets):
+        is_target = np.zeros(gd * gh * gw, bool)
+        is_target[target_idx] = True
+        is_target = is_target.reshape(gd, gh, gw)
+        overlay = np.kron(is_target[frame // pd], np.ones((ph, pw)))  # [H, W]
+        row[0].imshow(volume[frame], cmap="gray")
+        row[0].set_title(f"B-scan {frame} of {sample['path'].split('/')[-1]}")
+        row[1].imshow(volume[frame], cmap="gray")
+        row[1].imshow(np.ma.masked_where(overlay == 0, overlay), cmap="autumn", alpha=0.45, vmin=0, vmax=1)
+        row[1].imshow(np.ma.masked_where(overlay == 1, 1 - overlay), cmap="winter", alpha=0.25, vmin=0, vmax=1)
+        row[1].set_title(f"target (red) {int(is_target.sum())} / context (blue) {int((~is_target).sum())} tokens")
+        row[2].imshow(is_target.mean(1), cmap="Reds", vmin=0, vmax=1, aspect="auto")  # [gd, gw]: share of depth
+        row[2].set_title("en face: target share of each column (rows = B-scans)")
+        row[2].set_xlabel("lateral token")
+        row[2].set_ylabel("B-scan token")
+        for ax in row[:2]:
+            ax.axis("off")
+    size = "" if stats["block_size_ratio"] is None else f"realised block size {stats['block_size_ratio']:.2f} x nominal; "
+    near = ", ".join(f"axis {a} {s:.0%}" for a, s in enumerate(stats["context_neighbour_share"]))
+    fig.suptitle(f"{cfg.mask_type}: {size}target tokens with a context neighbour: {near}")
     fig.tight_layout()
     fig.savefig(path, dpi=80)
     plt.close(fig)
@@ -1090,9 +1109,15 @@ def train(cfg: Config, rt: Runtime) -> int:
                     torch.distributed.barrier()  # no rank may roll back to a file that is not written yet
 
     bar.close()
+    versus_random = None
+    if cfg.summary_probe and runs_probe(rt):
+        from probe import compare_with_random, prepare_probe_set
+        versus_random = compare_with_random(model, cfg, probe_set or prepare_probe_set(cfg, cfg.probe_labels),
+                                            rt.device)
+        log.event("summary_probe", state.step, **versus_random)
     if log.active:
         save_training_plot(log.history, os.path.join(run_dir, "training.png"))
-        log.print(summary(log.history, run_dir, cfg, state))
+        log.print(summary(log.history, run_dir, cfg, state, versus_random))
     log.close()
     return EXIT_OK
 
@@ -1108,7 +1133,8 @@ def format_train_line(record: dict, plan: RunPlan) -> str:
 
 # What a resume must find unchanged (incident 2: a changed plan restarts or jumps the schedules).
 PLAN_FIELDS = ("total_steps", "warmup_steps", "steps_per_epoch", "global_batch_size", "world_size")
-SCHEDULE_FIELDS = ("schedule", "base_lr", "min_lr", "weight_decay", "weight_decay_end", "ema_base", "ema_end", "seed")
+SCHEDULE_FIELDS = ("schedule", "base_lr", "min_lr", "weight_decay", "weight_decay_end", "ema_base", "ema_end",
+                   "ema_schedule", "seed")
 
 
 def split_fingerprint(train_ds, val_ds) -> str:
@@ -1194,8 +1220,9 @@ def rollback(cfg, model, optimizer, state: TrainState, last_ckpt, recent_grad_no
     return last_ckpt
 
 
-def summary(history: List[dict], run_dir: str, cfg: Config, state: TrainState) -> str:
-    """The one-screen end-of-run summary."""
+def summary(history: List[dict], run_dir: str, cfg: Config, state: TrainState,
+            versus_random: Optional[dict] = None) -> str:
+    """The one-screen end-of-run summary; versus_random: probe.compare_with_random's verdict, if measured."""
     train = [r for r in history if r["split"] == "train"]
     val = [r for r in history if r["split"] == "val"]
     lines = ["", "=" * 72, f"done: {state.step} updates, {state.nonfinite_skipped} non-finite skipped, "
@@ -1206,6 +1233,13 @@ def summary(history: List[dict], run_dir: str, cfg: Config, state: TrainState) -
         lines.append(f"target_std        {train[0]['target_std']:.4f} -> {train[-1]['target_std']:.4f}")
     if val:
         lines.append(f"val loss          {val[0]['loss']:.4f} -> {val[-1]['loss']:.4f}, rankme {val[-1]['rankme']:.1f}")
+    if versus_random:
+        p, r = versus_random["pretrained"], versus_random["random"]
+        verdict = ("BEATS a random init" if versus_random["beats_random"] else
+                   "does NOT beat a random init (overlapping or lower 95% intervals): pretrain longer or on more data")
+        lines.append(f"probe             mean-pool AUROC {p['mean']:.3f} [{p['low']:.3f}, {p['high']:.3f}] vs random "
+                     f"init {r['mean']:.3f} [{r['low']:.3f}, {r['high']:.3f}] ({len(p['values'])} splits): the "
+                     f"encoder {verdict}")
     lines += [f"metrics           {run_dir}/metrics.jsonl (events: events.jsonl, plot: training.png)",
               f"checkpoints       {cfg.ckpt_dir if cfg.ckpt_dir else 'off (ckpt_dir null)'}", "=" * 72]
     return "\n".join(lines)

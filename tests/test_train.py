@@ -73,6 +73,18 @@ def test_ema_and_weight_decay_run_on_the_same_clock():
     assert wds[0] == pytest.approx(0.04) and wds[-1] == pytest.approx(0.4)
 
 
+@pytest.mark.parametrize("ema_schedule", ["cosine", "linear"])
+def test_ema_with_an_end_below_one_keeps_the_target_moving_to_the_last_update(ema_schedule):
+    cfg, plan = schedule_plan(ema_base=0.99, ema_end=0.999, ema_schedule=ema_schedule)
+    emas = [ema_at(s, cfg, plan) for s in range(plan.total_steps)]
+    assert emas[0] == pytest.approx(0.99) and emas[-1] == pytest.approx(0.999) and max(emas) < 1.0
+    assert all(b >= a for a, b in zip(emas, emas[1:]))
+    middle = emas[len(emas) // 2]
+    assert middle == pytest.approx(0.9945, abs=1e-3)  # both ramps pass the midpoint halfway
+    quarter = emas[len(emas) // 4] - 0.99
+    assert (quarter < 0.25 * 0.009) if ema_schedule == "cosine" else quarter == pytest.approx(0.25 * 0.009, abs=1e-4)
+
+
 # --- the update ---
 
 def tiny_update_setup(seed=0):
@@ -190,6 +202,18 @@ def test_collapse_warning_when_target_std_halves_within_the_window_once_until_it
     events = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "collapse_warning"]
     assert [(e["step"], e["metric"]) for e in events] == [(30, "target_std")]  # step 200: nothing in its window
     assert capsys.readouterr().out.count("may be collapsing") == 1
+
+
+def test_collapse_warning_when_the_probe_loses_half_its_gain_over_chance(tmp_path):
+    from train import RunLog
+    cfg = load_config(["--config", SMOKE])
+    log = RunLog(str(tmp_path), cfg, active=True)
+    for step, auroc in ((250, 0.77), (500, 0.78), (750, 0.82), (1000, 0.81), (1250, 0.80)):  # healthy: no warning
+        log.metrics({"split": "probe", "step": step, "probe_auroc": auroc})
+    for step, auroc in ((1500, 0.64), (1750, 0.55)):  # what a partial collapse did to the probe (issue 12)
+        log.metrics({"split": "probe", "step": step, "probe_auroc": auroc})
+    events = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "collapse_warning"]
+    assert [(e["step"], e["metric"]) for e in events] == [(1500, "probe_auroc")]
 
 
 # --- real short runs ---
