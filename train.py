@@ -918,7 +918,6 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def train(cfg: Config, rt: Runtime) -> int:
-
     # --- data, model, optimizer ---
     torch.manual_seed(cfg.seed)
     train_ds, val_ds = build_datasets(cfg)
