@@ -52,6 +52,7 @@ from sklearn.preprocessing import StandardScaler
 
 from config import Config, ConfigError, load_config, parse_flags
 from model import VJEPA3D
+from runtime import list_checkpoints, read_checkpoint
 
 PROBE_PHANTOMS = 240  # volumes of the built-in labelled phantom set
 PROBE_PHANTOM_SEED = 1  # the pretraining phantoms use seed 0
@@ -306,7 +307,6 @@ def load_model(ckpt: str, cfg: Config) -> Tuple[VJEPA3D, Config]:
     if ckpt == "random":
         torch.manual_seed(cfg.seed)
         return VJEPA3D.from_config(cfg), cfg
-    from train import read_checkpoint
     fix = "pass a checkpoint written by train.py (OUT_DIR/RUN_NAME/checkpoints/best.pt or step_*.pt) or --ckpt random"
     try:
         state = read_checkpoint(ckpt)
@@ -355,7 +355,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     ckpt = args.ckpt
     try:
         if os.path.isdir(ckpt):  # a run's checkpoints folder: its last step checkpoint
-            from train import list_checkpoints
             ckpt = (list_checkpoints(ckpt) or [os.path.join(ckpt, "step_*.pt")])[0]
         if args.ckpt != "random":
             other = sorted(set(parse_flags(rest)) - set(CKPT_FIELDS))

@@ -9,14 +9,11 @@ Outputs go to out_dir/run_name/: config.yaml, metrics.jsonl, events.jsonl, check
 Exit codes: 0 done, 2 bad config, 3 no usable data, 4 diverged beyond recovery.
 """
 import contextlib
-import glob
 import hashlib
-import io
 import json
 import math
 import os
 import random
-import re
 import sys
 import time
 import uuid
@@ -27,9 +24,11 @@ import numpy as np
 import torch
 
 from config import Config, ConfigError, RunPlan, config_to_dict, load_config, plan_run, save_config
-from data import (NoUsableData, build_datasets, describe_masks, format_reason_table, gcs_filesystem, make_loader,
-                  mask_generator_from_config, mask_stats, read_bytes)
+from data import (NoUsableData, build_datasets, describe_masks, format_reason_table, make_loader,
+                  mask_generator_from_config, mask_stats)
 from model import VJEPA3D, activation_bytes_per_sample, training_flops_per_sample
+from runtime import (checkpoint_path, list_checkpoints, newest_readable_checkpoint, read_checkpoint,
+                     save_checkpoint, write_bytes_atomic)
 
 EXIT_OK, EXIT_CONFIG, EXIT_NO_DATA, EXIT_DIVERGED = 0, 2, 3, 4
 
@@ -338,62 +337,6 @@ def start_wandb(cfg: Config, run_dir: str):
     return run
 
 
-def _fs(path: str):
-    """(filesystem, path) for a local path or a gs:// URL."""
-    if path.startswith("gs://"):
-        return gcs_filesystem(), path
-    return None, path
-
-
-def write_bytes_atomic(path: str, payload: bytes) -> None:
-    """Write a file so that readers see either the old state or the complete new file, never a part."""
-    fs, path = _fs(path)
-    if fs is not None:
-        fs.pipe_file(path, payload)  # a GCS object appears only once its upload is complete
-        return
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(payload)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def list_checkpoints(ckpt_dir: str) -> List[str]:
-    """Step checkpoints in ckpt_dir, newest first (temp files of interrupted writes are ignored)."""
-    fs, root = _fs(ckpt_dir)
-    pattern = root.rstrip("/") + "/step_*.pt"
-    paths = ["gs://" + p for p in fs.glob(pattern)] if fs is not None else glob.glob(pattern)
-    paths = [p for p in paths if re.search(r"step_\d+\.pt$", p)]
-    return sorted(paths, key=lambda p: int(re.search(r"step_(\d+)\.pt$", p).group(1)), reverse=True)
-
-
-def read_checkpoint(path: str, tries: int = 1) -> dict:
-    """Load a checkpoint (local or gs://) to CPU tensors (weights_only: no code runs on load); a failed read (a
-    transient storage error) is tried up to `tries` times in all."""
-    for attempt in range(tries):
-        try:
-            payload = read_bytes(path)
-            break
-        except Exception:
-            if attempt == tries - 1:
-                raise
-            time.sleep(2 ** attempt)
-    return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
-
-
-def newest_readable_checkpoint(ckpt_dir: str) -> Tuple[Optional[str], Optional[dict], List[Tuple[str, str]]]:
-    """(path, checkpoint) of the newest step checkpoint that loads, or (None, None); plus (path, error) of each
-    newer one that did not (a damaged file must not stop a resume: it falls back to the one before)."""
-    unreadable = []
-    for path in list_checkpoints(ckpt_dir):
-        try:
-            return path, read_checkpoint(path, tries=2), unreadable
-        except Exception as e:
-            unreadable.append((path, repr(e)))
-    return None, None, unreadable
-
-
 def load_resume_checkpoint(cfg: Config, rt: Runtime) -> Tuple[Optional[str], Optional[dict], list]:
     """(path, checkpoint) that this run resumes from, or (None, None); plus (path, error) of newer unreadable files.
     The master chooses; every process loads that same file (retrying a transient read error) or every one stops."""
@@ -415,29 +358,6 @@ def load_resume_checkpoint(cfg: Config, rt: Runtime) -> Tuple[Optional[str], Opt
         raise ConfigError(f"resume: {path} could not be read ({'; '.join(failed)}). Every process must start from "
                           f"the same checkpoint, so none trains; check the path and retry.")
     return path, ckpt, unreadable
-
-
-def checkpoint_path(ckpt_dir: str, step: int) -> str:
-    return f"{ckpt_dir.rstrip('/')}/step_{step:07d}.pt"
-
-
-def save_checkpoint(path: str, state: dict, keep_last: int, best: bool) -> None:
-    """Write the checkpoint atomically (and best.pt beside it), then drop older step files beyond keep_last."""
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    payload = buffer.getvalue()
-    ckpt_dir = path.rsplit("/", 1)[0]
-    fs, root = _fs(ckpt_dir)
-    if fs is None:
-        os.makedirs(root, exist_ok=True)
-    write_bytes_atomic(path, payload)
-    if best:
-        write_bytes_atomic(f"{ckpt_dir}/best.pt", payload)
-    for old in list_checkpoints(ckpt_dir)[keep_last:]:
-        if fs is not None:
-            fs.rm(old)
-        else:
-            os.remove(old)
 
 
 def rng_state() -> dict:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
+import runtime  # noqa: E402
 import train  # noqa: E402
 
 faults = set(sys.argv[1].split(","))
@@ -36,7 +37,7 @@ if "nan_5_7" in faults:
     train.forward_backward = forward_backward
 
 if rank == 1 and faults & {"read_once", "read_always"}:
-    real_read_bytes, reads = train.read_bytes, []
+    real_read_bytes, reads = runtime.read_bytes, []
 
     def read_bytes(path):
         reads.append(path)
@@ -44,7 +45,7 @@ if rank == 1 and faults & {"read_once", "read_always"}:
             raise OSError(f"injected read error for {path}")
         return real_read_bytes(path)
 
-    train.read_bytes = read_bytes
+    runtime.read_bytes = read_bytes
 
 if rank == 1 and faults & {"bad_files", "no_data"}:
     real_load = data.load_prepared
