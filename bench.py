@@ -19,7 +19,6 @@ then the DataLoader with cfg.workers processes from the cache. The reference is 
 single-core memory copy bandwidth. Targets (issue 3): uncached costs at most 1.5x decode for uncompressed
 data; the cache delivers at least 50 volumes/s per core at image_size [64,384,384].
 """
-import argparse
 import importlib.metadata
 import json
 import os
@@ -29,7 +28,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
+from typing import List
 
 import numpy as np
 import pydicom
@@ -37,7 +37,7 @@ import torch
 from pydicom.uid import JPEG2000, ExplicitVRLittleEndian, JPEG2000Lossless, JPEGBaseline8Bit, RLELossless
 
 import train
-from config import ConfigError, config_to_dict, load_config, load_yaml, parse_flags
+from config import ScriptParser, given_flags, load_config, script_main
 from data import OCTDataset, load_prepared, make_loader, mask_generator_from_config
 from model import VJEPA3D, activation_bytes_per_sample, training_flops_per_sample, transformer_flops
 from phantom import STYLES, quantize, spacing_for, synth_reflectivity, write_oct
@@ -334,33 +334,28 @@ def bench_train(cfg, warmup: int, repeats: int) -> dict:
     return out
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+@script_main
+def main(argv: List[str]) -> int:
+    parser = ScriptParser(__doc__, prog="bench.py")
     parser.add_argument("mode", nargs="?", default="all", choices=("train", "data", "all"))
     parser.add_argument("--json", help="write all figures, config, device, versions and git commit here")
     parser.add_argument("--quick", action="store_true", help="small volumes and short runs (CI)")
     parser.add_argument("--workdir", help="where the benchmark files go (default: a temporary folder)")
     parser.add_argument("--repeats", type=int, help="timed training updates (default 10; --quick 3)")
     parser.add_argument("--warmup", type=int, help="untimed training updates first (default 3; --quick 1)")
-    args, rest = parser.parse_known_args(argv)
+    args, rest = parser.parse(argv)
     plan = QUICK if args.quick else FULL
-    try:
-        flags = parse_flags(rest)
-        given = set(flags) | set(load_yaml(flags["config"]) if "config" in flags else ())
-        cfg = load_config(rest, **{k: plan[k] for k in ("image_size", "patch_size") if k not in given})
-        smoke = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "smoke.yaml")
-        train_cfg = load_config((["--config", smoke] if args.quick and "config" not in flags else []) + rest)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+    cfg = load_config(rest, defaults={k: plan[k] for k in ("image_size", "patch_size")})
+    smoke = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "smoke.yaml")
+    train_cfg = load_config((["--config", smoke] if args.quick and "config" not in given_flags(rest) else []) + rest)
     report = {"mode": args.mode, "quick": args.quick, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               **environment()}
     if args.mode in ("train", "all"):
-        report["train_config"] = config_to_dict(train_cfg)
+        report["train_config"] = asdict(train_cfg)
         report["train"] = bench_train(train_cfg, warmup=args.warmup or (1 if args.quick else 3),
                                       repeats=args.repeats or (3 if args.quick else 10))
     if args.mode in ("data", "all"):
-        report["data_config"] = config_to_dict(cfg)
+        report["data_config"] = asdict(cfg)
         workdir = args.workdir or tempfile.mkdtemp(prefix="octjepa-bench-")
         try:
             report["data"] = bench_data(cfg, args.quick, workdir)

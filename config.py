@@ -3,10 +3,13 @@
 Precedence: dataclass defaults < YAML file (--config FILE) < command-line flags.
 Every field is a flag: `--base_lr 1e-4`, `--base_lr=1e-4`, lists as `--image_size 64,384,384`,
 `none`/`null` (any case) for an optional field, a bare `--dry_run` for a bool.
-Problems raise ConfigError naming the field and the fix; train.py turns that into exit code 2.
+Problems raise ConfigError naming the field and the fix; every script's main (script_main) turns that into exit 2.
+The end of this file is the command line that every script shares: ScriptParser, script_main, ExitError.
 """
+import argparse
 import dataclasses
 import difflib
+import functools
 import math
 import os
 import re
@@ -14,13 +17,21 @@ import sys
 import typing
 import warnings
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Iterable, List, Optional, Set, Tuple
 
 import yaml
 
 
-class ConfigError(ValueError):
+class ExitError(Exception):
+    """An error that ends a script: script_main prints `prefix` and the message on stderr and returns exit_code."""
+    exit_code = 1
+    prefix = "error: "
+
+
+class ConfigError(ExitError, ValueError):
     """A configuration problem: the message names the field and how to fix it."""
+    exit_code = 2
+    prefix = "config error: "
 
 
 @dataclass
@@ -151,13 +162,13 @@ def _unwrap_optional(tp):
     return tp, False
 
 
-def _unknown_key_error(key: str, where: str) -> ConfigError:
-    close = difflib.get_close_matches(key, FIELD_NAMES, n=1, cutoff=0.5)
+def _unknown_key_error(key: str, where: str, script_options: Iterable[str] = ()) -> ConfigError:
+    close = difflib.get_close_matches(key, FIELD_NAMES + list(script_options), n=1, cutoff=0.5)
     hint = f" Did you mean '{close[0]}'?" if close else " See README 'Config reference' for the fields."
     return ConfigError(f"unknown {where} '{key}'.{hint}")
 
 
-def _convert_scalar(name: str, tp, value, from_cli: bool):
+def _convert_scalar(name: str, tp, value):
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -205,9 +216,6 @@ def convert_value(name: str, value, from_cli: bool):
             raise ConfigError(f"{name}: this field cannot be null; give a value "
                               f"(default {getattr(Config(), name)!r}).")
         return None
-    if name in PATH_FIELDS and not from_cli and isinstance(value, str) and value.strip().lower() in NULL_WORDS:
-        raise ConfigError(f"{name}: the string {value!r} is not a path. Write `{name}: null` (unquoted) "
-                          f"to leave it unset.")
     if typing.get_origin(tp) in (list, List):
         (item_tp,) = typing.get_args(tp)
         items = value
@@ -215,16 +223,17 @@ def convert_value(name: str, value, from_cli: bool):
             items = [v for v in value.strip("[]() ").split(",") if v.strip()]
         if not isinstance(items, (list, tuple)):
             raise ConfigError(f"{name}: expected a list like 1,2,3, got {value!r}.")
-        out = [_convert_scalar(name, item_tp, v.strip() if isinstance(v, str) else v, from_cli) for v in items]
+        out = [_convert_scalar(name, item_tp, v.strip() if isinstance(v, str) else v) for v in items]
         want = LIST_LENGTHS.get(name)
         if want is not None and len(out) != want:
             raise ConfigError(f"{name}: expected {want} values, got {len(out)} ({value!r}).")
         return out
-    return _convert_scalar(name, tp, value, from_cli)
+    return _convert_scalar(name, tp, value)
 
 
-def parse_flags(argv: List[str]) -> dict:
-    """Parse `--flag value`, `--flag=value` and bare bool `--flag` into {field: raw string or True}."""
+def parse_flags(argv: List[str], script_options: Iterable[str] = ()) -> dict:
+    """Parse `--flag value`, `--flag=value` and bare bool `--flag` into {field: raw string or True}; an unknown
+    flag names the closest field or script option."""
     flags, i = {}, 0
     while i < len(argv):
         arg = argv[i]
@@ -233,7 +242,7 @@ def parse_flags(argv: List[str]) -> dict:
         name, eq, value = arg[2:].partition("=")
         name = name.replace("-", "_")
         if name != "config" and name not in FIELD_TYPES:
-            raise _unknown_key_error(name, "flag --")
+            raise _unknown_key_error(name, "flag --", script_options)
         if not eq:
             is_bool = name != "config" and _unwrap_optional(FIELD_TYPES[name])[0] is bool
             next_is_value = i + 1 < len(argv) and not argv[i + 1].startswith("--")
@@ -262,19 +271,17 @@ def load_yaml(path: str) -> dict:
     return raw
 
 
-def load_config(argv: Optional[List[str]] = None, **overrides) -> "Config":
-    """Build a validated Config from `--config FILE`, the other flags in argv, then keyword overrides."""
+def load_config(argv: Optional[List[str]] = None, defaults: Optional[dict] = None, **overrides) -> "Config":
+    """Build a validated Config. Precedence: dataclass defaults < `defaults` (a script's own) < the YAML file of
+    `--config FILE` < the other flags in argv (default sys.argv[1:]) < keyword overrides."""
     flags = parse_flags(sys.argv[1:] if argv is None else list(argv))
+    from_yaml = load_yaml(flags.pop("config")) if "config" in flags else {}
     values = {}
-    if "config" in flags:
-        for key, value in load_yaml(flags.pop("config")).items():
-            values[key] = convert_value(key, value, from_cli=False)
-    for key, value in flags.items():
-        values[key] = convert_value(key, value, from_cli=True)
-    for key, value in overrides.items():
-        if key not in FIELD_TYPES:
-            raise _unknown_key_error(key, "field")
-        values[key] = convert_value(key, value, from_cli=False)
+    for layer, from_cli in ((defaults or {}, False), (from_yaml, False), (flags, True), (overrides, False)):
+        for key, value in layer.items():
+            if key not in FIELD_TYPES:
+                raise _unknown_key_error(key, "field")
+            values[key] = convert_value(key, value, from_cli)
     cfg = Config(**values)
     validate(cfg)
     return cfg
@@ -288,7 +295,8 @@ def validate(cfg: Config) -> None:
     for name in PATH_FIELDS:
         value = getattr(cfg, name)
         if isinstance(value, str) and value.strip().lower() in NULL_WORDS:
-            raise ConfigError(f"{name}: the string {value!r} is not a path; use null to leave it unset.")
+            raise ConfigError(f"{name}: the string {value!r} is not a path. Write `{name}: null` (unquoted) in YAML "
+                              f"or --{name} none to leave it unset.")
         if isinstance(value, str) and not value.strip():
             raise ConfigError(f"{name}: empty path; use null to leave it unset.")
     for axis, (s, p) in enumerate(zip(cfg.image_size, cfg.patch_size)):
@@ -446,15 +454,10 @@ def plan_run(cfg: Config, world_size: int, train_volumes: int) -> RunPlan:
     return RunPlan(world_size, per_core, accum, global_batch, steps_per_epoch, total, warmup)
 
 
-def config_to_dict(cfg: Config) -> dict:
-    """Plain dict of every field (for config.yaml and checkpoints)."""
-    return dataclasses.asdict(cfg)
-
-
 def reference_table() -> str:
     """The README's config reference (a test keeps them equal): every field, its default and its comment here."""
     import inspect
-    defaults = config_to_dict(Config())
+    defaults = dataclasses.asdict(Config())
     rows = ["| field | default | meaning |", "|---|---|---|"]
     for line in inspect.getsource(Config).splitlines():
         section = re.match(r"\s+# --- (.+) ---$", line)
@@ -471,4 +474,60 @@ def reference_table() -> str:
 def save_config(cfg: Config, path: str) -> None:
     """Write the resolved config as YAML that load_config reads back to the same Config."""
     with open(path, "w") as f:
-        yaml.safe_dump(config_to_dict(cfg), f, sort_keys=False)
+        yaml.safe_dump(dataclasses.asdict(cfg), f, sort_keys=False)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Command line: shared by every script
+# ----------------------------------------------------------------------------------------------------------
+
+CONFIG_FLAGS_HELP = ("Every Config field is also a flag: --base_lr 1e-4, --image_size 64,384,384, none for an optional "
+                     "field, --config FILE for a YAML file of fields (see README 'Config reference').")
+
+
+class ScriptParser(argparse.ArgumentParser):
+    """argparse for a script's own options (sub-commands where it has several verbs); parse() leaves the
+    `--field value` config flags over for load_config. A bad option raises ConfigError (exit 2), not SystemExit."""
+
+    def __init__(self, description: Optional[str] = None, config_flags: bool = True, **kwargs):
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        kwargs.setdefault("allow_abbrev", False)  # --seed is a config flag, not short for a script's --seeds
+        super().__init__(description=description, epilog=CONFIG_FLAGS_HELP if config_flags else None, **kwargs)
+
+    def error(self, message: str):
+        raise ConfigError(f"{message} (see --help).")
+
+    def option_names(self) -> List[str]:
+        """The names of the script's own options, its sub-commands' included."""
+        names = []
+        for action in self._actions:
+            if action.option_strings and action.dest != "help":
+                names.append(action.dest)
+            if isinstance(action.choices, dict):  # the sub-commands: {name: parser}
+                names += [n for sub in action.choices.values() for n in sub.option_names()]
+        return names
+
+    def parse(self, argv: List[str]) -> Tuple[argparse.Namespace, List[str]]:
+        """(the script's options, the config flags left over); ConfigError for an argument that is neither, naming
+        the closest config field or script option."""
+        args, rest = self.parse_known_args(argv)
+        parse_flags(rest, self.option_names())
+        return args, rest
+
+
+def given_flags(argv: List[str]) -> Set[str]:
+    """The names of the flags in argv: Config fields, and 'config' for --config FILE."""
+    return set(parse_flags(argv))
+
+
+def script_main(main):
+    """Decorate a script's main(argv) -> exit code: argv defaults to sys.argv[1:], and an ExitError ends it with
+    its message on stderr and its exit code."""
+    @functools.wraps(main)
+    def run(argv: Optional[List[str]] = None) -> int:
+        try:
+            return main(sys.argv[1:] if argv is None else list(argv))
+        except ExitError as e:
+            print(f"{e.prefix}{e}", file=sys.stderr)
+            return e.exit_code
+    return run

@@ -18,7 +18,6 @@ Masks are index tensors of a fixed length per sample (incident 6): every sample 
 `n_target = round(mask_ratio * N)` target tokens and `N - n_target` context tokens, disjoint and covering
 all N tokens, so batches have static shapes and no token is thrown away.
 """
-import argparse
 import csv
 import glob
 import hashlib
@@ -44,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from pydicom.errors import InvalidDicomError
 
-from config import Config, ConfigError, load_config
+from config import Config, ConfigError, ExitError, ScriptParser, load_config, script_main
 
 # ----------------------------------------------------------------------------------------------------------
 # Patch masks
@@ -334,6 +333,33 @@ def gcs_filesystem():
         else:
             _GCS[key] = gcsfs.GCSFileSystem()
     return _GCS[key]
+
+
+def exists(path: str) -> bool:
+    """Whether a local path or a gs:// object exists."""
+    return gcs_filesystem().exists(path) if path.startswith("gs://") else os.path.exists(path)
+
+
+def write_atomic(path: str, payload) -> None:
+    """Write bytes (or a buffer) to a local file or a gs:// object so that readers see the old state or the whole new
+    file, never a part. gs://: one upload (an object appears only once complete). Local: into a tmp name unique to
+    this host, process and call (a shared NFS folder), fsynced, then renamed; a failed write (a full disk) removes
+    the tmp file and raises."""
+    if path.startswith("gs://"):
+        gcs_filesystem().pipe_file(path, bytes(payload))
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
 
 def read_bytes(path: str) -> bytes:
@@ -973,11 +999,7 @@ def scan_files(files: Sequence[str], sop_classes: str = "oct", progress: bool = 
 def write_index(records: Sequence[dict], path: str, built_from: Optional[dict] = None) -> None:
     """JSON lines, one record each after a first line saying what the index was built from, written so that
     readers never see a partial index."""
-    payload = "".join(json.dumps(r) + "\n" for r in [{"built_from": built_from}, *records]).encode()
-    if path.startswith("gs://"):
-        gcs_filesystem().pipe_file(path, payload)
-        return
-    _write_atomic(path, lambda f: f.write(payload))
+    write_atomic(path, "".join(json.dumps(r) + "\n" for r in [{"built_from": built_from}, *records]).encode())
 
 
 def _read_index_file(path: str) -> Tuple[Optional[dict], List[dict]]:
@@ -1192,29 +1214,13 @@ def cache_path(cfg: Config, paths: Sequence[str], sources: Optional[Sequence[str
     return os.path.join(cfg.cache_dir, f"{digest}.npy")
 
 
-def _write_atomic(path: str, write) -> None:
-    """Write a local file with write(f) so that readers see no file or the whole file: into a tmp name unique to
-    this host, process and call (a shared NFS cache), fsynced, then renamed. A failed write (a full disk) removes
-    the tmp file and raises."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
 def _cache(path: str, prepared: np.ndarray) -> None:
     """Store a prepared volume; when that fails (full disk, read-only folder) the volume is used uncached and
     the first failure of this process is reported."""
     try:
-        _write_atomic(path, lambda f: np.save(f, prepared))
+        buffer = io.BytesIO()
+        np.save(buffer, prepared)
+        write_atomic(path, buffer.getbuffer())
     except OSError as e:
         if not _CACHE_FAILED:
             _CACHE_FAILED.append(path)
@@ -1252,8 +1258,10 @@ ORDER_EPOCH = 2 ** 32 - 2  # the permutation of epoch e: sample_rng(seed, ORDER_
 MAX_TRIES = 8  # files tried for one sample before the loader gives up
 
 
-class NoUsableData(Exception):
-    """Nothing (or too little) to train on; the message holds the per-reason table. train.py exits 3."""
+class NoUsableData(ExitError):
+    """Nothing (or too little) to train on; the message holds the per-reason table."""
+    exit_code = 3
+    prefix = "no usable data:\n"
 
 
 class OCTDataset(torch.utils.data.Dataset):
@@ -1363,10 +1371,6 @@ def ensure_phantoms(cfg: Config) -> str:
     return cfg.phantom_dir
 
 
-def _exists(path: str) -> bool:
-    return gcs_filesystem().exists(path) if path.startswith("gs://") else os.path.exists(path)
-
-
 def index_records(cfg: Config) -> List[dict]:
     """The index of cfg's data. With cfg.index_path: the index there is reused when it was built from the same
     data_root, manifest, sop_classes and listing; else only what is new, changed or failed in passing (read errors)
@@ -1374,13 +1378,13 @@ def index_records(cfg: Config) -> List[dict]:
     set (or, when index_path exists, that index as it is)."""
     root = cfg.data_root
     if root is None and cfg.manifest_path is None:
-        if cfg.index_path is not None and _exists(cfg.index_path):
+        if cfg.index_path is not None and exists(cfg.index_path):
             return read_index(cfg.index_path)
         root = ensure_phantoms(cfg)
     identities = list_sources(root, cfg.manifest_path)
     built_from = index_source(root, cfg.manifest_path, cfg.sop_classes, identities)
     old_from, records = (None, [])
-    if cfg.index_path is not None and _exists(cfg.index_path):
+    if cfg.index_path is not None and exists(cfg.index_path):
         old_from, records = _read_index_file(cfg.index_path)
     if old_from == built_from and not any(r["reason"] in TRANSIENT_REASONS for r in records):
         return records
@@ -1471,9 +1475,10 @@ def prepare_cache(cfg: Config, progress: bool = True) -> Tuple[int, List[Tuple[s
     return len(jobs) - len(failed), failed
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="data.py", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+@script_main
+def main(argv: List[str]) -> int:
+    from phantom import add_phantom_options, write_phantoms_of
+    parser = ScriptParser(__doc__, prog="data.py")
     commands = parser.add_subparsers(dest="command", required=True)
     scan = commands.add_parser("scan", help="list usable volumes and rejected files by maker and reason")
     scan.add_argument("src", help="folder, glob or gs:// prefix (manifest paths are relative to it)")
@@ -1481,27 +1486,22 @@ def main(argv: Optional[List[str]] = None) -> int:
     prep = commands.add_parser("prepare", help="decode and resample every volume once into a local cache")
     prep.add_argument("src", help="folder, glob or gs:// prefix")
     prep.add_argument("--cache", required=True, help="cache folder (train with --cache_dir DIR)")
-    commands.add_parser("phantoms", add_help=False, help="write a phantom set: DIR [--n N] [--size D,H,W] [--seed S]")
-    args, rest = parser.parse_known_args(argv)
+    add_phantom_options(commands.add_parser("phantoms", config_flags=False, help="write a phantom set"))
+    args, rest = parser.parse(argv)
     if args.command == "phantoms":
-        from phantom import main as phantom_main
-        return phantom_main(rest)
-    try:
-        cfg = load_config(rest, data_root=args.src)
-        if args.command == "scan":
-            identities = list_sources(cfg.data_root, cfg.manifest_path)
-            records = update_index([], identities, cfg.sop_classes, progress=True)
-            print(format_scan_report(records))
-            if args.out:
-                write_index(records, args.out, index_source(cfg.data_root, cfg.manifest_path, cfg.sop_classes,
-                                                            identities))
-                print(f"index of {len(records)} records written to {args.out}")
-            return 0
-        cfg = replace(cfg, cache_dir=args.cache)
-        done, failed = prepare_cache(cfg)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+        if rest:
+            parser.error(f"phantoms takes no config flags: {' '.join(rest)}")
+        return write_phantoms_of(args)
+    cfg = load_config(rest, data_root=args.src)
+    if args.command == "scan":
+        identities = list_sources(cfg.data_root, cfg.manifest_path)
+        records = update_index([], identities, cfg.sop_classes, progress=True)
+        print(format_scan_report(records))
+        if args.out:
+            write_index(records, args.out, index_source(cfg.data_root, cfg.manifest_path, cfg.sop_classes, identities))
+            print(f"index of {len(records)} records written to {args.out}")
+        return 0
+    done, failed = prepare_cache(replace(cfg, cache_dir=args.cache))
     print(f"{done} volumes prepared in {args.cache}; train with --cache_dir {args.cache} and the same "
           f"image_size/target_spacing/clip_percentiles")
     if failed:

@@ -27,7 +27,6 @@ Spacing tags are scaled to the volume size so that the field of view stays that 
 files a reader must report (incident 11); `write_odd_cases` the shapes real exports take that are not clean
 raster volumes (two stacks, radial scans, broken series, garbled headers...).
 """
-import argparse
 import csv
 import io
 import json
@@ -37,7 +36,7 @@ import sys
 import warnings
 import zlib
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import pydicom
@@ -48,6 +47,8 @@ from pydicom.sequence import Sequence as DicomSequence
 from pydicom.tag import Tag
 from pydicom.uid import (JPEG2000, ExplicitVRBigEndian, ExplicitVRLittleEndian, ImplicitVRLittleEndian,
                          JPEG2000Lossless, JPEGBaseline8Bit, RLELossless, UID, generate_uid)
+
+from config import ConfigError, ScriptParser, script_main
 
 OPT_SOP = "1.2.840.10008.5.1.4.1.1.77.1.5.4"  # Ophthalmic Tomography Image Storage
 PHANTOM_VERSION = 3  # bump when the look or the files change: ensure_phantoms then rewrites old sets
@@ -683,26 +684,35 @@ def write_odd_cases(directory: str, shape: Sequence[int] = (12, 64, 64)) -> Dict
 # CLI
 # ----------------------------------------------------------------------------------------------------------
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_phantom_options(parser: ScriptParser) -> ScriptParser:
+    """The options of `python phantom.py` (and `python data.py phantoms`)."""
     parser.add_argument("dir", nargs="?", default="data/phantoms", help="output folder (default data/phantoms)")
     parser.add_argument("--n", type=int, default=48, help="number of volumes")
     parser.add_argument("--size", default=",".join(map(str, DEFAULT_SIZE)), help="D,H,W voxels (default 32,128,128)")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def write_phantoms_of(args) -> int:
+    """Write the phantom set of parsed add_phantom_options; ConfigError for a bad size or a folder in the way."""
     try:
         shape = [int(s) for s in args.size.split(",")]
     except ValueError:
         shape = []
     if len(shape) != 3 or min(shape) < 8 or args.n < 1:
-        parser.error(f"--size needs three sizes >= 8 like 32,128,128 (got {args.size!r}) and --n >= 1")
+        raise ConfigError(f"--size needs three sizes >= 8 like 32,128,128 (got {args.size!r}) and --n >= 1.")
     try:
         write_phantom_set(args.dir, args.n, shape, args.seed)
     except FileExistsError as e:
-        parser.error(str(e))
+        raise ConfigError(str(e)) from None
     print(f"wrote {args.n} phantom volumes of {shape[0]}x{shape[1]}x{shape[2]} to {args.dir} "
           f"(labels in {os.path.join(args.dir, 'labels.csv')})")
     return 0
+
+
+@script_main
+def main(argv: List[str]) -> int:
+    return write_phantoms_of(add_phantom_options(ScriptParser(__doc__, config_flags=False)).parse_args(argv))
 
 
 if __name__ == "__main__":

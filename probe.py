@@ -28,7 +28,6 @@ During pretraining, train.py calls prepare_probe_set(cfg) once and probe_auroc(m
 probe_every_steps updates; at the end of the run compare_with_random (summary_probe) says whether the encoder
 beats a random one on the mean-pool probe.
 """
-import argparse
 import csv
 import dataclasses
 import json
@@ -50,7 +49,7 @@ from sklearn.metrics import balanced_accuracy_score, roc_auc_score
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
-from config import Config, ConfigError, load_config, parse_flags
+from config import Config, ConfigError, ScriptParser, given_flags, load_config, script_main
 from model import VJEPA3D
 from runtime import list_checkpoints, read_checkpoint
 
@@ -335,8 +334,9 @@ def probe_device(cfg: Config) -> torch.device:
     return torch.device("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu")
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+@script_main
+def main(argv: List[str]) -> int:
+    parser = ScriptParser(__doc__, prog="probe.py")
     parser.add_argument("--ckpt", required=True, help="checkpoint path (local or gs://) or 'random'")
     parser.add_argument("--labels", default=None, help="CSV path,label (default: the built-in labelled phantoms)")
     parser.add_argument("--data_root", default=None, help="a folder holding labels.csv (instead of --labels)")
@@ -347,32 +347,28 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="also probe a random init of the checkpoint's architecture, the same way, and compare")
     parser.add_argument("--plot", default=None, help="PNG of the run's probe AUROC against pretraining updates "
                                                      "(probe_every_steps), with the random-init level (--vs_random)")
-    args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    args, rest = parser.parse(argv)
     if args.seeds < 2:
         parser.error("--seeds needs at least 2 for an interval")
     if args.vs_random and args.ckpt == "random":
         parser.error("--vs_random compares a checkpoint with a random init; give --ckpt PATH")
     ckpt = args.ckpt
-    try:
-        if os.path.isdir(ckpt):  # a run's checkpoints folder: its last step checkpoint
-            ckpt = (list_checkpoints(ckpt) or [os.path.join(ckpt, "step_*.pt")])[0]
-        if args.ckpt != "random":
-            other = sorted(set(parse_flags(rest)) - set(CKPT_FIELDS))
-            if other:
-                raise ConfigError(f"{', '.join('--' + o for o in other)}: the checkpoint brings its own model and "
-                                  f"preprocessing; with --ckpt PATH only --{', --'.join(CKPT_FIELDS)} apply.")
-        cli_cfg = load_config(rest)
-        device = probe_device(cli_cfg)
-        model, cfg = load_model(ckpt, cli_cfg)
-        cfg = dataclasses.replace(cfg, **{k: getattr(cli_cfg, k) for k in CKPT_FIELDS})
-        if args.labels and args.data_root:
-            raise ConfigError("labels: give --labels or --data_root (a folder holding labels.csv), not both.")
-        labels_csv = args.labels or (os.path.join(args.data_root, "labels.csv") if args.data_root else None)
-        labels_csv = labels_csv or phantom_labels(cfg)
-        volumes, labels, names, skipped = load_labelled_volumes(cfg, labels_csv)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+    if os.path.isdir(ckpt):  # a run's checkpoints folder: its last step checkpoint
+        ckpt = (list_checkpoints(ckpt) or [os.path.join(ckpt, "step_*.pt")])[0]
+    if args.ckpt != "random":
+        other = sorted(given_flags(rest) - set(CKPT_FIELDS))
+        if other:
+            raise ConfigError(f"{', '.join('--' + o for o in other)}: the checkpoint brings its own model and "
+                              f"preprocessing; with --ckpt PATH only --{', --'.join(CKPT_FIELDS)} apply.")
+    cli_cfg = load_config(rest)
+    device = probe_device(cli_cfg)
+    model, cfg = load_model(ckpt, cli_cfg)
+    cfg = dataclasses.replace(cfg, **{k: getattr(cli_cfg, k) for k in CKPT_FIELDS})
+    if args.labels and args.data_root:
+        raise ConfigError("labels: give --labels or --data_root (a folder holding labels.csv), not both.")
+    labels_csv = args.labels or (os.path.join(args.data_root, "labels.csv") if args.data_root else None)
+    labels_csv = labels_csv or phantom_labels(cfg)
+    volumes, labels, names, skipped = load_labelled_volumes(cfg, labels_csv)
     if skipped:
         print(f"skipped unusable files: {skipped}", file=sys.stderr)
     arms = {"pretrained": model} if args.vs_random else {"encoder": model}
@@ -420,14 +416,13 @@ def format_report(report: dict, volumes: int) -> str:
 def save_probe_plot(metrics_path: str, report: dict, path: str) -> None:
     """PNG of the in-training probe AUROC (metrics.jsonl 'probe' lines) against pretraining updates, with the
     random-init level of the report's mean-pool probe (mean and 95% interval) drawn in."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
     probes = []
     if os.path.exists(metrics_path):
         with open(metrics_path) as f:
             probes = [r for r in map(json.loads, f) if r["split"] == "probe"]
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
     if probes:
         ax.plot([r["step"] for r in probes], [r["probe_auroc"] for r in probes], "o-", label="pretrained (mean-pool)")
     random = report.get("random", {}).get("mean_pool", {}).get("auroc")
@@ -440,7 +435,6 @@ def save_probe_plot(metrics_path: str, report: dict, path: str) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=80)
-    plt.close(fig)
 
 if __name__ == "__main__":
     sys.exit(main())

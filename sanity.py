@@ -1,5 +1,5 @@
-"""A one-minute CPU check before a long run: every failure of DESIGN.md's incident list that can be caught
-without the real data or hardware.
+"""A one-minute CPU check before a long run: every failure of docs/incidents.md that can be caught without the
+real data or hardware.
 
     python sanity.py [--config FILE] [flags]           # table of checks, exit 0 only if all pass
     python sanity.py --checks grad_norm,checkpoint     # only some checks (names as in the table)
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 import train
-from config import Config, ConfigError, load_config, plan_run
+from config import Config, ConfigError, ScriptParser, load_config, plan_run, script_main
 from model import JEPAOutput, VJEPA3D
 
 EXIT_OK, EXIT_FAILED = 0, 1
@@ -447,10 +447,9 @@ def lr_sweep(cfg: Config, lrs: List[float], png_path: str) -> dict:
 
 def save_sweep_plot(curves: dict, path: str) -> None:
     """PNG of the loss curve of each LR."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4))
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
     for lr, losses in curves.items():
         ax.plot(losses, label=f"lr {lr:g}")
     ax.set_yscale("log")
@@ -459,7 +458,6 @@ def save_sweep_plot(curves: dict, path: str) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=80)
-    plt.close(fig)
 
 
 def format_sweep(result: dict) -> str:
@@ -482,42 +480,46 @@ def format_sweep(result: dict) -> str:
 # Command line
 # ----------------------------------------------------------------------------------------------------------
 
-def split_flags(argv: List[str]):
+def parse_checks(value: str) -> List[str]:
+    """The check names of `--checks a,b`."""
+    names = [v.strip() for v in value.strip("[] ").split(",") if v.strip()]
+    unknown = [n for n in names if n not in CHECKS]
+    if unknown or not names:
+        raise ConfigError(f"checks: {', '.join(unknown) or 'no name given'}; choose from {', '.join(CHECKS)}.")
+    return names
+
+
+def parse_sweep(value: str) -> List[float]:
+    """The LRs of `--lr_sweep 1e-5,1e-4` (DEFAULT_SWEEP for a bare --lr_sweep)."""
+    try:
+        sweep = [float(v) for v in value.strip("[] ").split(",") if v.strip()] or DEFAULT_SWEEP
+    except ValueError:
+        raise ConfigError(f"lr_sweep: takes LRs like 1e-5,1e-4,1e-3, got {value!r}.") from None
+    if not all(lr > 0 and math.isfinite(lr) for lr in sweep):
+        raise ConfigError(f"lr_sweep: every LR must be positive, got {sweep}.")
+    return sweep
+
+
+def parse_command_line(argv: List[str]):
     """(check names or None, sweep LRs or None, the config flags) of sanity's command line."""
-    names, sweep, rest, i = None, None, [], 0
-    while i < len(argv):
-        flag, eq, value = argv[i].partition("=")
-        if flag not in ("--checks", "--lr_sweep"):
-            rest.append(argv[i])
-            i += 1
-            continue
-        if not eq and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
-            value, i = argv[i + 1], i + 1
-        items = [v.strip() for v in value.strip("[] ").split(",") if v.strip()]
-        if flag == "--checks":
-            unknown = [n for n in items if n not in CHECKS]
-            if unknown or not items:
-                raise ConfigError(f"checks: {', '.join(unknown) or 'no name given'}; choose from {', '.join(CHECKS)}.")
-            names = items
-        else:
-            try:
-                sweep = [float(v) for v in items] or DEFAULT_SWEEP
-            except ValueError:
-                raise ConfigError(f"lr_sweep: takes LRs like 1e-5,1e-4,1e-3, got {value!r}.") from None
-            if not all(lr > 0 and math.isfinite(lr) for lr in sweep):
-                raise ConfigError(f"lr_sweep: every LR must be positive, got {sweep}.")
-        i += 1
-    return names, sweep, rest
+    parser = ScriptParser(__doc__, prog="sanity.py")
+    parser.add_argument("--checks", metavar="NAMES", help=f"only these checks, comma-separated: {', '.join(CHECKS)}")
+    parser.add_argument("--lr_sweep", nargs="?", const="", metavar="LRS",
+                        help=f"measure a stable LR instead of checking (default grid {DEFAULT_SWEEP})")
+    args, flags = parser.parse(argv)
+    return (None if args.checks is None else parse_checks(args.checks),
+            None if args.lr_sweep is None else parse_sweep(args.lr_sweep), flags)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+@script_main
+def main(argv: List[str]) -> int:
     """Run the checks (or the LR sweep) of a command line; returns the exit code."""
     threads = torch.get_num_threads()
     # The scaled model's ops are tiny: more threads only wait on each other (10x slower on a busy 2-core machine).
     torch.set_num_threads(1)
     start = time.time()
     try:
-        names, sweep, flags = split_flags(list(sys.argv[1:] if argv is None else argv))
+        names, sweep, flags = parse_command_line(argv)
         cfg = load_config(flags)
         if sweep is not None:
             os.makedirs(cfg.out_dir, exist_ok=True)
@@ -527,9 +529,6 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"loss curves: {png} ({time.time() - start:.0f} s)")
             return EXIT_OK if result["recommended_lr"] else EXIT_FAILED
         rows = run_checks(cfg, names)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return train.EXIT_CONFIG
     finally:
         torch.set_num_threads(threads)
     findings = format_findings(rows)

@@ -1,6 +1,7 @@
 """probe.py: linear probes on frozen target-encoder features, the evidence that pretraining learned something."""
 import json
 import math
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 import probe
-from config import config_to_dict, load_config
+from config import load_config
 from model import VJEPA3D, feature_std
 from train import rankme
 
@@ -163,7 +164,7 @@ def test_a_file_that_is_not_a_checkpoint_exits_2(capsys, tmp_path):
 
 def test_checkpoint_whose_weights_do_not_fit_its_config_exits_2(capsys, tmp_path):
     cfg = load_config(TINY)
-    state = {"model": VJEPA3D.from_config(cfg).state_dict(), "config": {**config_to_dict(cfg), "embed_dim": 48}}
+    state = {"model": VJEPA3D.from_config(cfg).state_dict(), "config": {**asdict(cfg), "embed_dim": 48}}
     torch.save(state, tmp_path / "bad.pt")
     code, err = run_cli(capsys, "--ckpt", str(tmp_path / "bad.pt"))
     assert code == 2 and "does not fit" in err
@@ -192,7 +193,7 @@ def test_labels_with_a_single_class_exit_2(capsys, tmp_path, phantom_dir):
 @pytest.mark.slow
 def test_probe_of_a_checkpoint_reports_intervals_over_seeds(capsys, tmp_path, phantom_dir):
     cfg = load_config(TINY)
-    torch.save({"model": VJEPA3D.from_config(cfg).state_dict(), "config": config_to_dict(cfg)}, tmp_path / "c.pt")
+    torch.save({"model": VJEPA3D.from_config(cfg).state_dict(), "config": asdict(cfg)}, tmp_path / "c.pt")
     code = probe.main(["--ckpt", str(tmp_path / "c.pt"), "--data_root", phantom_dir, "--seeds", "2",
                        "--json", str(tmp_path / "probe.json"), "--device", "cpu"])
     assert code == 0
@@ -210,7 +211,7 @@ def test_vs_random_probes_both_encoders_alike_and_plots_the_run(capsys, tmp_path
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
     torch.manual_seed(cfg.seed)  # the checkpoint IS the random init: it cannot beat itself
-    torch.save({"model": VJEPA3D.from_config(cfg).state_dict(), "config": config_to_dict(cfg)},
+    torch.save({"model": VJEPA3D.from_config(cfg).state_dict(), "config": asdict(cfg)},
                run / "checkpoints" / "step_0000004.pt")
     (run / "metrics.jsonl").write_text("".join(json.dumps({"split": "probe", "step": s, "probe_auroc": a}) + "\n"
                                                for s, a in ((2, 0.5), (4, 0.6))))

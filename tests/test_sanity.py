@@ -1,5 +1,5 @@
 """sanity.py: every check passes on a healthy setup and fails, with its cause and exit code 1, when the thing it
-guards is broken the way DESIGN.md's incidents broke it; the LR sweep tells a stable LR from an exploding one."""
+guards is broken the way the incidents of docs/incidents.md broke it; the LR sweep tells a stable LR from an exploding one."""
 import math
 import shutil
 import subprocess
@@ -215,10 +215,10 @@ def test_lr_sweep_picks_a_stable_lr_and_marks_an_exploding_one_unstable(capsys, 
 
 
 def test_lr_sweep_takes_its_default_grid_without_a_value():
-    names, sweep, flags = sanity.split_flags(["--lr_sweep", "--config", "x.yaml"])
+    names, sweep, flags = sanity.parse_command_line(["--lr_sweep", "--config", "x.yaml"])
     assert names is None and sweep == sanity.DEFAULT_SWEEP and flags == ["--config", "x.yaml"]
-    assert sanity.split_flags(["--lr_sweep=1e-4,3e-4"])[1] == [1e-4, 3e-4]
-    assert math.isclose(sanity.split_flags(["--lr_sweep", "[5e-4]"])[1][0], 5e-4)
+    assert sanity.parse_command_line(["--lr_sweep=1e-4,3e-4"])[1] == [1e-4, 3e-4]
+    assert math.isclose(sanity.parse_command_line(["--lr_sweep", "[5e-4]"])[1][0], 5e-4)
 
 
 @pytest.mark.slow
