@@ -481,8 +481,8 @@ def save_config(cfg: Config, path: str) -> None:
 # Command line: shared by every script
 # ----------------------------------------------------------------------------------------------------------
 
-CONFIG_FLAGS_HELP = ("Every Config field is also a flag: --base_lr 1e-4, --image_size 64,384,384, none for an optional "
-                     "field, --config FILE for a YAML file of fields (see README 'Config reference').")
+CONFIG_FLAGS_HELP = ("Every Config field is also a flag: --base_lr 1e-4, --image_size 64,384,384, none for an\n"
+                     "optional field; --config FILE reads fields from YAML (see README 'Config reference').")
 
 
 class ScriptParser(argparse.ArgumentParser):
