@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 
-from config import Config, ConfigError, load_config, plan_run, save_config
+from config import Config, ConfigError, ScriptParser, load_config, plan_run, save_config, script_main
 
 REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
 
@@ -57,6 +57,14 @@ def test_ckpt_dir_string_none_in_yaml_is_an_error(tmp_path, value):
         load_config(["--config", write_yaml(tmp_path, f"ckpt_dir: {value}\n")])
 
 
+def test_a_scripts_own_defaults_yield_to_yaml_and_flags(tmp_path):
+    ours = {"image_size": [16, 64, 64], "patch_size": [4, 8, 8], "epochs": 3}
+    path = write_yaml(tmp_path, "image_size: [32, 64, 64]\n")
+    cfg = load_config(["--config", path, "--epochs", "5"], defaults=ours)
+    assert cfg.image_size == [32, 64, 64] and cfg.epochs == 5 and cfg.patch_size == [4, 8, 8]
+    assert load_config([], defaults=ours, epochs=7).epochs == 7
+
+
 def test_unknown_flag_suggests_the_closest_name():
     with pytest.raises(ConfigError, match="Did you mean 'base_lr'"):
         load_config(["--base_lrr", "1e-4"])
@@ -65,6 +73,33 @@ def test_unknown_flag_suggests_the_closest_name():
 def test_unknown_yaml_key_suggests_the_closest_name(tmp_path):
     with pytest.raises(ConfigError, match="Did you mean 'warmup_steps'"):
         load_config(["--config", write_yaml(tmp_path, "warmup_step: 10\n")])
+
+
+@script_main
+def seeds_script(argv):
+    """A script with its own --seeds option next to the config flags, as probe.py has."""
+    parser = ScriptParser("Probes over seeds.")
+    parser.add_argument("--seeds", type=int, default=5)
+    args, rest = parser.parse(argv)
+    print(args.seeds, load_config(rest).seed)
+    return 0
+
+
+def test_a_scripts_bad_option_exits_2_like_a_bad_config_flag_naming_the_closest_option(capsys):
+    assert seeds_script(["--seeds", "3", "--seed", "7"]) == 0  # --seed is the config field, not short for --seeds
+    assert capsys.readouterr().out == "3 7\n"
+    assert seeds_script(["--seeds", "many"]) == 2
+    assert capsys.readouterr().err.startswith("config error: argument --seeds: invalid int value: 'many'")
+    assert seeds_script(["--seedss", "3"]) == 2 and "Did you mean 'seeds'?" in capsys.readouterr().err
+    assert seeds_script(["--base_lr", "0"]) == 2 and "config error: base_lr: 0.0 would not train" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["data.py", "phantom.py", "probe.py", "sanity.py", "bench.py"])
+def test_every_script_explains_itself_and_the_config_flags_with_help(script):
+    result = subprocess.run([sys.executable, str(REPO / script), "--help"], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.startswith("usage: ")
+    assert ("Every Config field is also a flag" in result.stdout) == (script != "phantom.py")
 
 
 @pytest.mark.parametrize("argv,field", [
