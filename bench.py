@@ -36,6 +36,7 @@ import pydicom
 import torch
 from pydicom.uid import JPEG2000, ExplicitVRLittleEndian, JPEG2000Lossless, JPEGBaseline8Bit, RLELossless
 
+import runtime
 import train
 from config import ScriptParser, given_flags, load_config, script_main
 from data import OCTDataset, load_prepared, make_loader, mask_generator_from_config
@@ -157,7 +158,7 @@ def bench_data(cfg, quick: bool, workdir: str) -> dict:
     }
 
 
-def synchronize(rt: train.Runtime) -> None:
+def synchronize(rt: runtime.Runtime) -> None:
     """Wait until the device has finished the queued work (timing needs it)."""
     if rt.kind == "cuda":
         torch.cuda.synchronize()
@@ -166,7 +167,7 @@ def synchronize(rt: train.Runtime) -> None:
         torch_xla.sync(wait=True)
 
 
-def matmul_peak_flops(rt: train.Runtime, dtype: torch.dtype, seconds: float) -> float:
+def matmul_peak_flops(rt: runtime.Runtime, dtype: torch.dtype, seconds: float) -> float:
     """FLOP/s of a large square matmul in `dtype` on this device: the reference the model is measured against."""
     n = 4096 if rt.kind != "cpu" else 2048 if dtype == torch.float32 else 1024
     a = torch.randn(n, n, device=rt.device).to(dtype)
@@ -177,7 +178,7 @@ def matmul_peak_flops(rt: train.Runtime, dtype: torch.dtype, seconds: float) -> 
     while time.perf_counter() - start < seconds:
         c = a @ b
         if rt.kind == "xla":
-            train.mark_step(rt)
+            runtime.mark_step(rt)
         done += 1
     synchronize(rt)
     del c
@@ -199,13 +200,13 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def plain_vit_flops(model: VJEPA3D, volume: torch.Tensor, cfg, rt: train.Runtime, warmup: int, repeats: int) -> float:
+def plain_vit_flops(model: VJEPA3D, volume: torch.Tensor, cfg, rt: runtime.Runtime, warmup: int, repeats: int) -> float:
     """FLOP/s of the context encoder alone over all tokens, forward and backward: what a plain ViT of the
     model's width reaches on this device (the ceiling for the JEPA update's extras to be measured against)."""
     def step():
         with torch.autocast(rt.kind, dtype=torch.bfloat16, enabled=cfg.use_bf16):
             model.encoder(volume).float().pow(2).mean().backward()
-        train.mark_step(rt)
+        runtime.mark_step(rt)
 
     for _ in range(warmup):
         step()
@@ -219,119 +220,127 @@ def plain_vit_flops(model: VJEPA3D, volume: torch.Tensor, cfg, rt: train.Runtime
     return flops * repeats / (time.perf_counter() - start)
 
 
-def bench_train(cfg, warmup: int, repeats: int) -> dict:
-    """Step time, samples/s, tokens/s, model FLOP/s and MFU, and peak memory of train.py's training update, eager
-    and (except on XLA, which compiles anyway) with compile_parts(), timed interleaved so that a change in the
-    machine's load hits both alike. Top-level figures are the eager update's; "compiled" holds the same figures
-    for the compiled update and compiled_over_eager the ratios."""
-    rt = train.setup_runtime(cfg)
-    dtype = torch.bfloat16 if cfg.use_bf16 else torch.float32
+def time_updates(cfg, rt: runtime.Runtime, batch: dict, warmup: int, repeats: int) -> dict:
+    """{variant: its model, first update time (compiled: compilation included), peak memory, step and CPU times
+    of `repeats` updates and the last loss} for eager and (except on XLA) compiled training updates, timed
+    interleaved so that a change in the machine's load hits both alike; plus the load averages around the timing."""
     rss_before = peak_rss_bytes()
-    if rt.kind == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    batch = train.to_device(synthetic_batch(cfg, cfg.per_core_batch_size * rt.local_replicas), rt)
-    batch_size = len(batch["path"])
-    variants = ["eager"] if rt.kind == "xla" else ["eager", "compiled"]
-    models, updates, first_update_s, memory = {}, {}, {}, {}
-    for name in variants:
+    variants = {name: {} for name in (["eager"] if rt.kind == "xla" else ["eager", "compiled"])}
+    hp = train.Hyperparameters(cfg.base_lr, cfg.weight_decay, cfg.ema_base)
+    for name, v in variants.items():
         torch.manual_seed(cfg.seed)
         model = VJEPA3D.from_config(cfg).to(rt.device)
         if name == "compiled":
             model.compile_parts()
         optimizer = train.make_optimizer(model, cfg, rt)
-        models[name] = model
 
         def update(model=model, optimizer=optimizer):
-            result = train.train_update(model, model, optimizer, [batch], cfg.base_lr, cfg.weight_decay,
-                                        cfg.ema_base, cfg, rt)
-            train.mark_step(rt)
+            result = train.train_update(model, optimizer, [batch], hp, cfg, rt)
+            runtime.mark_step(rt)
             return result
 
-        updates[name] = update
+        v.update(model=model, update=update, times=[], cpu_times=[])
         if rt.kind == "cuda":
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         update()
         synchronize(rt)
-        first_update_s[name] = time.perf_counter() - start  # compiled: compilation included
+        v["first_update_s"] = time.perf_counter() - start
         for _ in range(warmup - 1):
             update()
         synchronize(rt)
         # CPU: the process's RSS high-water mark, so only the eager update (built first) has its own figure.
-        memory[name] = (torch.cuda.max_memory_allocated() if rt.kind == "cuda"
-                        else peak_rss_bytes() - rss_before if name == "eager" else None)
-
+        v["memory"] = (torch.cuda.max_memory_allocated() if rt.kind == "cuda"
+                       else peak_rss_bytes() - rss_before if name == "eager" else None)
     load_before = os.getloadavg()
-    times = {name: [] for name in variants}
-    cpu_times = {name: [] for name in variants}
-    last = {}
     for _ in range(repeats):
-        for name in variants:
+        for v in variants.values():
             start, cpu_start = time.perf_counter(), time.process_time()
-            last[name] = updates[name]()
+            v["last"] = v["update"]()
             synchronize(rt)
-            times[name].append(time.perf_counter() - start)
-            cpu_times[name].append(time.process_time() - cpu_start)
+            v["times"].append(time.perf_counter() - start)
+            v["cpu_times"].append(time.process_time() - cpu_start)
     load_after = os.getloadavg()
-    loss = {name: float(train.fetch_to_host([last[name].stats], rt)[0][0]) for name in variants}
-    step = {name: float(np.median(times[name])) for name in variants}
+    for v in variants.values():
+        v["loss"] = float(runtime.fetch_to_host([v["last"].stats], rt)[0][0])
+    return {"variants": variants, "load_average_1min": [load_before[0], load_after[0]]}
+
+
+def bench_train(cfg, warmup: int, repeats: int) -> dict:
+    """Step time, samples/s, tokens/s, model FLOP/s and MFU, and peak memory of train.py's training update, eager
+    and (except on XLA, which compiles anyway) with compile_parts(). Top-level figures are the eager update's;
+    "compiled" holds the same figures for the compiled update and compiled_over_eager the ratios."""
+    rt = runtime.setup_runtime(cfg)
+    dtype = torch.bfloat16 if cfg.use_bf16 else torch.float32
+    batch = runtime.to_device(synthetic_batch(cfg, cfg.per_core_batch_size * rt.local_replicas), rt)
+    batch_size = len(batch["path"])
+    timed = time_updates(cfg, rt, batch, warmup, repeats)
+    variants = timed["variants"]
+    step = {name: float(np.median(v["times"])) for name, v in variants.items()}
     flops = training_flops_per_sample(cfg)["total"]
     peak = matmul_peak_flops(rt, dtype, seconds=max(1.0, 3 * step["eager"]) if repeats > 3 else 0.5)
-    plain = plain_vit_flops(models["eager"], batch["volume"], cfg, rt, warmup, repeats)
+    eager = variants["eager"]
+    plain = plain_vit_flops(eager["model"], batch["volume"], cfg, rt, warmup, repeats)
     n_context, n_target = cfg.token_counts()
     tokens = n_context + n_target
-    heads_attention_bytes = tokens ** 2 * cfg.num_heads * (2 if cfg.use_bf16 else 4)
 
     def figures(name: str) -> dict:
-        t = times[name]
+        v, t = variants[name], variants[name]["times"]
         achieved = flops * batch_size / step[name]
         return {"step_time_s_median": step[name], "step_time_s_min": min(t), "step_time_s_max": max(t),
                 "step_time_spread": (max(t) - min(t)) / step[name],
-                "cpu_time_s_median": float(np.median(cpu_times[name])),
-                "first_update_s": first_update_s[name], "samples_per_s": batch_size / step[name],
+                "cpu_time_s_median": float(np.median(v["cpu_times"])),
+                "first_update_s": v["first_update_s"], "samples_per_s": batch_size / step[name],
                 "tokens_per_s": batch_size * tokens / step[name], "achieved_flops": achieved, "mfu": achieved / peak,
-                "share_of_plain_vit_flops": achieved / plain, "peak_memory_bytes": memory[name], "loss": loss[name]}
+                "share_of_plain_vit_flops": achieved / plain, "peak_memory_bytes": v["memory"], "loss": v["loss"]}
 
     out = {"device": rt.kind, "dtype": str(dtype).replace("torch.", ""), "batch_size": batch_size,
-           "parameters": models["eager"].num_trainable_params(), "tokens_per_sample": tokens,
+           "parameters": eager["model"].num_trainable_params(), "tokens_per_sample": tokens,
            "context_tokens": n_context, "target_tokens": n_target, "repeats": repeats, "warmup": warmup,
            "model_flops_per_sample": flops, "matmul_peak_flops": peak, "plain_vit_flops": plain,
            "plain_vit_mfu": plain / peak, **figures("eager"),
-           "peak_memory_bytes_per_sample": memory["eager"] / batch_size,
+           "peak_memory_bytes_per_sample": eager["memory"] / batch_size,
            "memory_measure": "cuda max_memory_allocated" if rt.kind == "cuda" else "peak RSS growth",
            "activation_bytes_per_sample_estimate": activation_bytes_per_sample(cfg),
-           "one_layer_attention_matrix_bytes": heads_attention_bytes, "grad_checkpointing": cfg.grad_checkpointing,
-           "load_average_1min": [load_before[0], load_after[0]]}
-    rows = [("eager", out)]
+           "one_layer_attention_matrix_bytes": tokens ** 2 * cfg.num_heads * (2 if cfg.use_bf16 else 4),
+           "grad_checkpointing": cfg.grad_checkpointing, "load_average_1min": timed["load_average_1min"]}
     if "compiled" in variants:
+        compiled_times, eager_times = variants["compiled"]["times"], eager["times"]
         out["compiled"] = figures("compiled")
-        out["compiled"]["compile_time_s"] = first_update_s["compiled"] - step["compiled"]
-        paired = np.array(times["compiled"]) / np.array(times["eager"])
+        out["compiled"]["compile_time_s"] = variants["compiled"]["first_update_s"] - step["compiled"]
         out["compiled_over_eager"] = {
-            "step_time_median": step["compiled"] / step["eager"], "step_time_paired_median": float(np.median(paired)),
-            "step_time_min": min(times["compiled"]) / min(times["eager"]),
+            "step_time_median": step["compiled"] / step["eager"],
+            "step_time_paired_median": float(np.median(np.array(compiled_times) / np.array(eager_times))),
+            "step_time_min": min(compiled_times) / min(eager_times),
             "cpu_time_median": out["compiled"]["cpu_time_s_median"] / out["cpu_time_s_median"]}
-        rows.append(("compiled", out["compiled"]))
-    print(f"train update on {rt.kind} ({out['dtype']}, batch {batch_size}, {tokens} tokens/sample, "
-          f"{out['parameters']:,} params, {flops / 1e9:.2f} GFLOP/sample), {repeats} interleaved repeats, load "
-          f"average {load_before[0]:.1f} -> {load_after[0]:.1f}:")
-    for name, f in rows:
-        print(f"  {name:<9}{f['step_time_s_median'] * 1e3:9.1f} ms median ({f['step_time_s_min'] * 1e3:.1f}-"
-              f"{f['step_time_s_max'] * 1e3:.1f}), CPU time {f['cpu_time_s_median'] * 1e3:.1f} ms, "
-              f"{f['samples_per_s']:.2f} samples/s, {f['achieved_flops'] / 1e9:.1f} GFLOP/s = "
-              f"{100 * f['mfu']:.1f}% MFU, {100 * f['share_of_plain_vit_flops']:.0f}% of the plain ViT's FLOP/s")
+    print(format_train_report(out), flush=True)
+    return out
+
+
+def format_train_report(out: dict) -> str:
+    """The console report of bench_train's figures."""
+    load_before, load_after = out["load_average_1min"]
+    lines = [f"train update on {out['device']} ({out['dtype']}, batch {out['batch_size']}, {out['tokens_per_sample']} "
+             f"tokens/sample, {out['parameters']:,} params, {out['model_flops_per_sample'] / 1e9:.2f} GFLOP/sample), "
+             f"{out['repeats']} interleaved repeats, load average {load_before:.1f} -> {load_after:.1f}:"]
+    for name, f in [("eager", out)] + ([("compiled", out["compiled"])] if "compiled" in out else []):
+        lines.append(f"  {name:<9}{f['step_time_s_median'] * 1e3:9.1f} ms median ({f['step_time_s_min'] * 1e3:.1f}-"
+                     f"{f['step_time_s_max'] * 1e3:.1f}), CPU time {f['cpu_time_s_median'] * 1e3:.1f} ms, "
+                     f"{f['samples_per_s']:.2f} samples/s, {f['achieved_flops'] / 1e9:.1f} GFLOP/s = "
+                     f"{100 * f['mfu']:.1f}% MFU, {100 * f['share_of_plain_vit_flops']:.0f}% of the plain ViT's FLOP/s")
     if "compiled" in out:
         ratio = out["compiled_over_eager"]
-        print(f"  compiled / eager: {ratio['step_time_median']:.3f}x median time "
-              f"(paired {ratio['step_time_paired_median']:.3f}x, min {ratio['step_time_min']:.3f}x, CPU time "
-              f"{ratio['cpu_time_median']:.3f}x); compile time {out['compiled']['compile_time_s']:.1f} s (first "
-              f"compiled update less a median one)")
-    print(f"reference: {peak / 1e9:.1f} GFLOP/s {out['dtype']} matmul peak; a plain ViT encoder of this width "
-          f"{plain / 1e9:.1f} GFLOP/s = {100 * out['plain_vit_mfu']:.1f}% MFU\n"
-          f"peak memory (eager) {memory['eager'] / 2 ** 30:.2f} GiB ({out['memory_measure']}), "
-          f"{memory['eager'] / batch_size / 2 ** 30:.2f} GiB/sample; one materialised attention matrix would be "
-          f"{heads_attention_bytes / 2 ** 30:.2f} GiB per layer", flush=True)
-    return out
+        lines.append(f"  compiled / eager: {ratio['step_time_median']:.3f}x median time "
+                     f"(paired {ratio['step_time_paired_median']:.3f}x, min {ratio['step_time_min']:.3f}x, CPU time "
+                     f"{ratio['cpu_time_median']:.3f}x); compile time {out['compiled']['compile_time_s']:.1f} s (first "
+                     f"compiled update less a median one)")
+    memory = out["peak_memory_bytes"]
+    lines.append(f"reference: {out['matmul_peak_flops'] / 1e9:.1f} GFLOP/s {out['dtype']} matmul peak; a plain ViT "
+                 f"encoder of this width {out['plain_vit_flops'] / 1e9:.1f} GFLOP/s = {100 * out['plain_vit_mfu']:.1f}% "
+                 f"MFU\npeak memory (eager) {memory / 2 ** 30:.2f} GiB ({out['memory_measure']}), "
+                 f"{out['peak_memory_bytes_per_sample'] / 2 ** 30:.2f} GiB/sample; one materialised attention matrix "
+                 f"would be {out['one_layer_attention_matrix_bytes'] / 2 ** 30:.2f} GiB per layer")
+    return "\n".join(lines)
 
 
 @script_main

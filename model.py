@@ -258,15 +258,15 @@ class VJEPA3D(nn.Module):
         blocks.{i}.{norm1,attn.qkv,attn.proj,norm2,mlp.fc1,mlp.fc2}.{weight,bias}, norm.{weight,bias}."""
         return {k: v.detach().cpu().clone() for k, v in self.target_encoder.state_dict().items()}
 
-    def param_groups(self, weight_decay: float) -> List[dict]:
-        """AdamW groups: decay on weight matrices/kernels; none on biases, norms, positions, mask tokens."""
+    def param_groups(self) -> List[dict]:
+        """AdamW groups of the trained parameters, `apply_wd` marking those weight decay applies to (weight
+        matrices and kernels; not biases, norms, positions, mask tokens). train.optimizer_step applies it."""
         decay, no_decay = [], []
         for name, p in self.named_parameters():
             if not p.requires_grad:
                 continue
             (no_decay if p.ndim < 2 or "mask_token" in name or "pos_embed" in name else decay).append(p)
-        return [{"params": decay, "weight_decay": weight_decay, "apply_wd": True},
-                {"params": no_decay, "weight_decay": 0.0, "apply_wd": False}]
+        return [{"params": decay, "apply_wd": True}, {"params": no_decay, "apply_wd": False}]
 
 
 def jepa_loss(pred: torch.Tensor, target: torch.Tensor, loss_type: str) -> Tuple[torch.Tensor, torch.Tensor]:

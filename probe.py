@@ -65,6 +65,13 @@ LINEAR_C = 0.3  # inverse L2 strength of the linear probe (on standardized featu
 # Metrics
 # ----------------------------------------------------------------------------------------------------------
 
+def rankme(embeddings: torch.Tensor, eps: float = 1e-7) -> float:
+    """RankMe: exp of the entropy of the normalized singular values of [M, E] embeddings (1 = collapsed)."""
+    s = torch.linalg.svdvals(embeddings.float())
+    p = s / (s.sum() + eps) + eps
+    return float(torch.exp(-(p * p.log()).sum()))
+
+
 def classification_scores(probs: np.ndarray, labels: np.ndarray) -> dict:
     """Macro one-vs-rest AUROC (0.5 = chance) and balanced accuracy (1/C = chance) of class probabilities
     probs [M, C] for class ids labels [M] (scikit-learn)."""

@@ -23,6 +23,7 @@ from typing import List, Optional
 import numpy as np
 import torch
 
+import runtime
 import train
 from config import Config, ConfigError, ScriptParser, load_config, plan_run, script_main
 from model import JEPAOutput, VJEPA3D
@@ -68,7 +69,7 @@ class Setup:
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.small = scaled_down(cfg)
-        self.rt = train.Runtime(torch.device("cpu"), "cpu", 1, 0, 1, 1)
+        self.rt = runtime.Runtime(torch.device("cpu"), "cpu", 1, 0, 1, 1)
         self.real_data = cfg.data_root is not None or cfg.manifest_path is not None
 
     @cached_property
@@ -137,8 +138,8 @@ class Setup:
         """`steps` optimizer updates through train.train_update, the code train.py runs."""
         if optimizer is None:
             optimizer = train.make_optimizer(model, self.small, self.rt)
-        return [train.train_update(model, model, optimizer, micro_batches, lr, self.small.weight_decay, ema,
-                                   self.small, self.rt) for _ in range(steps)]
+        hp = train.Hyperparameters(lr, self.small.weight_decay, ema)
+        return [train.train_update(model, optimizer, micro_batches, hp, self.small, self.rt) for _ in range(steps)]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -350,12 +351,12 @@ def check_checkpoint(setup: Setup) -> Check:
     two_updates(model, optimizer)
     state = train.TrainState(step=2)
     with tempfile.TemporaryDirectory() as tmp:
-        path = train.checkpoint_path(tmp, state.step)
-        train.save_checkpoint(path, train.checkpoint_state(model, optimizer, state, setup.small, setup.rt), 1, False)
+        path = runtime.checkpoint_path(tmp, state.step)
+        runtime.save_checkpoint(path, runtime.checkpoint_state(model, optimizer, state, setup.small, setup.rt), 1, False)
         torch.manual_seed(setup.cfg.seed + 1)  # other initial weights: only the checkpoint can make them equal
         model2 = VJEPA3D.from_config(setup.small)
         optimizer2, state2 = train.make_optimizer(model2, setup.small, setup.rt), train.TrainState()
-        train.restore(train.read_checkpoint(path), model2, optimizer2, state2)
+        runtime.restore(runtime.read_checkpoint(path), model2, optimizer2, state2)
     expected, got = two_updates(model, optimizer), two_updates(model2, optimizer2)
     same_updates = all(torch.equal(a.loss, b.loss) and torch.equal(a.grad_norm, b.grad_norm)
                        for a, b in zip(expected, got))
@@ -364,7 +365,7 @@ def check_checkpoint(setup: Setup) -> Check:
     return Check(ok, "losses " + ", ".join(f"{float(a.loss):.6f}/{float(b.loss):.6f}" for a, b in zip(expected, got))
                  + ("" if same_weights else ", weights differ"), "identical after restore",
                  "a resumed run would not continue the same training: the checkpoint must hold the model (target "
-                 "encoder included), the optimizer state and the train state (train.checkpoint_state / restore)")
+                 "encoder included), the optimizer state and the train state (runtime.checkpoint_state / restore)")
 
 
 CHECKS = {  # the names --checks takes; the table shows them in this order

@@ -12,7 +12,8 @@ from torch._dynamo.utils import counters
 from bench import synthetic_batch
 from config import ConfigError, load_config
 from model import VJEPA3D
-from train import Runtime, checkpoint_path, make_optimizer, read_checkpoint, train_update, validate
+from runtime import Runtime, checkpoint_path, read_checkpoint
+from train import Hyperparameters, make_optimizer, train_update, validate
 
 from test_train import REPO, SMOKE, run_cli, smoke_flags, train_lines
 
@@ -30,7 +31,7 @@ def one_update(cfg, batch, compiled: bool):
     if compiled:
         model.compile_parts()
     optimizer = make_optimizer(model, cfg, CPU)
-    return model, optimizer, train_update(model, model, optimizer, [batch], 1e-3, 0.05, 0.99, cfg, CPU)
+    return model, optimizer, train_update(model, optimizer, [batch], Hyperparameters(1e-3, 0.05, 0.99), cfg, CPU)
 
 
 @pytest.mark.slow
@@ -49,8 +50,8 @@ def test_a_compiled_update_gives_the_eager_loss_and_grad_norm_without_graph_brea
     assert graphs > 0
 
     # Steady state, validation (eval, no_grad, a smaller batch) and encode reuse what is compiled or run eagerly.
-    train_update(model, model, optimizer, [synthetic_batch(cfg, cfg.per_core_batch_size, seed=1)], 1e-3, 0.05,
-                 0.99, cfg, CPU)
+    train_update(model, optimizer, [synthetic_batch(cfg, cfg.per_core_batch_size, seed=1)],
+                 Hyperparameters(1e-3, 0.05, 0.99), cfg, CPU)
     val = validate(model, [synthetic_batch(cfg, 1, seed=2)], cfg, CPU)
     model.encode(synthetic_batch(cfg, 3)["volume"])
     assert np.isfinite(val["loss"])

@@ -109,7 +109,7 @@ def test_positions_are_distinct_for_anisotropic_grids():
 
 def test_weight_decay_skips_biases_norms_and_mask_token():
     model = tiny_model()
-    decay, no_decay = model.param_groups(0.05)
+    decay, no_decay = model.param_groups()
     names = {id(p): n for n, p in model.named_parameters()}
     assert all(p.ndim >= 2 for p in decay["params"])
     assert any("mask_token" in names[id(p)] for p in no_decay["params"])
@@ -143,7 +143,7 @@ def test_frozen_target_overfits_one_batch():
     model = tiny_model()
     ctx, tgt = masks(model, 2)
     x = torch.randn(2, 1, *IMAGE)
-    opt = torch.optim.AdamW(model.param_groups(0.0), lr=3e-3)
+    opt = torch.optim.AdamW(model.param_groups(), lr=3e-3)
     first = None
     for _ in range(400):
         out = model(x, ctx, tgt)

@@ -11,7 +11,7 @@ import torch
 import probe
 from config import load_config
 from model import VJEPA3D, feature_std
-from train import rankme
+from probe import rankme
 
 TINY = ["--image_size", "8,32,32", "--patch_size", "4,8,8", "--embed_dim", "24", "--depth", "1", "--num_heads", "2",
         "--pred_embed_dim", "12", "--pred_depth", "1", "--pred_num_heads", "2"]

@@ -15,7 +15,8 @@ import torch
 import train
 from config import load_config, plan_run
 from data import split_by_patient
-from train import Runtime, ema_at, list_checkpoints, lr_at, main, runs_probe, wd_at
+from runtime import Runtime, list_checkpoints, runs_probe
+from train import ema_at, lr_at, main, wd_at
 from test_train import REPO, SMOKE, read_jsonl, read_wandb_offline_history, smoke_flags
 
 

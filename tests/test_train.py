@@ -14,8 +14,8 @@ import torch
 
 import train
 from config import load_config, plan_run
-from train import (Runtime, ema_at, list_checkpoints, lr_at, main, make_optimizer, read_checkpoint,
-                   save_checkpoint, train_update, wd_at)
+from runtime import Runtime, list_checkpoints, read_checkpoint
+from train import Hyperparameters, ema_at, lr_at, main, make_optimizer, train_update, wd_at
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = str(REPO / "configs" / "smoke.yaml")
@@ -112,7 +112,7 @@ def test_grad_accumulation_4x1_gives_the_same_update_as_1x4():
     results = []
     for parts in (1, 4):
         cfg, model, optimizer, batch, rt = tiny_update_setup()
-        update = train_update(model, model, optimizer, split_batch(batch, parts), 1e-3, 0.05, 0.99, cfg, rt)
+        update = train_update(model, optimizer, split_batch(batch, parts), Hyperparameters(1e-3, 0.05, 0.99), cfg, rt)
         results.append((update, torch.cat([p.detach().flatten() for p in model.parameters()])))
     (one, w_one), (four, w_four) = results
     torch.testing.assert_close(one.loss, four.loss, rtol=1e-5, atol=1e-6)
@@ -122,7 +122,7 @@ def test_grad_accumulation_4x1_gives_the_same_update_as_1x4():
 
 def test_grad_norm_is_the_pre_clip_norm_of_the_applied_update():
     cfg, model, optimizer, batch, rt = tiny_update_setup()
-    update = train_update(model, model, optimizer, [batch], 1e-3, 0.05, 0.99, cfg, rt)
+    update = train_update(model, optimizer, [batch], Hyperparameters(1e-3, 0.05, 0.99), cfg, rt)
     # Recompute the same gradients by hand: the logged norm is theirs, before clipping and zero_grad.
     cfg2, model2, _, _, _ = tiny_update_setup()
     model2(batch["volume"], batch["context_idx"], batch["target_idx"]).loss.backward()
@@ -138,7 +138,7 @@ def test_poisoned_batch_is_skipped_and_changes_nothing(poison):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     opt_before = [{k: v.clone() for k, v in s.items()} for s in optimizer.state.values()]
     batch["volume"][1, 0, 2, 3, 4] = poison
-    update = train_update(model, model, optimizer, [batch], 1e-3, 0.05, 0.99, cfg, rt)
+    update = train_update(model, optimizer, [batch], Hyperparameters(1e-3, 0.05, 0.99), cfg, rt)
     assert not update.applied
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
@@ -148,14 +148,15 @@ def test_poisoned_batch_is_skipped_and_changes_nothing(poison):
 
 def test_device_side_guard_keeps_weights_and_adam_state_exactly_when_told_to_skip():
     """The XLA path's NaN guard (no host sync) decides with torch.where; run here on CPU tensors."""
-    from train import guarded_optimizer_step, optimizer_step
+    from runtime import guarded_step
+    from train import optimizer_step
     cfg, model, optimizer, batch, rt = tiny_update_setup()
     trained = [p for group in optimizer.param_groups for p in group["params"]]
     for apply in (True, False):
         model(batch["volume"], batch["context_idx"], batch["target_idx"]).loss.backward()
         before = [p.detach().clone() for p in trained]
         state_before = [{k: v.clone() for k, v in s.items()} for s in optimizer.state.values()]
-        guarded_optimizer_step(optimizer, torch.tensor(apply), 1e-3, 0.05)
+        guarded_step(optimizer, torch.tensor(apply), lambda: optimizer_step(optimizer, 1e-3, 0.05))
         changed = [not torch.equal(p, b) for p, b in zip(trained, before)]
         steps = [float(s["step"]) for s in optimizer.state.values()]
         if apply:
@@ -171,7 +172,7 @@ def test_device_side_guard_keeps_weights_and_adam_state_exactly_when_told_to_ski
     optimizer_step(optimizer2, 1e-3, 0.05)
     cfg, model3, optimizer3, _, _ = tiny_update_setup()
     model3(batch["volume"], batch["context_idx"], batch["target_idx"]).loss.backward()
-    guarded_optimizer_step(optimizer3, torch.tensor(True), 1e-3, 0.05)
+    guarded_step(optimizer3, torch.tensor(True), lambda: optimizer_step(optimizer3, 1e-3, 0.05))
     for a, b in zip(model2.parameters(), model3.parameters()):
         assert torch.equal(a, b)
 
@@ -179,7 +180,8 @@ def test_device_side_guard_keeps_weights_and_adam_state_exactly_when_told_to_ski
 # --- collapse (issue 8) ---
 
 def test_a_collapsed_target_encoder_is_flagged_by_target_std_and_rankme(tmp_path):
-    from train import RunLog, rankme
+    from probe import rankme
+    from runlog import RunLog
     cfg, model, _, batch, _ = tiny_update_setup()
     with torch.no_grad():  # constant features: the target encoder's last norm outputs zeros
         model.target_encoder.norm.weight.zero_()
@@ -194,7 +196,7 @@ def test_a_collapsed_target_encoder_is_flagged_by_target_std_and_rankme(tmp_path
 
 
 def test_collapse_warning_when_target_std_halves_within_the_window_once_until_it_recovers(tmp_path, capsys):
-    from train import RunLog
+    from runlog import RunLog
     cfg = load_config(["--config", SMOKE, "--collapse_window_steps", "100"])
     log = RunLog(str(tmp_path), cfg, active=True)
     for step, std in ((10, 0.50), (20, 0.40), (30, 0.20), (40, 0.18), (200, 0.18)):
@@ -205,7 +207,7 @@ def test_collapse_warning_when_target_std_halves_within_the_window_once_until_it
 
 
 def test_collapse_warning_when_the_probe_loses_half_its_gain_over_chance(tmp_path):
-    from train import RunLog
+    from runlog import RunLog
     cfg = load_config(["--config", SMOKE])
     log = RunLog(str(tmp_path), cfg, active=True)
     for step, auroc in ((250, 0.77), (500, 0.78), (750, 0.82), (1000, 0.81), (1250, 0.80)):  # healthy: no warning
@@ -299,7 +301,7 @@ def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, smo
     good = list_checkpoints(str(ckpt_dir))[0]
     # A writer killed mid-file (a large payload makes sure the kill lands during the write).
     writer = subprocess.Popen([sys.executable, "-c", (
-        "import sys, torch; sys.path.insert(0, sys.argv[1]); from train import save_checkpoint; "
+        "import sys, torch; sys.path.insert(0, sys.argv[1]); from runtime import save_checkpoint; "
         "save_checkpoint(sys.argv[2], {'big': torch.zeros(400_000_000, dtype=torch.uint8)}, 2, False)"),
         str(REPO), str(ckpt_dir / "step_0000009.pt")])
     while not any(p.name.startswith("step_0000009.pt.tmp") for p in ckpt_dir.iterdir()):

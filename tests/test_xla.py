@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from test_train import read_jsonl, smoke_flags, train_lines
-from train import list_checkpoints
+from runtime import list_checkpoints
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.xla, pytest.mark.slow]

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import runtime  # noqa: E402
 import train  # noqa: E402
 
 poisoned_update = int(sys.argv[1])
@@ -24,7 +25,7 @@ def poisoning_to_device(batch, rt):
     makes the poisoned one compile differently) and poisons one batch."""
     update = len(calls)
     calls.append(update)
-    weights[update] = train.fetch_to_host(list(train_model[0].parameters()), rt)
+    weights[update] = runtime.fetch_to_host(list(train_model[0].parameters()), rt)
     if update == poisoned_update:
         batch = dict(batch, volume=batch["volume"].clone())
         batch["volume"][0, 0, 0, 0, 0] = float("nan")

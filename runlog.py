@@ -1,0 +1,290 @@
+"""What a run writes besides checkpoints: metrics.jsonl, events.jsonl, console lines, W&B, the collapse
+warnings, the end-of-run summary and the pictures (schedules.png and mask.png of the dry run, training.png).
+Only the master process writes (incident 10: one run, not one per worker)."""
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+from matplotlib.figure import Figure
+from tqdm import tqdm
+
+from config import Config, RunPlan
+from data import describe_masks, mask_generator_from_config, mask_stats
+from model import activation_bytes_per_sample, training_flops_per_sample
+from runtime import write_bytes_atomic
+
+
+class RunLog:
+    """metrics.jsonl, events.jsonl, console and W&B; everything is a no-op off the master process."""
+
+    def __init__(self, run_dir: str, cfg: Config, active: bool):
+        self.active = active
+        self.run_dir = run_dir
+        self.cfg = cfg
+        self.wandb_run = None
+        self.history: List[dict] = []
+        self.collapsing: set = set()  # (split, metric) pairs warned about and not recovered since
+        if active:
+            os.makedirs(run_dir, exist_ok=True)
+            self.wandb_run = start_wandb(cfg, run_dir)
+
+    def metrics(self, record: dict) -> None:
+        """Append one metrics line (and send it to W&B)."""
+        if not self.active:
+            return
+        record = {k: json_number(v) for k, v in record.items()}
+        self.history.append(record)
+        _append_jsonl(os.path.join(self.run_dir, "metrics.jsonl"), record)
+        if self.wandb_run is not None:  # no step=: W&B drops a log whose step goes back, as after a rollback
+            self.wandb_run.log({"update": record["step"], **{f"{record['split']}/{k}": v for k, v in record.items()
+                                                             if k not in ("split", "step") and v is not None}})
+        warnings = collapse_warnings(self.history, self.cfg)
+        for w in warnings:
+            if (w["split"], w["metric"]) not in self.collapsing:
+                self.event("collapse_warning", record["step"], **w)
+                self.print(f"WARNING step {record['step']}: {w['split']} {w['metric']} {w['reason']}: the "
+                           f"representations may be collapsing (check the EMA schedule, the LR, the masks)")
+        self.collapsing = {(w["split"], w["metric"]) for w in warnings}
+
+    def drop_metrics_after(self, step: int) -> None:
+        """Drop the metrics lines after update `step`: a resume or a rollback logs those updates again."""
+        path = os.path.join(self.run_dir, "metrics.jsonl")
+        if not self.active or not os.path.exists(path):
+            return
+        with open(path) as f:
+            lines = f.readlines()
+        keep = [line for line in lines if json.loads(line)["step"] <= step]
+        if len(keep) < len(lines):
+            write_bytes_atomic(path, "".join(keep).encode())
+            self.event("metrics_truncated", step, dropped_lines=len(lines) - len(keep))
+        self.history = [json.loads(line) for line in keep]
+
+    def event(self, kind: str, step: int, **fields) -> None:
+        """Append one line to events.jsonl (skips, rollbacks, unreadable files, resumes...)."""
+        if self.active:
+            _append_jsonl(os.path.join(self.run_dir, "events.jsonl"),
+                          {"event": kind, "step": step, "time": time.time(), **fields})
+
+    def print(self, *args) -> None:
+        """One console line on stdout, written above the progress bar."""
+        if self.active:
+            tqdm.write(" ".join(str(a) for a in args))
+
+    def close(self) -> None:
+        """Finish the W&B run (its files are complete after this)."""
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+
+def format_train_line(record: dict, plan: RunPlan) -> str:
+    """The console line of one train metrics record (a non-finite value reads 'nan', not a crash)."""
+    def fmt(key, spec):
+        return "nan" if record[key] is None else format(record[key], spec)
+    return (f"train step {record['step']:>6d}/{plan.total_steps} | loss {fmt('loss', '.4f')} | lr {record['lr']:.2e} | "
+            f"grad_norm {fmt('grad_norm', '.3f')} | target_std {fmt('target_std', '.3f')} | "
+            f"{record['samples_per_s']:.1f} samples/s")
+
+
+class Throughput:
+    """Updates and data-loading time since the last train metrics line."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a new window (after each train metrics line)."""
+        self.start, self.data_time, self.updates = time.perf_counter(), 0.0, 0
+
+    def rates(self, global_batch_size: int) -> dict:
+        """samples_per_s, step_time_s and data_time_s of the window."""
+        elapsed = time.perf_counter() - self.start
+        return {"samples_per_s": self.updates * global_batch_size / elapsed, "step_time_s": elapsed / self.updates,
+                "data_time_s": self.data_time / self.updates}
+
+
+def collapse_warnings(history: List[dict], cfg: Config) -> List[dict]:
+    """Collapse signs in the newest metrics record: target_std or RankMe under its floor, or under half of its
+    highest value of the last collapse_window_steps updates; the probe AUROC (probe_every_steps) back below half
+    of its best gain over chance (0.5) of that window. A falling loss proves nothing while they fall."""
+    new = history[-1]
+    floors = {"target_std": cfg.collapse_min_target_std, "rankme": cfg.collapse_min_rankme, "probe_auroc": None}
+    found = []
+    for metric, floor in floors.items():
+        value = new.get(metric)
+        if value is None:
+            continue
+        window = [r[metric] for r in history[:-1] if r["split"] == new["split"] and r.get(metric) is not None
+                  and new["step"] - r["step"] <= cfg.collapse_window_steps]
+        chance = 0.5 if metric == "probe_auroc" else 0.0  # a drop is measured by what was gained over this
+        if floor is not None and value < floor:
+            reason = f"is {value:.4g}, under the floor {floor:g}"
+        elif window and value - chance < 0.5 * (max(window) - chance):
+            reason = f"fell from {max(window):.4g} to {value:.4g} within {cfg.collapse_window_steps} updates"
+        else:
+            continue
+        found.append({"split": new["split"], "metric": metric, "value": value, "reason": reason})
+    return found
+
+
+def json_number(v):
+    """A metric as a JSON value: a tensor as its number, a non-finite float as null."""
+    if isinstance(v, torch.Tensor):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None  # JSON has no NaN; null marks a non-finite measurement
+    return v
+
+
+def _append_jsonl(path: str, record: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def start_wandb(cfg: Config, run_dir: str):
+    """A W&B run, or None. auto = online when WANDB_API_KEY is set, else offline; never waits on a network."""
+    mode = cfg.wandb
+    if mode == "auto":
+        mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+    if mode == "disabled":
+        return None
+    import wandb
+    settings = wandb.Settings(init_timeout=30, silent=True)
+    try:
+        run = wandb.init(project=cfg.wandb_project, entity=cfg.wandb_entity, name=os.path.basename(run_dir),
+                         dir=run_dir, mode=mode, config=asdict(cfg), settings=settings)
+    except Exception as e:  # an unreachable server must not stop the run: log offline instead
+        if mode != "online":
+            raise
+        print(f"wandb online failed ({e}); logging offline to {run_dir}/wandb", file=sys.stderr)
+        run = wandb.init(project=cfg.wandb_project, name=os.path.basename(run_dir), dir=run_dir,
+                         mode="offline", config=asdict(cfg), settings=settings)
+    run.define_metric("update")
+    run.define_metric("*", step_metric="update")  # charts use the optimizer update as x-axis
+    return run
+
+
+def describe_run(cfg: Config, plan: RunPlan, model, train_ds, val_ds, rt, schedules: list) -> str:
+    """The dry run's preflight report: sizes, tokens, FLOPs, memory, and the schedules (train.Hyperparameters of
+    every update) at milestones."""
+    n_context, n_target = cfg.token_counts()
+    flops = training_flops_per_sample(cfg)
+    act = activation_bytes_per_sample(cfg)
+    params = model.num_trainable_params()
+    state_bytes = params * 4 * 4 + sum(p.numel() for p in model.target_encoder.parameters()) * 4
+    lines = [
+        f"device            {rt.kind} x {rt.world_size} replica(s), {rt.process_count} process(es)",
+        f"data              {len(train_ds)} train / {len(val_ds)} val volumes",
+        f"batch             global {plan.global_batch_size} = {plan.per_core_batch_size} per replica x "
+        f"{plan.world_size} replicas x {plan.grad_accum_steps} accumulation",
+        f"updates           {plan.total_steps} ({plan.steps_per_epoch}/epoch), warmup {plan.warmup_steps}",
+        f"parameters        {params:,} trainable (encoder + predictor), plus the EMA target encoder",
+        f"tokens/sample     {n_context + n_target} (grid {cfg.grid_size()}): {n_context} context, {n_target} target",
+        f"FLOPs/sample      {flops['total'] / 1e9:.2f} GFLOP per training step "
+        f"(context {flops['context_encoder'] / 1e9:.2f}, predictor {flops['predictor'] / 1e9:.2f}, "
+        f"target {flops['target_encoder'] / 1e9:.2f})",
+        f"activations       ~{act / 2**20:.1f} MiB/sample, ~{act * plan.per_core_batch_size / 2**30:.2f} GiB per "
+        f"replica at batch {plan.per_core_batch_size} (+ {state_bytes / 2**30:.2f} GiB weights, grads, AdamW)",
+    ]
+    lines.append(describe_masks(mask_generator_from_config(cfg)))
+    geometry = getattr(train_ds, "geometry_report", None)
+    if callable(geometry):
+        lines.append(geometry())
+    lines.append("schedule          step      lr         wd       ema")
+    for step in sorted({0, plan.warmup_steps, plan.total_steps // 2, plan.total_steps - 1}):
+        s = schedules[step]
+        lines.append(f"                  {step:<9d} {s.lr:<10.3g} {s.wd:<8.3g} {s.ema:.5f}")
+    return "\n".join(lines)
+
+
+def save_schedule_plot(schedules: Dict[str, List[float]], path: str) -> None:
+    """PNG of each schedule (name -> its value at every update of the run)."""
+    fig = Figure(figsize=(4 * len(schedules), 3))
+    for ax, (name, values) in zip(fig.subplots(1, len(schedules)), schedules.items()):
+        ax.plot(np.arange(len(values)), values)
+        ax.set_title(name)
+        ax.set_xlabel("optimizer update")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
+def save_mask_plot(sample: dict, cfg: Config, path: str) -> None:
+    """PNG of one sample's masks: per mask set, the middle B-scan with its context (blue) and target (red) tokens
+    overlaid and the en-face target map of every B-scan row, titled with the realised block size and the share
+    of target tokens with a context neighbour along each axis (data.mask_stats over 100 masks)."""
+    volume = sample["volume"][0].numpy()  # [D, H, W]
+    gd, gh, gw = cfg.grid_size()
+    pd, ph, pw = cfg.patch_size
+    targets = sample["target_idx"].numpy().reshape(-1, sample["target_idx"].shape[-1])  # [M, Nt]
+    stats = mask_stats(mask_generator_from_config(cfg))
+    frame = volume.shape[0] // 2
+    fig = Figure(figsize=(15, 4 * len(targets)))
+    for row, target_idx in zip(fig.subplots(len(targets), 3, squeeze=False), targets):
+        is_target = np.zeros(gd * gh * gw, bool)
+        is_target[target_idx] = True
+        is_target = is_target.reshape(gd, gh, gw)
+        overlay = np.kron(is_target[frame // pd], np.ones((ph, pw)))  # [H, W]
+        row[0].imshow(volume[frame], cmap="gray")
+        row[0].set_title(f"B-scan {frame} of {sample['path'].split('/')[-1]}")
+        row[1].imshow(volume[frame], cmap="gray")
+        row[1].imshow(np.ma.masked_where(overlay == 0, overlay), cmap="Reds", alpha=0.45, vmin=0, vmax=1)
+        row[1].imshow(np.ma.masked_where(overlay == 1, 1 - overlay), cmap="Blues", alpha=0.25, vmin=0, vmax=1)
+        row[1].set_title(f"target (red) {int(is_target.sum())} / context (blue) {int((~is_target).sum())} tokens")
+        row[2].imshow(is_target.mean(1), cmap="Reds", vmin=0, vmax=1, aspect="auto")  # [gd, gw]: share of depth
+        row[2].set_title("en face: target share of each column (rows = B-scans)")
+        row[2].set_xlabel("lateral token")
+        row[2].set_ylabel("B-scan token")
+        for ax in row[:2]:
+            ax.axis("off")
+    size = "" if stats["block_size_ratio"] is None else f"realised block size {stats['block_size_ratio']:.2f} x nominal; "
+    near = ", ".join(f"axis {a} {s:.0%}" for a, s in enumerate(stats["context_neighbour_share"]))
+    fig.suptitle(f"{cfg.mask_type}: {size}target tokens with a context neighbour: {near}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
+def save_training_plot(history: List[dict], path: str) -> None:
+    """PNG of loss, target_std, grad norm and LR over the run."""
+    train = [r for r in history if r["split"] == "train"]
+    val = [r for r in history if r["split"] == "val"]
+    if not train:
+        return
+    fig = Figure(figsize=(16, 3))
+    for ax, key in zip(fig.subplots(1, 4), ("loss", "target_std", "grad_norm", "lr")):
+        ax.plot([r["step"] for r in train], [r[key] for r in train], label="train")
+        if key in ("loss", "target_std") and val:
+            ax.plot([r["step"] for r in val], [r[key] for r in val], "o-", label="val")
+            ax.legend()
+        ax.set_title(key)
+        ax.set_xlabel("optimizer update")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
+def summary(history: List[dict], run_dir: str, cfg: Config, state, versus_random: Optional[dict] = None) -> str:
+    """The one-screen end-of-run summary (`state`: train.TrainState); versus_random: probe.compare_with_random's verdict, if measured."""
+    train = [r for r in history if r["split"] == "train"]
+    val = [r for r in history if r["split"] == "val"]
+    lines = ["", "=" * 72, f"done: {state.step} updates, {state.nonfinite_skipped} non-finite skipped, "
+                           f"{state.rollbacks} rollbacks"]
+    if train:
+        lines.append(f"train loss        {train[0]['loss']:.4f} (update {train[0]['step']}) -> {train[-1]['loss']:.4f} "
+                     f"(update {train[-1]['step']})")
+        lines.append(f"target_std        {train[0]['target_std']:.4f} -> {train[-1]['target_std']:.4f}")
+    if val:
+        lines.append(f"val loss          {val[0]['loss']:.4f} -> {val[-1]['loss']:.4f}, rankme {val[-1]['rankme']:.1f}")
+    if versus_random:
+        p, r = versus_random["pretrained"], versus_random["random"]
+        verdict = ("BEATS a random init" if versus_random["beats_random"] else
+                   "does NOT beat a random init (overlapping or lower 95% intervals): pretrain longer or on more data")
+        lines.append(f"probe             mean-pool AUROC {p['mean']:.3f} [{p['low']:.3f}, {p['high']:.3f}] vs random "
+                     f"init {r['mean']:.3f} [{r['low']:.3f}, {r['high']:.3f}] ({len(p['values'])} splits): the "
+                     f"encoder {verdict}")
+    lines += [f"metrics           {run_dir}/metrics.jsonl (events: events.jsonl, plot: training.png)",
+              f"checkpoints       {cfg.ckpt_dir if cfg.ckpt_dir else 'off (ckpt_dir null)'}", "=" * 72]
+    return "\n".join(lines)

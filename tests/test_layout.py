@@ -1,0 +1,56 @@
+"""The code stays readable the way a researcher reads it: flat modules without import cycles, the loop and
+every function on one screen (issue 15)."""
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MODULES = {p.stem: p for p in REPO.glob("*.py")}
+SCREEN = 80  # lines
+CHECKLISTS = {"config.py:validate", "phantom.py:write_odd_cases"}  # flat lists of independent rules or cases
+
+
+def imported_modules(path: Path) -> set:
+    """The project modules a file imports, anywhere in it (function-level imports included)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return (names & set(MODULES)) - {path.stem}
+
+
+def functions(path: Path):
+    """(name, first line, length in lines) of every function and method in a file."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield node.name, node.lineno, node.end_lineno - node.lineno + 1
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    edges = {name: imported_modules(path) for name, path in MODULES.items()}
+    cycles = []
+    for start in edges:
+        stack = [(start, [start])]
+        while stack:
+            module, path = stack.pop()
+            for nxt in edges[module]:
+                if nxt == start:
+                    cycles.append(" -> ".join(path + [start]))
+                elif nxt not in path:
+                    stack.append((nxt, path + [nxt]))
+    assert not cycles, cycles
+
+
+def test_every_function_outside_the_flat_checklists_fits_on_one_screen():
+    long = [f"{path.name}:{name} (line {line}, {length} lines)" for path in MODULES.values()
+            for name, line, length in functions(path)
+            if length > SCREEN and f"{path.name}:{name}" not in CHECKLISTS]
+    assert not long, long
+
+
+def test_the_training_loop_reads_in_one_file_of_a_few_hundred_lines():
+    train = MODULES["train"].read_text()
+    assert len(train.splitlines()) < 650
+    (loop,) = [n for n in ast.walk(ast.parse(train)) if isinstance(n, ast.While)]  # train(): one update per iteration
+    assert loop.end_lineno - loop.lineno < 100
