@@ -15,9 +15,8 @@ from matplotlib.figure import Figure
 from tqdm import tqdm
 
 from config import Config, RunPlan
-from data import describe_masks, mask_generator_from_config, mask_stats
+from data import describe_masks, mask_generator_from_config, mask_stats, write_atomic
 from model import activation_bytes_per_sample, training_flops_per_sample
-from runtime import write_bytes_atomic
 
 
 class RunLog:
@@ -61,7 +60,7 @@ class RunLog:
             lines = f.readlines()
         keep = [line for line in lines if json.loads(line)["step"] <= step]
         if len(keep) < len(lines):
-            write_bytes_atomic(path, "".join(keep).encode())
+            write_atomic(path, "".join(keep).encode())
             self.event("metrics_truncated", step, dropped_lines=len(lines) - len(keep))
         self.history = [json.loads(line) for line in keep]
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from config import Config, ConfigError, RunPlan, plan_run
-from data import gcs_filesystem, read_bytes
+from data import gcs_filesystem, read_bytes, write_atomic
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -251,32 +251,10 @@ def guarded_step(optimizer: torch.optim.Optimizer, apply: torch.Tensor, step: Ca
 # Checkpoints: files, content, the plan a resume continues, the run folder
 # ----------------------------------------------------------------------------------------------------------
 
-def _fs(path: str):
-    """(filesystem, path) for a local path or a gs:// URL."""
-    if path.startswith("gs://"):
-        return gcs_filesystem(), path
-    return None, path
-
-
-def write_bytes_atomic(path: str, payload: bytes) -> None:
-    """Write a file so that readers see either the old state or the complete new file, never a part."""
-    fs, path = _fs(path)
-    if fs is not None:
-        fs.pipe_file(path, payload)  # a GCS object appears only once its upload is complete
-        return
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(payload)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def list_checkpoints(ckpt_dir: str) -> List[str]:
     """Step checkpoints in ckpt_dir, newest first (temp files of interrupted writes are ignored)."""
-    fs, root = _fs(ckpt_dir)
-    pattern = root.rstrip("/") + "/step_*.pt"
-    paths = ["gs://" + p for p in fs.glob(pattern)] if fs is not None else glob.glob(pattern)
+    pattern = ckpt_dir.rstrip("/") + "/step_*.pt"
+    paths = ["gs://" + p for p in gcs_filesystem().glob(pattern)] if pattern.startswith("gs://") else glob.glob(pattern)
     paths = [p for p in paths if re.search(r"step_\d+\.pt$", p)]
     return sorted(paths, key=lambda p: int(re.search(r"step_(\d+)\.pt$", p).group(1)), reverse=True)
 
@@ -316,17 +294,13 @@ def save_checkpoint(path: str, state: dict, keep_last: int, best: bool) -> None:
     """Write the checkpoint atomically (and best.pt beside it), then drop older step files beyond keep_last."""
     buffer = io.BytesIO()
     torch.save(state, buffer)
-    payload = buffer.getvalue()
     ckpt_dir = path.rsplit("/", 1)[0]
-    fs, root = _fs(ckpt_dir)
-    if fs is None:
-        os.makedirs(root, exist_ok=True)
-    write_bytes_atomic(path, payload)
+    write_atomic(path, buffer.getbuffer())
     if best:
-        write_bytes_atomic(f"{ckpt_dir}/best.pt", payload)
+        write_atomic(f"{ckpt_dir}/best.pt", buffer.getbuffer())
     for old in list_checkpoints(ckpt_dir)[keep_last:]:
-        if fs is not None:
-            fs.rm(old)
+        if old.startswith("gs://"):
+            gcs_filesystem().rm(old)
         else:
             os.remove(old)
 

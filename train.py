@@ -23,7 +23,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from config import Config, ConfigError, RunPlan, load_config, plan_run, save_config
+from config import Config, ExitError, RunPlan, ScriptParser, load_config, plan_run, save_config, script_main
 from data import NoUsableData, build_datasets, format_reason_table, make_loader, mask_generator_from_config
 from model import VJEPA3D
 from probe import compare_with_random, prepare_probe_set, probe_auroc, rankme
@@ -35,11 +35,13 @@ from runtime import (Runtime, UnreadStats, check_checkpoints_are_shared, check_r
                      resumed_plan, runs_probe, save_checkpoint, setup_runtime, split_fingerprint, to_device,
                      xla_counters)
 
-EXIT_OK, EXIT_CONFIG, EXIT_NO_DATA, EXIT_DIVERGED = 0, 2, 3, 4
+EXIT_OK = 0  # the others: ConfigError 2, NoUsableData 3, Diverged 4
 
 
-class Diverged(Exception):
-    """Training cannot recover from non-finite updates; the message is the diagnosis (exit 4)."""
+class Diverged(ExitError):
+    """Training cannot recover from non-finite updates; the message is the diagnosis."""
+    exit_code = 4
+    prefix = "training diverged beyond recovery:\n"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -614,22 +616,15 @@ def finish(run: Run) -> None:
     log.close()
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    try:
-        cfg = load_config(argv)
-        rt = setup_runtime(cfg)
-        cfg = master_decides(rt, resolve_run_dir, cfg)  # one run name and checkpoint folder for every process
-        check_checkpoints_are_shared(cfg, rt)
-        return train(cfg, rt)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return EXIT_CONFIG
-    except NoUsableData as e:
-        print(f"no usable data:\n{e}", file=sys.stderr)
-        return EXIT_NO_DATA
-    except Diverged as e:
-        print(f"training diverged beyond recovery:\n{e}", file=sys.stderr)
-        return EXIT_DIVERGED
+@script_main
+def main(argv: List[str]) -> int:
+    """Train with the config of a command line (`--config FILE`, `--field value`); returns the exit code."""
+    _, flags = ScriptParser(__doc__, prog="train.py").parse(argv)
+    cfg = load_config(flags)
+    rt = setup_runtime(cfg)
+    cfg = master_decides(rt, resolve_run_dir, cfg)  # one run name and checkpoint folder for every process
+    check_checkpoints_are_shared(cfg, rt)
+    return train(cfg, rt)
 
 
 if __name__ == "__main__":
