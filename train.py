@@ -8,6 +8,7 @@ update; devices, processes and checkpoint files are in runtime.py, logs and pict
 
 Outputs go to out_dir/run_name/: config.yaml, metrics.jsonl, events.jsonl, checkpoints/, plots.
 Exit codes: 0 done, 2 bad config, 3 no usable data, 4 diverged beyond recovery.
+"incident N" in the comments: the failures of the previous system listed in docs/incidents.md.
 """
 import contextlib
 import math
