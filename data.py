@@ -42,8 +42,10 @@ import pydicom
 import torch
 import torch.nn.functional as F
 from pydicom.errors import InvalidDicomError
+from tqdm import tqdm
 
 from config import Config, ConfigError, ExitError, ScriptParser, load_config, script_main
+from phantom import add_phantom_options, phantom_set_complete, write_phantom_set, write_phantoms_of
 
 # ----------------------------------------------------------------------------------------------------------
 # Patch masks
@@ -968,7 +970,6 @@ def scan_files(files: Sequence[str], sop_classes: str = "oct", progress: bool = 
         except UnusableFile as e:
             return identity, e
 
-    from tqdm import tqdm
     with ThreadPoolExecutor(threads) as pool:  # fetching (gs://) and file reads overlap
         results = list(tqdm(pool.map(inspect, files), total=len(files), unit="file", desc="scan",
                             disable=None if progress else True))  # None: a bar on a terminal only
@@ -1361,7 +1362,6 @@ def make_loader(dataset: OCTDataset, batch_size: int, train: bool, workers: int,
 
 def ensure_phantoms(cfg: Config) -> str:
     """cfg.phantom_dir holding the built-in phantom set of cfg.phantom_count volumes, written once."""
-    from phantom import phantom_set_complete, write_phantom_set
     if not phantom_set_complete(cfg.phantom_dir, cfg.phantom_count):
         print(f"writing {cfg.phantom_count} phantom OCT volumes to {cfg.phantom_dir} (once)", file=sys.stderr)
         try:
@@ -1465,7 +1465,6 @@ def _prepare_one(job: Tuple[List[str], List[str], Config]) -> Optional[Tuple[str
 def prepare_cache(cfg: Config, progress: bool = True) -> Tuple[int, List[Tuple[str, str, str]]]:
     """Decode and prepare every usable volume of cfg's data into cfg.cache_dir with cfg.workers processes;
     returns (volumes cached, [(path, reason, detail) of failures])."""
-    from tqdm import tqdm
     usable = [r for r in index_records(cfg) if r["ok"]]
     jobs = [(r["paths"], r.get("sources"), cfg) for r in usable]
     with ProcessPoolExecutor(max(1, cfg.workers)) as pool:
@@ -1477,7 +1476,6 @@ def prepare_cache(cfg: Config, progress: bool = True) -> Tuple[int, List[Tuple[s
 
 @script_main
 def main(argv: List[str]) -> int:
-    from phantom import add_phantom_options, write_phantoms_of
     parser = ScriptParser(__doc__, prog="data.py")
     commands = parser.add_subparsers(dest="command", required=True)
     scan = commands.add_parser("scan", help="list usable volumes and rejected files by maker and reason")
