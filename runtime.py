@@ -5,6 +5,8 @@ resume and restore).
 train.py runs the loop on these; probe.py and bench.py use them without importing the loop. Nothing here knows
 the model or the loss.
 """
+import atexit
+import gc
 import glob
 import hashlib
 import io
@@ -66,9 +68,21 @@ def setup_runtime(cfg: Config) -> Runtime:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if world > 1:
         torch.distributed.init_process_group("nccl" if kind == "cuda" else "gloo")
+        atexit.register(leave_process_group)
     device = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # torchrun: processes on this machine
     return Runtime(device, kind, world, rank, world, 1, multi_host=local_world < world)
+
+
+def leave_process_group() -> None:
+    """Leave the DDP process group while the interpreter is still whole (setup_runtime registers this to run at
+    exit). Gloo's worker threads free a finished collective's tensors, which needs the GIL: left to interpreter
+    teardown, a thread still doing so aborts the process (SIGABRT, "terminate called without an active exception"),
+    and torchrun reports that signal instead of the exit code the run chose. The collection first frees the DDP
+    wrapper, so the process group's last owner is torch's own, which waits for those threads without the GIL."""
+    if torch.distributed.is_initialized():
+        gc.collect()
+        torch.distributed.destroy_process_group()
 
 
 def _xla_configured() -> bool:

@@ -7,9 +7,13 @@ it for the multi-process stories). Faults, comma-separated:
     read_always  every checkpoint read of process 1 fails
     bad_files    process 1 cannot read the Heidelberg-style volumes (a quarter of the phantoms)
     no_data      process 1 cannot read any volume
+    exit_report  each process prints how many gloo worker threads are left when the interpreter starts its
+                 teardown (0 once the process group was left)
 
 usage: torchrun ... tests/ddp_faults.py FAULTS TRAIN_FLAGS...
 """
+import atexit
+import glob
 import os
 import sys
 import time
@@ -22,6 +26,14 @@ import train  # noqa: E402
 
 faults = set(sys.argv[1].split(","))
 rank = int(os.environ["RANK"])
+
+if "exit_report" in faults:
+    def report_gloo_threads():  # registered before train's own exit handlers, so it runs after them
+        names = [open(comm).read().strip() for comm in glob.glob("/proc/self/task/*/comm")]
+        print(f"process {rank}: gloo worker threads at exit: {sum(n.startswith('pt_gloo') for n in names)}",
+              file=sys.stderr, flush=True)
+
+    atexit.register(report_gloo_threads)
 
 if "late_start" in faults and rank == 1:
     time.sleep(1.5)

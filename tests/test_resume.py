@@ -197,9 +197,12 @@ def ddp_flags(tmp_path, phantoms, *flags):
 
 
 @pytest.mark.slow
-def test_ddp_processes_share_one_run_folder_and_roll_back_to_the_same_checkpoint(tmp_path, smoke_phantoms):
-    result = torchrun(tmp_path, "late_start,nan_5_7", *ddp_flags(tmp_path, smoke_phantoms, "--max_steps", "10"))
+def test_ddp_processes_share_a_run_folder_roll_back_together_and_leave_the_group_at_exit(tmp_path, smoke_phantoms):
+    result = torchrun(tmp_path, "late_start,nan_5_7,exit_report", *ddp_flags(tmp_path, smoke_phantoms,
+                                                                             "--max_steps", "10"))
     assert result.returncode == 0, result.stderr[-3000:]
+    # Both left the process group before interpreter teardown, where a gloo thread can abort the process.
+    assert result.stderr.count("gloo worker threads at exit: 0") == 2, result.stderr[-3000:]
     (run_dir,) = (tmp_path / "runs").iterdir()  # no --run_name: process 0 named it for both
     assert [e["step"] for e in events(run_dir, "rollback")] == [4]
     assert [r["step"] for r in metrics(run_dir)] == list(range(1, 11))
