@@ -258,6 +258,14 @@ class VJEPA3D(nn.Module):
         blocks.{i}.{norm1,attn.qkv,attn.proj,norm2,mlp.fc1,mlp.fc2}.{weight,bias}, norm.{weight,bias}."""
         return {k: v.detach().cpu().clone() for k, v in self.target_encoder.state_dict().items()}
 
+    def shard_units(self) -> List[nn.Module]:
+        """The modules that sharding (FSDP) gathers as one unit each, innermost first: every block of the context
+        encoder, predictor and target encoder (only one block's weights are whole at a time), then the target
+        encoder (its patch embedding and norm; as a unit of its own it is resharded after its no-grad forward, so
+        the EMA update meets shards on both sides). The rest (the context encoder's patch embedding and norm, the
+        predictor's embedding, mask token, norm and projection) is gathered with the model itself."""
+        return [*self.encoder.blocks, *self.predictor.blocks, *self.target_encoder.blocks, self.target_encoder]
+
     def param_groups(self) -> List[dict]:
         """AdamW groups of the trained parameters, `apply_wd` marking those weight decay applies to (weight
         matrices and kernels; not biases, norms, positions, mask tokens). train.optimizer_step applies it."""
@@ -329,3 +337,22 @@ def activation_bytes_per_sample(cfg) -> float:
     per_block = 1 if cfg.grad_checkpointing else 9 + 2 * cfg.mlp_ratio  # values per token and width
     values = (n_context * cfg.embed_dim * cfg.depth + (n_context + n_target) * cfg.pred_embed_dim * cfg.pred_depth)
     return values * per_block * bytes_per_value + math.prod(cfg.image_size) * 4
+
+
+def memory_per_device(cfg, model: VJEPA3D, fsdp: int, batch: int) -> dict:
+    """Estimated bytes per device during an update with the weights sharded over `fsdp` devices (1: not sharded),
+    at `batch` volumes per device: fp32 weights, gradients and AdamW moments of the trained parts, the EMA target,
+    what a sharded run holds whole while it computes (the unit of shard_units() in use, the next one being gathered
+    and one unit's gradients, plus the model's other weights and their gradients, whole for the update), and the
+    activations kept for backward (activation_bytes_per_sample)."""
+    trained = model.num_trainable_params()
+    target = sum(p.numel() for p in model.target_encoder.parameters())
+    seen, units = set(), []
+    for unit in model.shard_units():  # innermost first: each unit's own parameters
+        own = [p for p in unit.parameters() if id(p) not in seen]
+        seen |= {id(p) for p in own}
+        units.append(sum(p.numel() for p in own))
+    rest = sum(p.numel() for p in model.parameters() if id(p) not in seen)
+    return {"weights": 4 * trained / fsdp, "gradients": 4 * trained / fsdp, "adamw": 8 * trained / fsdp,
+            "ema_target": 4 * target / fsdp, "gathered": 0 if fsdp == 1 else 4 * (3 * max(units) + 2 * rest),
+            "activations": activation_bytes_per_sample(cfg) * batch}

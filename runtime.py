@@ -1,25 +1,30 @@
-"""Where the training update runs and what survives it: devices, processes, SPMD/DDP setup, host<->device
-transfers, XLA counters, and checkpoints (files on local disk or gs:// through storage.py, their content, resume and
-restore).
+"""Where the training update runs and what survives it: devices, processes, SPMD/DDP setup, sharding (FSDP2 and
+XLA SPMD), host<->device transfers, XLA counters, and checkpoints (files on local disk or gs:// through storage.py,
+their content, resume and restore).
 
 train.py runs the loop on these; probe.py and bench.py use them without importing the loop. Nothing here knows
-the model or the loss.
+the model or the loss (sharding asks the model for its shard_units()).
 """
 import atexit
 import gc
 import hashlib
 import io
 import json
+import math
 import os
 import random
 import re
 import time
 import uuid
+import warnings
 from dataclasses import asdict, dataclass, replace
 from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from config import Config, ConfigError, RunPlan, plan_run
 from storage import glob_paths, read_bytes, remove, write_atomic
@@ -38,8 +43,9 @@ class Runtime:
     process_index: int
     process_count: int
     local_replicas: int  # replicas fed by this process (XLA SPMD: its devices; DDP: 1)
-    mesh: object = None  # XLA SPMD: 1-D device mesh with the axis 'data'
+    mesh: object = None  # XLA SPMD: device mesh ('data', 'fsdp'); FSDP2: torch DeviceMesh of the sharded processes
     multi_host: bool = False  # processes on more than one machine (they share no local disk)
+    fsdp_size: int = 1  # devices one copy of the weights is sharded over (1: every device holds all of it)
 
     @property
     def is_master(self) -> bool:
@@ -48,15 +54,20 @@ class Runtime:
 
     @property
     def ddp(self) -> bool:
-        """Several DDP processes: a torch.distributed process group joins them."""
+        """Several torch.distributed processes (DDP, or FSDP2 when sharded): a process group joins them."""
         return self.kind != "xla" and self.world_size > 1
+
+    @property
+    def sharded(self) -> bool:
+        """Weights, gradients, AdamW state and the EMA target are split over devices (shard: fsdp)."""
+        return self.fsdp_size > 1
 
 
 def setup_runtime(cfg: Config) -> Runtime:
     """Pick the device (device_kind) and join the process group if any."""
     kind = device_kind(cfg)
     if kind == "xla":
-        return _setup_xla()
+        return _setup_xla(cfg)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     if kind == "cuda":
@@ -66,7 +77,8 @@ def setup_runtime(cfg: Config) -> Runtime:
         atexit.register(leave_process_group)
     device = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # torchrun: processes on this machine
-    return Runtime(device, kind, world, rank, world, 1, multi_host=local_world < world)
+    fsdp = sharding_size(cfg, world)
+    return Runtime(device, kind, world, rank, world, 1, fsdp_mesh(kind, world, fsdp), local_world < world, fsdp)
 
 
 def device_kind(cfg: Config, xla: bool = True) -> str:
@@ -101,9 +113,10 @@ def _xla_configured() -> bool:
     return True
 
 
-def _setup_xla() -> Runtime:
-    """SPMD data parallel: this process drives all of its host's devices; one 1-D 'data' mesh spans every device
-    of every host (one CPU device, CPU_NUM_DEVICES CPU devices, a TPU VM or all hosts of a pod)."""
+def _setup_xla(cfg: Config) -> Runtime:
+    """SPMD: this process drives all of its host's devices; one ('data', 'fsdp') mesh spans every device of every
+    host (one CPU device, CPU_NUM_DEVICES CPU devices, a TPU VM or all hosts of a pod). The batch is split over both
+    axes; the weights over 'fsdp' (shard: fsdp, of size fsdp_size) or not at all ('fsdp' of size 1)."""
     try:
         import torch_xla
         import torch_xla.distributed.spmd as xs
@@ -112,9 +125,10 @@ def _setup_xla() -> Runtime:
         raise ConfigError(f"device: xla needs torch_xla ({e}); install requirements-xla.txt or use --device cpu.")
     xr.use_spmd()  # before any XLA tensor exists
     devices = xr.global_runtime_device_count()
-    mesh = xs.Mesh(np.arange(devices), (devices,), ("data",))
+    fsdp = sharding_size(cfg, devices)
+    mesh = xs.Mesh(np.arange(devices), (devices // fsdp, fsdp), ("data", "fsdp"))
     return Runtime(torch_xla.device(), "xla", devices, xr.process_index(), xr.process_count(),
-                   xr.addressable_runtime_device_count(), mesh, multi_host=xr.process_count() > 1)
+                   xr.addressable_runtime_device_count(), mesh, xr.process_count() > 1, fsdp)
 
 
 def reduce_mean(value: torch.Tensor, rt: Runtime) -> torch.Tensor:
@@ -161,8 +175,9 @@ def master_decides(rt: Runtime, fn, *args):
 
 def probes_in_this_process(rt: Runtime) -> bool:
     """Whether this process computes the probe during pretraining: the master; on XLA every host, since an SPMD
-    graph that only one host runs would leave it waiting for the others."""
-    return rt.is_master or rt.kind == "xla"
+    graph that only one host runs would leave it waiting for the others; sharded, every process (each forward
+    gathers the weights from all of them)."""
+    return rt.is_master or rt.kind == "xla" or rt.sharded
 
 
 def check_ranks_agree(value, what: str, rt: Runtime) -> None:
@@ -179,7 +194,7 @@ def check_ranks_agree(value, what: str, rt: Runtime) -> None:
 
 def to_device(batch: dict, rt: Runtime) -> dict:
     """Tensors of a batch on the device. XLA: each host's local batch becomes its part of the global batch,
-    sharded over the 'data' mesh axis on the batch dimension (SPMD data parallel)."""
+    sharded over every device of the mesh on the batch dimension (SPMD data parallel)."""
     if rt.kind != "xla":
         return {k: (v.to(rt.device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
     import torch_xla.core.xla_model as xm
@@ -187,7 +202,7 @@ def to_device(batch: dict, rt: Runtime) -> dict:
     out = dict(batch)
     for key, value in batch.items():
         if isinstance(value, torch.Tensor):
-            spec = xs.ShardingSpec(rt.mesh, ("data",) + (None,) * (value.dim() - 1), minibatch=True)
+            spec = xs.ShardingSpec(rt.mesh, batch_spec(value), minibatch=True)
             (out[key],) = xm.send_cpu_data_to_device([value], rt.device, spec)
     return out
 
@@ -251,6 +266,194 @@ def to_cpu(obj):
     if isinstance(obj, (list, tuple)):
         return type(obj)(to_cpu(v) for v in obj)
     return obj
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Sharding (shard: fsdp): weights, gradients, AdamW state and the EMA target split over the devices of the mesh's
+# 'fsdp' axis; each device still computes on its own part of the batch. CPU/CUDA: FSDP2 (fully_shard; each process
+# holds a DTensor shard of every parameter and gathers one of model.shard_units() at a time). XLA: SPMD annotations
+# (each parameter's largest dimension split over 'fsdp', as torch_xla's FSDPv2 does; the compiler places the
+# gathers). The update, the EMA (local, on matching shards), clipping (torch's norm over all shards), weight decay,
+# the NaN guard and the checkpoint format are the same as unsharded.
+# ----------------------------------------------------------------------------------------------------------
+
+def sharding_size(cfg: Config, world: int) -> int:
+    """Devices one copy of the weights is sharded over: 1 unless shard fsdp; then fsdp_size (None: all `world`
+    devices). ConfigError when it does not divide the world size; a dry run, which shards nothing, may plan for
+    more devices than it has (its report uses cfg.fsdp_size)."""
+    if cfg.shard != "fsdp":
+        return 1
+    fsdp = cfg.fsdp_size or world
+    if world % fsdp:
+        if cfg.dry_run:
+            return 1
+        raise ConfigError(f"fsdp_size: {fsdp} does not divide the {world} devices of this run; use a divisor of "
+                          f"{world} (the devices form a data x fsdp mesh), or none to shard over all of them.")
+    return fsdp
+
+
+def fsdp_mesh(kind: str, world: int, fsdp: int):
+    """FSDP2's device mesh: ('fsdp',) over all processes, or ('data', 'fsdp') holding world / fsdp copies of the
+    weights, each sharded over fsdp processes (gradients are averaged over both axes); None when not sharded."""
+    if fsdp == 1:
+        return None
+    if fsdp == world:
+        return init_device_mesh(kind, (fsdp,), mesh_dim_names=("fsdp",))
+    return init_device_mesh(kind, (world // fsdp, fsdp), mesh_dim_names=("data", "fsdp"))
+
+
+def place_model(model: torch.nn.Module, rt: Runtime) -> torch.nn.Module:
+    """The model (built on the CPU) on this process's device: whole, or sharded without a whole copy of it on any
+    device. FSDP2 moves the parameters of each unit of model.shard_units(), then of the model, and keeps its shard
+    of each; XLA sends every device only its shards (place_xla_shards)."""
+    if not rt.sharded:
+        return model.to(rt.device)
+    if rt.kind == "xla":
+        return place_xla_shards(model, rt)
+    for unit in model.shard_units():
+        fully_shard(unit, mesh=rt.mesh)
+    # JEPAOutput.pred is a view, which FSDP2 warns about in case it is changed in place; nothing changes it.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    return fully_shard(model, mesh=rt.mesh)
+
+
+def place_model_state(saved: dict, model: torch.nn.Module, rt: Runtime) -> dict:
+    """A checkpoint's model state (whole CPU tensors, from any run) laid out as this run holds the model: sharded,
+    each process or device gets only its shards (model.load_state_dict then copies them in place); unsharded, as
+    it is (load_state_dict moves it to the device)."""
+    if not rt.sharded:
+        return saved
+    live = model.state_dict()
+    return {k: place_like(v, live[k], rt) if k in live else v for k, v in saved.items()}
+
+
+def place_optimizer_state(saved: dict, optimizer: torch.optim.Optimizer, rt: Runtime) -> dict:
+    """A checkpoint's AdamW state laid out like this run's parameters (place_model_state for the moments; a step
+    count stays whole)."""
+    if not rt.sharded:
+        return saved
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    ids = [i for group in saved["param_groups"] for i in group["params"]]
+    state = {i: {k: place_like(v, p, rt) if v.shape == p.shape else v for k, v in saved["state"][i].items()}
+             for i, p in zip(ids, params) if i in saved["state"]}
+    return {**saved, "state": state}
+
+
+def place_like(value: torch.Tensor, like: torch.Tensor, rt: Runtime) -> torch.Tensor:
+    """A whole CPU tensor sharded as `like`, the live tensor it will replace: this process's DTensor shard (FSDP2)
+    or an XLA array of which every device receives only its own shard."""
+    if isinstance(like, DTensor):
+        return distribute_tensor(value.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
+    return xla_sharded(value, rt)
+
+
+def state_to_host(obj, rt: Runtime):
+    """A (nested) model or optimizer state as whole CPU tensors, for a checkpoint. FSDP2: each tensor is gathered
+    from its shards in turn (every process takes part) and only the master, which writes, keeps it (elsewhere the
+    tensors are None): no process holds a second whole copy. Otherwise fetch_to_host (XLA: sharded arrays arrive
+    whole, in one batched transfer)."""
+    if rt.kind == "xla" or not rt.sharded:
+        return fetch_to_host(obj, rt)
+    if isinstance(obj, DTensor):
+        whole = obj.full_tensor()
+        return whole.cpu() if rt.is_master else None
+    if isinstance(obj, torch.Tensor):
+        return to_cpu(obj) if rt.is_master else None
+    if isinstance(obj, dict):
+        return {k: state_to_host(v, rt) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(state_to_host(v, rt) for v in obj)
+    return obj
+
+
+def global_value(value: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor (FSDP2's total grad norm) as a plain tensor; any other tensor as it is."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def state_bytes_per_device(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rt: Runtime) -> dict:
+    """Measured bytes of the trained weights, the EMA target and AdamW's moments on the fullest device (over every
+    process and device): what sharding divides by fsdp_size."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    parts = {"weights": trained, "ema_target": [p for p in model.parameters() if not p.requires_grad],
+             "adamw": [v for p in trained for v in optimizer.state[p].values() if v.shape == p.shape]}
+    per_device = {name: sum(np.asarray(device_bytes(t, rt)) for t in tensors) for name, tensors in parts.items()}
+    fullest = int(np.argmax(sum(per_device.values())))
+    local = {name: int(np.asarray(b).reshape(-1)[fullest]) for name, b in per_device.items()}
+    every = gather_objects(local, rt)
+    return max(every, key=lambda b: sum(b.values()))
+
+
+def device_bytes(t: torch.Tensor, rt: Runtime) -> List[int]:
+    """Bytes of `t` on each device of this process: its FSDP2 shard, its XLA shard on each local device, or all
+    of it."""
+    if isinstance(t, DTensor):
+        return [t.to_local().numel() * t.element_size()]
+    if rt.kind == "xla" and rt.sharded:
+        return xla_shard_bytes(t)
+    return [t.numel() * t.element_size()]
+
+
+# --- XLA (torch_xla SPMD): the only torch_xla code of sharding ---
+
+def fsdp_spec(t: torch.Tensor) -> tuple:
+    """XLA partition spec of a sharded weight or AdamW moment: its largest dimension split over 'fsdp'."""
+    spec = [None] * t.dim()
+    if spec:
+        spec[int(np.argmax(t.shape))] = "fsdp"
+    return tuple(spec)
+
+
+def batch_spec(t: torch.Tensor) -> tuple:
+    """XLA partition spec of a batch-first tensor: the batch split over every device (both mesh axes)."""
+    return (("data", "fsdp"),) + (None,) * (t.dim() - 1)
+
+
+def xla_sharded(value: torch.Tensor, rt: Runtime) -> torch.Tensor:
+    """A CPU tensor as an XLA array split as fsdp_spec says; each device receives only its shard."""
+    import torch_xla.core.xla_model as xm
+    import torch_xla.distributed.spmd as xs
+    (out,) = xm.send_cpu_data_to_device([value], rt.device, xs.ShardingSpec(rt.mesh, fsdp_spec(value)))
+    return out
+
+
+def place_xla_shards(model: torch.nn.Module, rt: Runtime) -> torch.nn.Module:
+    """The model on the XLA devices with every parameter sharded (xla_sharded) and each unit of model.shard_units()
+    handing on activations split over the batch, as FSDP does (without it the compiler may choose to split them
+    over the width instead)."""
+    import torch_xla.distributed.spmd as xs
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            setattr(module, name, torch.nn.Parameter(xla_sharded(param.detach(), rt), param.requires_grad))
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            setattr(module, name, buffer.to(rt.device))
+
+    def split_over_batch(unit, args, out) -> None:
+        xs.mark_sharding(out, rt.mesh, batch_spec(out))
+
+    for unit in model.shard_units():
+        unit.register_forward_hook(split_over_batch)
+    return model
+
+
+def shard_optimizer(optimizer: torch.optim.Optimizer, rt: Runtime) -> None:
+    """XLA sharded: AdamW's moments split like their parameters (made with zeros_like, they would be whole on
+    every device, and the first update would compile for that layout). FSDP2's are shards already."""
+    if not (rt.sharded and rt.kind == "xla"):
+        return
+    import torch_xla.distributed.spmd as xs
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for value in optimizer.state[p].values():
+                if value.shape == p.shape:
+                    xs.mark_sharding(value, rt.mesh, fsdp_spec(value))
+
+
+def xla_shard_bytes(t: torch.Tensor) -> List[int]:
+    """Bytes of a sharded XLA array on each local device (from its shards' index ranges: nothing is transferred)."""
+    import torch_xla
+    pieces = torch_xla._XLAC._get_local_shard_replica_and_indices([t])[0]  # [(replica, [slice per dim])]
+    return [math.prod(s.stop - s.start for s in index) * t.element_size() for _, index in pieces]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -332,25 +535,27 @@ def set_rng_state(state: dict) -> None:
 def checkpoint_state(model: torch.nn.Module, optimizer, state, cfg: Config, rt: Runtime) -> dict:
     """Everything a resume needs (`state`: train.TrainState), as CPU tensors and plain types
     (torch.load(weights_only=True) reads it, on a machine with or without torch_xla)."""
-    model_state, optimizer_state = fetch_to_host([model.state_dict(), optimizer.state_dict()], rt)
+    model_state, optimizer_state = state_to_host([model.state_dict(), optimizer.state_dict()], rt)
     for group in optimizer_state["param_groups"]:
         group["lr"] = float(group["lr"])  # a device tensor on XLA
     return {"model": model_state, "optimizer": optimizer_state, "train_state": dict(vars(state)),
             "rng": rng_state(), "config": asdict(cfg), "version": 2}
 
 
-def restore(ckpt: dict, model: torch.nn.Module, optimizer, state) -> None:
+def restore(ckpt: dict, model: torch.nn.Module, optimizer, state, rt: Runtime) -> None:
     """Load weights, optimizer, schedule position, data position and RNG states from a checkpoint (written on any
-    device: make_optimizer's load hook keeps this device's AdamW implementation flags)."""
-    model.load_state_dict(ckpt["model"])
-    optimizer.load_state_dict(ckpt["optimizer"])
+    device, sharded or not: make_optimizer's load hook keeps this device's AdamW implementation flags, and a
+    sharded run takes only its shards)."""
+    model.load_state_dict(place_model_state(ckpt["model"], model, rt))
+    optimizer.load_state_dict(place_optimizer_state(ckpt["optimizer"], optimizer, rt))
     for key, value in ckpt["train_state"].items():
         setattr(state, key, value)
     set_rng_state(ckpt["rng"])
 
 
 # What a resume must find unchanged (incident 2: a changed plan restarts or jumps the schedules).
-PLAN_FIELDS = ("total_steps", "warmup_steps", "steps_per_epoch", "global_batch_size", "world_size")
+# The number of processes is not part of it: each update's global batch is the same set of volumes on any number.
+PLAN_FIELDS = ("total_steps", "warmup_steps", "steps_per_epoch", "global_batch_size")
 SCHEDULE_FIELDS = ("schedule", "base_lr", "min_lr", "weight_decay", "weight_decay_end", "ema_base", "ema_end",
                    "ema_schedule", "seed")
 

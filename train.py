@@ -32,9 +32,10 @@ from probe import compare_with_random, prepare_probe_set, probe_auroc, rankme
 from runlog import (RunLog, Throughput, describe_run, format_train_line, json_number, save_mask_plot,
                     save_schedule_plot, save_training_plot, summary)
 from runtime import (PendingDeviceStats, Runtime, check_checkpoints_are_shared, check_ranks_agree, checkpoint_path,
-                     checkpoint_state, gather_objects, load_resume_checkpoint, mark_step, master_decides, plan_record,
-                     probes_in_this_process, read_checkpoint, reduce_mean, resolve_run_dir, restore, resumed_plan,
-                     save_checkpoint, setup_runtime, split_fingerprint, to_device, xla_counters)
+                     checkpoint_state, gather_objects, global_value, load_resume_checkpoint, mark_step, master_decides,
+                     place_model, plan_record, probes_in_this_process, read_checkpoint, reduce_mean, resolve_run_dir,
+                     restore, resumed_plan, save_checkpoint, setup_runtime, shard_optimizer, split_fingerprint,
+                     state_bytes_per_device, to_device, xla_counters)
 
 EXIT_OK = 0  # the others: ConfigError 2, NoUsableData 3, Diverged 4
 
@@ -196,10 +197,11 @@ def forward_backward(model, micro_batches: list, cfg: Config, rt: Runtime):
 
 
 def clip_and_measure(model: VJEPA3D, cfg: Config) -> torch.Tensor:
-    """Pre-clip total grad norm of this update, measured before the optimizer step and zero_grad (incident 1)."""
+    """Pre-clip total grad norm of this update, measured before the optimizer step and zero_grad (incident 1); of
+    all shards together when the model is sharded."""
     params = [p for p in model.parameters() if p.grad is not None]
     max_norm = cfg.grad_clip if cfg.grad_clip is not None else math.inf
-    return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return global_value(torch.nn.utils.clip_grad_norm_(params, max_norm))
 
 
 @torch.no_grad()
@@ -370,7 +372,7 @@ class Run:
     train_ds: object
     val_ds: object
     model: VJEPA3D
-    optimizer: torch.optim.Optimizer
+    optimizer: Optional[torch.optim.Optimizer]  # None in a dry run
     state: TrainState = field(default_factory=TrainState)
     plan_record: dict = field(default_factory=dict)  # stored in every checkpoint: a resume checks it continues it
     log: Optional[RunLog] = None
@@ -399,13 +401,19 @@ class Run:
 
 
 def prepare_run(cfg: Config, rt: Runtime) -> Run:
-    """The data and its train/val split (the same in every process), the plan, the model and its optimizer."""
+    """The data and its train/val split (the same in every process), the plan, the model (sharded with shard: fsdp)
+    and its optimizer; a dry run gets the model's shapes only (on the meta device) and no optimizer."""
     torch.manual_seed(cfg.seed)
     train_ds, val_ds = build_datasets(cfg)
     check_ranks_agree(split_fingerprint(train_ds, val_ds), "the train/val split (use an index_path)", rt)
     plan = plan_run(cfg, rt.world_size, len(train_ds))
-    model = VJEPA3D.from_config(cfg).to(rt.device)
-    return Run(cfg, rt, plan, train_ds, val_ds, model, make_optimizer(model, cfg, rt))
+    if cfg.dry_run:  # sizes only: no memory for weights (a ViT-g's would fill a laptop)
+        with torch.device("meta"):
+            return Run(cfg, rt, plan, train_ds, val_ds, VJEPA3D.from_config(cfg), None)
+    model = place_model(VJEPA3D.from_config(cfg), rt)  # whole, or sharded (shard: fsdp)
+    optimizer = make_optimizer(model, cfg, rt)
+    shard_optimizer(optimizer, rt)
+    return Run(cfg, rt, plan, train_ds, val_ds, model, optimizer)
 
 
 def resume(run: Run) -> Tuple[Optional[dict], list]:
@@ -418,7 +426,7 @@ def resume(run: Run) -> Tuple[Optional[dict], list]:
         if "plan" in ckpt:
             run.plan = resumed_plan(ckpt["plan"], cfg, run.plan, run.train_ds, run.val_ds,
                                     ckpt["train_state"]["step"], run.last_ckpt)
-        restore(ckpt, run.model, run.optimizer, run.state)
+        restore(ckpt, run.model, run.optimizer, run.state, rt)
         check_ranks_agree(run.state.step, f"the update they resume {run.last_ckpt} at", rt)
     run.plan_record = plan_record(cfg, run.plan, run.train_ds, run.val_ds)
     return ckpt, unreadable
@@ -428,6 +436,8 @@ def open_log(run: Run, ckpt: Optional[dict], unreadable: list) -> RunLog:
     """The run's log (written by the master only), opened with what the start of the run found."""
     cfg, rt, state, plan = run.cfg, run.rt, run.state, run.plan
     log = RunLog(run.run_dir, cfg, active=rt.is_master)
+    device_bytes = state_bytes_per_device(run.model, run.optimizer, rt)  # every process takes part
+    log.event("device_memory", state.step, fsdp_size=rt.fsdp_size, **device_bytes)
     for path, error in unreadable:
         log.event("unreadable_checkpoint", state.step, path=path, reason=error)
     if cfg.resume == "auto" and ckpt is None:
@@ -457,6 +467,10 @@ def open_log(run: Run, ckpt: Optional[dict], unreadable: list) -> RunLog:
                       f"{rt.local_replicas} devices of a process; raise val_fraction or the dataset size")
         log.print(f"run {run.run_dir}: {plan.total_steps} updates of {plan.global_batch_size} volumes on "
                   f"{rt.kind} x {rt.world_size}, {run.model.num_trainable_params():,} parameters")
+        if rt.sharded:
+            mib = {k: f"{v / 2 ** 20:.2f} MiB" for k, v in device_bytes.items()}
+            log.print(f"sharded (fsdp) over {rt.fsdp_size} of {rt.world_size} devices; on the fullest device: weights "
+                      f"{mib['weights']}, EMA target {mib['ema_target']}, AdamW {mib['adamw']}")
     return log
 
 
@@ -468,8 +482,9 @@ def train(cfg: Config, rt: Runtime) -> int:
     ckpt, unreadable = resume(run)
     run.log = open_log(run, ckpt, unreadable)
     compile_model(run.model, run.local_batch, cfg, rt, run.log)
-    # Wrapped after the restore: DDP starts every process from the same weights.
-    run.ddp_model = DistributedDataParallel(run.model, broadcast_buffers=False) if rt.ddp else run.model
+    # Wrapped after the restore: DDP starts every process from the same weights (a sharded model syncs by itself).
+    run.ddp_model = DistributedDataParallel(run.model, broadcast_buffers=False) if rt.ddp and not rt.sharded \
+        else run.model
     if cfg.probe_every_steps is not None and probes_in_this_process(rt):
         run.probe_set = prepare_probe_set(cfg, cfg.probe_labels)  # loaded once; features recomputed at each probe
     if run.val_batch:
@@ -608,7 +623,7 @@ def rollback(run: Run, lr: float) -> None:
     failed_at = state.step + state.data_skip
     ckpt = read_checkpoint(run.last_ckpt, tries=3)  # load_state_dict moves the tensors to the model's device
     rollbacks, lr_scale, skipped = state.rollbacks + 1, state.lr_scale * cfg.rollback_lr_factor, state.nonfinite_skipped
-    restore(ckpt, run.model, run.optimizer, state)
+    restore(ckpt, run.model, run.optimizer, state, run.rt)
     state.rollbacks, state.lr_scale, state.nonfinite_skipped = rollbacks, lr_scale, skipped
     state.consecutive_nonfinite = 0
     state.data_skip = failed_at - state.step  # resume the data after the batches that failed
