@@ -114,7 +114,7 @@ class Config:
     wandb_entity: Optional[str] = None  # W&B entity (team); None = your default
     # --- run ---
     device: str = "auto"  # auto | cpu | cuda | xla
-    shard: str = "none"  # none | fsdp: shard weights, gradients, AdamW state and the EMA target over the devices (FSDP2 under torchrun; SPMD on XLA)
+    shard: Optional[str] = None  # None | fsdp: shard weights, gradients, AdamW state and the EMA target over the devices (FSDP2 under torchrun; SPMD on XLA)
     fsdp_size: Optional[int] = None  # with shard fsdp: devices one copy of the weights is sharded over; None = all; fewer = a data x fsdp mesh
     seed: int = 0  # weights, data order, crops and masks all follow from it
     out_dir: str = "runs"  # run folders go here: out_dir/run_name/
@@ -144,7 +144,6 @@ CHOICES = {
     "ema_schedule": ("cosine", "linear"),
     "wandb": ("auto", "online", "offline", "disabled"),
     "device": ("auto", "cpu", "cuda", "xla"),
-    "shard": ("none", "fsdp"),
 }
 LIST_LENGTHS = {"image_size": 3, "patch_size": 3, "target_spacing": 3, "clip_percentiles": 2,
                 "adam_betas": 2}
@@ -392,6 +391,8 @@ def validate(cfg: Config) -> None:
     if cfg.schedule == "constant" and (cfg.warmup_steps or 0) > 0:
         raise ConfigError("warmup_steps: schedule 'constant' uses base_lr from the first update; "
                           "set warmup_steps to 0 or use schedule cosine.")
+    if cfg.shard not in (None, "fsdp"):
+        raise ConfigError(f"shard: {cfg.shard!r} is not fsdp or none (none: every device holds the whole model).")
     if cfg.fsdp_size is not None and (cfg.shard != "fsdp" or cfg.fsdp_size < 1):
         raise ConfigError(f"fsdp_size: {cfg.fsdp_size} needs shard fsdp and a value of at least 1 (the devices one copy "
                           f"of the weights is sharded over); add --shard fsdp, or use --fsdp_size none.")

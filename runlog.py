@@ -219,7 +219,7 @@ def describe_memory(cfg: Config, model, fsdp: int, batch: int) -> str:
                        for n in (1, 2, 4, 8, 16, 32, 64))
     return "\n".join([
         f"memory/device     ~{size_text(total)} at batch {batch} per device, "
-        + (f"weights sharded over {fsdp} devices (shard: fsdp)" if fsdp > 1 else "weights not sharded (shard: none)"),
+        + (f"weights sharded over {fsdp} devices (shard: fsdp)" if fsdp > 1 else "weights not sharded"),
         f"                  weights {size_text(parts['weights'])}, gradients {size_text(parts['gradients'])}, AdamW "
         f"{size_text(parts['adamw'])}, EMA target {size_text(parts['ema_target'])}, gathered whole "
         f"{size_text(parts['gathered'])}, activations {size_text(parts['activations'])} "

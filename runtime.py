@@ -348,17 +348,17 @@ def place_like(value: torch.Tensor, like: torch.Tensor, rt: Runtime) -> torch.Te
 
 
 def state_to_host(obj, rt: Runtime):
-    """A (nested) model or optimizer state as whole CPU tensors, for a checkpoint. FSDP2: each tensor is gathered
-    from its shards in turn (every process takes part) and only the master, which writes, keeps it (elsewhere the
-    tensors are None): no process holds a second whole copy. Otherwise fetch_to_host (XLA: sharded arrays arrive
-    whole, in one batched transfer)."""
-    if rt.kind == "xla" or not rt.sharded:
+    """A (nested) model or optimizer state as whole CPU tensors, for a checkpoint, put together from the shards one
+    tensor at a time: FSDP2 gathers each (every process takes part) and only the master, which writes, keeps it
+    (elsewhere the tensors are None); XLA copies each device's shard to the host (xla_whole), with no compile and
+    no whole copy on a device. Not sharded: fetch_to_host."""
+    if not rt.sharded:
         return fetch_to_host(obj, rt)
     if isinstance(obj, DTensor):
         whole = obj.full_tensor()
         return whole.cpu() if rt.is_master else None
     if isinstance(obj, torch.Tensor):
-        return to_cpu(obj) if rt.is_master else None
+        return xla_whole(obj) if rt.kind == "xla" else to_cpu(obj) if rt.is_master else None
     if isinstance(obj, dict):
         return {k: state_to_host(v, rt) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -410,10 +410,11 @@ def batch_spec(t: torch.Tensor) -> tuple:
 
 
 def xla_sharded(value: torch.Tensor, rt: Runtime) -> torch.Tensor:
-    """A CPU tensor as an XLA array split as fsdp_spec says; each device receives only its shard."""
-    import torch_xla.core.xla_model as xm
+    """A CPU tensor as an XLA array split as fsdp_spec says (whole on the devices only until it is split, one
+    tensor at a time; xm.send_cpu_data_to_device with a ShardingSpec fails on 1-d tensors in torch_xla 2.9)."""
     import torch_xla.distributed.spmd as xs
-    (out,) = xm.send_cpu_data_to_device([value], rt.device, xs.ShardingSpec(rt.mesh, fsdp_spec(value)))
+    out = value.to(rt.device)
+    xs.mark_sharding(out, rt.mesh, fsdp_spec(out))
     return out
 
 
@@ -452,8 +453,24 @@ def shard_optimizer(optimizer: torch.optim.Optimizer, rt: Runtime) -> None:
 def xla_shard_bytes(t: torch.Tensor) -> List[int]:
     """Bytes of a sharded XLA array on each local device (from its shards' index ranges: nothing is transferred)."""
     import torch_xla
+    import torch_xla.core.xla_model as xm
+    xm.wait_device_ops()  # its data must not be in flight
     pieces = torch_xla._XLAC._get_local_shard_replica_and_indices([t])[0]  # [(replica, [slice per dim])]
     return [math.prod(s.stop - s.start for s in index) * t.element_size() for _, index in pieces]
+
+
+def xla_whole(t: torch.Tensor) -> torch.Tensor:
+    """A (sharded) XLA array as a whole CPU tensor, assembled on the host from each local device's shard (a
+    transfer of the whole array would compile a gathering graph for every array, at every checkpoint)."""
+    import torch_xla
+    if torch_xla._XLAC._get_xla_sharding_type(t) in (None, 0):  # not sharded, or replicated
+        return to_cpu(t)
+    whole = torch.empty(t.shape, dtype=t.dtype)
+    shards = torch_xla._XLAC._get_local_shards([t])[0]  # [(CPU tensor, device)], padded at uneven ends
+    for (data, _), (replica, index) in zip(shards, torch_xla._XLAC._get_local_shard_replica_and_indices([t])[0]):
+        if replica == 0:
+            whole[tuple(index)] = data[tuple(slice(0, s.stop - s.start) for s in index)]
+    return whole
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from data import (NoUsableData, build_datasets, describe_masks, format_reason_ta
 from model import VJEPA3D
 from probe import compare_with_random, prepare_probe_set, probe_auroc, rankme
 from runlog import (RunLog, Throughput, describe_run, format_train_line, json_number, save_mask_plot,
-                    save_schedule_plot, save_training_plot, summary)
+                    save_schedule_plot, save_training_plot, size_text, summary)
 from runtime import (PendingDeviceStats, Runtime, check_checkpoints_are_shared, check_ranks_agree, checkpoint_path,
                      checkpoint_state, gather_objects, global_value, load_resume_checkpoint, mark_step, master_decides,
                      place_model, plan_record, probes_in_this_process, read_checkpoint, reduce_mean, resolve_run_dir,
@@ -436,8 +436,6 @@ def open_log(run: Run, ckpt: Optional[dict], unreadable: list) -> RunLog:
     """The run's log (written by the master only), opened with what the start of the run found."""
     cfg, rt, state, plan = run.cfg, run.rt, run.state, run.plan
     log = RunLog(run.run_dir, cfg, active=rt.is_master)
-    device_bytes = state_bytes_per_device(run.model, run.optimizer, rt)  # every process takes part
-    log.event("device_memory", state.step, fsdp_size=rt.fsdp_size, **device_bytes)
     for path, error in unreadable:
         log.event("unreadable_checkpoint", state.step, path=path, reason=error)
     if cfg.resume == "auto" and ckpt is None:
@@ -467,11 +465,19 @@ def open_log(run: Run, ckpt: Optional[dict], unreadable: list) -> RunLog:
                       f"{rt.local_replicas} devices of a process; raise val_fraction or the dataset size")
         log.print(f"run {run.run_dir}: {plan.total_steps} updates of {plan.global_batch_size} volumes on "
                   f"{rt.kind} x {rt.world_size}, {run.model.num_trainable_params():,} parameters")
-        if rt.sharded:
-            mib = {k: f"{v / 2 ** 20:.2f} MiB" for k, v in device_bytes.items()}
-            log.print(f"sharded (fsdp) over {rt.fsdp_size} of {rt.world_size} devices; on the fullest device: weights "
-                      f"{mib['weights']}, EMA target {mib['ema_target']}, AdamW {mib['adamw']}")
     return log
+
+
+def log_device_memory(run: Run) -> None:
+    """Log the measured bytes of weights, EMA target and AdamW state on the fullest device (a device_memory event;
+    a console line when sharded). Every process takes part."""
+    rt, log = run.rt, run.log
+    held = state_bytes_per_device(run.model, run.optimizer, rt)
+    log.event("device_memory", run.state.step, fsdp_size=rt.fsdp_size, **held)
+    if rt.sharded:
+        log.print(f"sharded (fsdp) over {rt.fsdp_size} of {rt.world_size} devices; on the fullest device: weights "
+                  f"{size_text(held['weights'])}, EMA target {size_text(held['ema_target'])}, AdamW "
+                  f"{size_text(held['adamw'])}")
 
 
 def train(cfg: Config, rt: Runtime) -> int:
@@ -491,6 +497,7 @@ def train(cfg: Config, rt: Runtime) -> int:
         run.val_loader = make_loader(run.val_ds, run.val_batch, train=False, workers=cfg.workers, seed=cfg.seed,
                                      rank=rt.process_index, world_size=rt.process_count)
     mark_step(rt)  # XLA: materialise weights and optimizer state now, so update 1 compiles the graph update 2 reuses
+    log_device_memory(run)
     state, plan = run.state, run.plan
     pending, speed = PendingDeviceStats(rt), Throughput()
     bar = tqdm(total=plan.total_steps, initial=state.step, disable=not (rt.is_master and sys.stderr.isatty()),
