@@ -305,7 +305,10 @@ def fsdp_mesh(kind: str, world: int, fsdp: int):
 def place_model(model: torch.nn.Module, rt: Runtime) -> torch.nn.Module:
     """The model (built on the CPU) on this process's device: whole, or sharded without a whole copy of it on any
     device. FSDP2 moves the parameters of each unit of model.shard_units(), then of the model, and keeps its shard
-    of each; XLA sends every device only its shards (place_xla_shards)."""
+    of each; XLA sends every device only its shards (place_xla_shards). On XLA, grad checkpointing recomputes
+    with torch_xla's checkpoint (use_xla_checkpoint)."""
+    if rt.kind == "xla":
+        use_xla_checkpoint(model)
     if not rt.sharded:
         return model.to(rt.device)
     if rt.kind == "xla":
@@ -394,7 +397,7 @@ def device_bytes(t: torch.Tensor, rt: Runtime) -> List[int]:
     return [t.numel() * t.element_size()]
 
 
-# --- XLA (torch_xla SPMD): the only torch_xla code of sharding ---
+# --- XLA: the torch_xla code of sharding and grad checkpointing ---
 
 def fsdp_spec(t: torch.Tensor) -> tuple:
     """XLA partition spec of a sharded weight or AdamW moment: its largest dimension split over 'fsdp'."""
@@ -435,6 +438,14 @@ def place_xla_shards(model: torch.nn.Module, rt: Runtime) -> torch.nn.Module:
     for unit in model.shard_units():
         unit.register_forward_hook(split_over_batch)
     return model
+
+
+def use_xla_checkpoint(model: torch.nn.Module) -> None:
+    """With grad checkpointing, recompute the blocks with torch_xla's checkpoint: torch's non-reentrant one fails on
+    XLA (it looks for a torch.xla device module), and torch_xla's keeps the recomputation in the compiled graph."""
+    import torch_xla.utils.checkpoint
+    if model.grad_checkpointing:
+        model.set_grad_checkpointing(True, torch_xla.utils.checkpoint.checkpoint)
 
 
 def shard_optimizer(optimizer: torch.optim.Optimizer, rt: Runtime) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from test_shard import FLAGS, assert_same_state, final_checkpoint, held_per_device, losses
+from test_shard import FLAGS, assert_holds_a_share, assert_same_state, final_checkpoint, losses
 from test_train import read_jsonl, smoke_flags, train_lines
 from runtime import list_checkpoints
 
@@ -99,15 +99,14 @@ def test_spmd_over_4_devices_matches_1_device(tmp_path, smoke_phantoms, cache_di
 
 def test_fsdp_over_4_xla_devices_trains_like_1_device_on_a_quarter_of_the_memory_without_recompiles(
         tmp_path, smoke_phantoms, cache_dir, xla_python, one_device):
+    # With grad checkpointing (torch_xla's: torch's fails on XLA), which changes no value.
     run_train(xla_python, flags_for(tmp_path, smoke_phantoms, cache_dir, *FLAGS, "--device", "xla",
-                                    "--per_core_batch_size", "1", "--shard", "fsdp"), devices=4)
+                                    "--per_core_batch_size", "1", "--shard", "fsdp", "--grad_checkpointing", "true"),
+              devices=4)
     sharded = tmp_path / "runs" / "r"
     np.testing.assert_allclose(losses(sharded), losses(one_device), rtol=1e-5)
     assert_same_state(final_checkpoint(sharded), final_checkpoint(one_device))  # written whole from the shards
-    held, whole = held_per_device(sharded), held_per_device(one_device)
-    assert held["fsdp_size"] == 4 and whole["fsdp_size"] == 1
-    for part in ("weights", "ema_target", "adamw"):
-        assert 0.25 * whole[part] <= held[part] <= 0.3 * whole[part], part
+    assert_holds_a_share(sharded, one_device, 1 / 4)
     # Nothing compiles again after the first update, checkpoints (at 4, 8, 12) included.
     assert {r["xla_compiles"] for r in train_lines(sharded)[1:]} == {train_lines(sharded)[0]["xla_compiles"]}
 
@@ -121,9 +120,7 @@ def test_a_data_x_fsdp_mesh_of_xla_devices_resumes_an_unsharded_checkpoint_and_c
     assert len(losses(sharded)) == 10
     np.testing.assert_allclose(losses(sharded), losses(one_device, after=4), rtol=1e-5)
     assert_same_state(final_checkpoint(sharded), final_checkpoint(one_device))
-    held, whole = held_per_device(sharded), held_per_device(one_device)
-    for part in ("weights", "ema_target", "adamw"):
-        assert 0.5 * whole[part] <= held[part] <= 0.55 * whole[part], part
+    assert_holds_a_share(sharded, one_device, 1 / 2)
     assert {r["xla_compiles"] for r in train_lines(sharded)[1:]} == {train_lines(sharded)[0]["xla_compiles"]}
 
 
