@@ -124,11 +124,15 @@ def _setup_xla(cfg: Config) -> Runtime:
     except ImportError as e:
         raise ConfigError(f"device: xla needs torch_xla ({e}); install requirements-xla.txt or use --device cpu.")
     xr.use_spmd()  # before any XLA tensor exists
-    devices = xr.global_runtime_device_count()
+    devices, local = xr.global_runtime_device_count(), xr.addressable_runtime_device_count()
     fsdp = sharding_size(cfg, devices)
+    if xr.process_count() > 1 and local % fsdp:
+        raise ConfigError(f"fsdp_size: {fsdp} spans several hosts; host 0 writes checkpoints from the shards on its "
+                          f"own devices, so one copy of the weights must lie within a host: use an fsdp_size that "
+                          f"divides the {local} devices of a host (e.g. --fsdp_size {local}).")
     mesh = xs.Mesh(np.arange(devices), (devices // fsdp, fsdp), ("data", "fsdp"))
-    return Runtime(torch_xla.device(), "xla", devices, xr.process_index(), xr.process_count(),
-                   xr.addressable_runtime_device_count(), mesh, xr.process_count() > 1, fsdp)
+    return Runtime(torch_xla.device(), "xla", devices, xr.process_index(), xr.process_count(), local, mesh,
+                   xr.process_count() > 1, fsdp)
 
 
 def reduce_mean(value: torch.Tensor, rt: Runtime) -> torch.Tensor:
@@ -471,16 +475,20 @@ def xla_shard_bytes(t: torch.Tensor) -> List[int]:
 
 
 def xla_whole(t: torch.Tensor) -> torch.Tensor:
-    """A (sharded) XLA array as a whole CPU tensor, assembled on the host from each local device's shard (a
-    transfer of the whole array would compile a gathering graph for every array, at every checkpoint)."""
+    """A (sharded) XLA array as a whole CPU tensor, assembled on the host from its local devices' shards (a transfer
+    of the whole array would compile a gathering graph for every array, at every checkpoint). RuntimeError when
+    this host's devices do not hold all of it."""
     import torch_xla
     if torch_xla._XLAC._get_xla_sharding_type(t) in (None, 0):  # not sharded, or replicated
         return to_cpu(t)
     whole = torch.empty(t.shape, dtype=t.dtype)
     shards = torch_xla._XLAC._get_local_shards([t])[0]  # [(CPU tensor, device)], padded at uneven ends
-    for (data, _), (replica, index) in zip(shards, torch_xla._XLAC._get_local_shard_replica_and_indices([t])[0]):
-        if replica == 0:
-            whole[tuple(index)] = data[tuple(slice(0, s.stop - s.start) for s in index)]
+    filled = set()
+    for (data, _), (_, index) in zip(shards, torch_xla._XLAC._get_local_shard_replica_and_indices([t])[0]):
+        whole[tuple(index)] = data[tuple(slice(0, s.stop - s.start) for s in index)]
+        filled.add(tuple((s.start, s.stop) for s in index))
+    if sum(math.prod(stop - start for start, stop in index) for index in filled) != t.numel():
+        raise RuntimeError(f"an array of shape {list(t.shape)} is not all on this host's devices")
     return whole
 
 
