@@ -72,13 +72,14 @@ def setup_runtime(cfg: Config) -> Runtime:
     rank = int(os.environ.get("RANK", "0"))
     if kind == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    fsdp, mesh = sharding_size(cfg, world), None
     if world > 1:
         torch.distributed.init_process_group("nccl" if kind == "cuda" else "gloo")
-        atexit.register(leave_process_group)
+        mesh = fsdp_mesh(kind, world, fsdp)
+        atexit.register(leave_process_group, mesh)
     device = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # torchrun: processes on this machine
-    fsdp = sharding_size(cfg, world)
-    return Runtime(device, kind, world, rank, world, 1, fsdp_mesh(kind, world, fsdp), local_world < world, fsdp)
+    return Runtime(device, kind, world, rank, world, 1, mesh, local_world < world, fsdp)
 
 
 def device_kind(cfg: Config, xla: bool = True) -> str:
@@ -92,15 +93,18 @@ def device_kind(cfg: Config, xla: bool = True) -> str:
     return kind
 
 
-def leave_process_group() -> None:
-    """Leave the DDP process group while the interpreter is still whole (setup_runtime registers this to run at
-    exit). Gloo's worker threads free a finished collective's tensors, which needs the GIL: left to interpreter
-    teardown, a thread still doing so aborts the process (SIGABRT, "terminate called without an active exception"),
-    and torchrun reports that signal instead of the exit code the run chose. The collection first frees the DDP
-    wrapper, so the process group's last owner is torch's own, which waits for those threads without the GIL."""
+def leave_process_group(mesh) -> None:
+    """Leave the DDP or FSDP2 process group while the interpreter is still whole (setup_runtime registers this to
+    run at exit, with FSDP2's device mesh or None). Gloo's worker threads free a finished collective's tensors,
+    which needs the GIL: left to interpreter teardown, a thread still doing so aborts the process (SIGABRT,
+    "terminate called without an active exception"), and torchrun reports that signal instead of the exit code the
+    run chose. The collection first frees the DDP wrapper, so the process group's last owner is torch's own, which
+    waits for those threads without the GIL."""
     if torch.distributed.is_initialized():
         gc.collect()
         torch.distributed.destroy_process_group()
+        if mesh is not None:  # DTensor's caches keep the mesh alive to the end, and the mesh its process groups
+            mesh._pg_registry.clear()
 
 
 def _xla_configured() -> bool:
