@@ -39,7 +39,6 @@ import numpy as np
 import pydicom
 import torch
 from pydicom.uid import JPEG2000, ExplicitVRLittleEndian, JPEG2000Lossless, JPEGBaseline8Bit, RLELossless
-from torch.nn.parallel import DistributedDataParallel
 
 import runtime
 import train
@@ -242,8 +241,7 @@ def time_updates(cfg, rt: runtime.Runtime, batch: dict, warmup: int, repeats: in
         if name == "compiled":
             model.compile_parts()
         optimizer = train.make_optimizer(model, cfg, variant_rt)
-        runtime.shard_optimizer(optimizer, variant_rt)
-        wrapped = DistributedDataParallel(model) if variant_rt.ddp and not variant_rt.sharded else model
+        wrapped = runtime.wrap_ddp(model, variant_rt)
 
         def update(model=wrapped, optimizer=optimizer, variant_rt=variant_rt):
             if rt.kind == "cuda":
@@ -362,8 +360,8 @@ def format_train_report(out: dict) -> str:
                         is not None else ""))
     if "sharded" in out:
         ratio = out["sharded_over_unsharded"]
-        lines.append(f"  sharded / unsharded over {out['fsdp_size']} devices: {ratio['step_time_median']:.3f}x median time "
-                     f"(paired {ratio['step_time_paired_median']:.3f}x, min {ratio['step_time_min']:.3f}x), "
+        lines.append(f"  sharded / unsharded over {out['fsdp_size']} devices: {ratio['step_time_median']:.3f}x median "
+                     f"time (paired {ratio['step_time_paired_median']:.3f}x, min {ratio['step_time_min']:.3f}x), "
                      f"{ratio['state_bytes_per_device']:.3f}x the state per device")
     if "compiled" in out:
         ratio = out["compiled_over_eager"]

@@ -15,7 +15,7 @@ from matplotlib.figure import Figure
 from tqdm import tqdm
 
 from config import Config, RunPlan
-from model import activation_bytes_per_sample, memory_per_device, training_flops_per_sample
+from model import VJEPA3D, activation_bytes_per_sample, memory_per_device, training_flops_per_sample
 from storage import write_atomic
 
 
@@ -69,6 +69,15 @@ class RunLog:
         if self.active:
             _append_jsonl(os.path.join(self.run_dir, "events.jsonl"),
                           {"event": kind, "step": step, "time": time.time(), **fields})
+
+    def device_memory(self, step: int, held: dict, rt) -> None:
+        """Log the measured bytes of weights, EMA target and AdamW state on the fullest device
+        (runtime.state_bytes_per_device) as a device_memory event; as a console line too when sharded."""
+        self.event("device_memory", step, fsdp_size=rt.fsdp_size, **held)
+        if rt.sharded:
+            self.print(f"sharded (fsdp) over {rt.fsdp_size} of {rt.world_size} devices; on the fullest device: "
+                       f"weights {size_text(held['weights'])}, EMA target {size_text(held['ema_target'])}, AdamW "
+                       f"{size_text(held['adamw'])}")
 
     def print(self, *args) -> None:
         """One console line on stdout, written above the progress bar."""
@@ -168,9 +177,11 @@ def start_wandb(cfg: Config, run_dir: str):
     return run
 
 
-def describe_run(cfg: Config, plan: RunPlan, model, train_ds, val_ds, rt, schedules: list, masks: str) -> str:
+def describe_run(cfg: Config, plan: RunPlan, train_ds, val_ds, rt, schedules: list, masks: str) -> str:
     """The dry run's preflight report: sizes, tokens, FLOPs, memory, the masks (`masks`: data.describe_masks's
     lines) and the schedules (train.Hyperparameters of every update) at milestones."""
+    with torch.device("meta"):  # the model's shapes only: no memory for weights (a ViT-g's would fill a laptop)
+        model = VJEPA3D.from_config(cfg)
     n_context, n_target = cfg.token_counts()
     flops = training_flops_per_sample(cfg)
     params = model.num_trainable_params()

@@ -25,6 +25,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.nn.parallel import DistributedDataParallel
 
 from config import Config, ConfigError, RunPlan, plan_run
 from storage import glob_paths, read_bytes, remove, write_atomic
@@ -137,6 +138,12 @@ def _setup_xla(cfg: Config) -> Runtime:
     mesh = xs.Mesh(np.arange(devices), (devices // fsdp, fsdp), ("data", "fsdp"))
     return Runtime(torch_xla.device(), "xla", devices, xr.process_index(), xr.process_count(), local, mesh,
                    xr.process_count() > 1, fsdp)
+
+
+def wrap_ddp(model: torch.nn.Module, rt: Runtime) -> torch.nn.Module:
+    """The model in DistributedDataParallel when several processes each hold all of it; as it is otherwise (one
+    process, XLA SPMD, or sharded: FSDP2 averages the gradients over the processes itself)."""
+    return DistributedDataParallel(model, broadcast_buffers=False) if rt.ddp and not rt.sharded else model
 
 
 def reduce_mean(value: torch.Tensor, rt: Runtime) -> torch.Tensor:
@@ -456,17 +463,15 @@ def use_xla_checkpoint(model: torch.nn.Module) -> None:
         model.set_grad_checkpointing(True, torch_xla.utils.checkpoint.checkpoint)
 
 
-def shard_optimizer(optimizer: torch.optim.Optimizer, rt: Runtime) -> None:
-    """XLA sharded: AdamW's moments split like their parameters (made with zeros_like, they would be whole on
-    every device, and the first update would compile for that layout). FSDP2's are shards already."""
-    if not (rt.sharded and rt.kind == "xla"):
-        return
-    import torch_xla.distributed.spmd as xs
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            for value in optimizer.state[p].values():
-                if value.shape == p.shape:
-                    xs.mark_sharding(value, rt.mesh, fsdp_spec(value))
+def zeros_like_param(p: torch.Tensor, rt: Runtime) -> torch.Tensor:
+    """Zeros shaped and split over the devices like parameter p (an AdamW moment). XLA sharded: split as fsdp_spec
+    says (zeros_like alone is whole on every device, and the first update would compile for that layout); FSDP2:
+    zeros_like of a DTensor is a DTensor of the same shards."""
+    out = torch.zeros_like(p)
+    if rt.sharded and rt.kind == "xla":
+        import torch_xla.distributed.spmd as xs
+        xs.mark_sharding(out, rt.mesh, fsdp_spec(out))
+    return out
 
 
 def xla_shard_bytes(t: torch.Tensor) -> List[int]:

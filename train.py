@@ -30,12 +30,12 @@ from data import (NoUsableData, build_datasets, describe_masks, format_reason_ta
 from model import VJEPA3D
 from probe import compare_with_random, prepare_probe_set, probe_auroc, rankme
 from runlog import (RunLog, Throughput, describe_run, format_train_line, json_number, save_mask_plot,
-                    save_schedule_plot, save_training_plot, size_text, summary)
+                    save_schedule_plot, save_training_plot, summary)
 from runtime import (PendingDeviceStats, Runtime, check_checkpoints_are_shared, check_ranks_agree, checkpoint_path,
                      checkpoint_state, gather_objects, global_value, load_resume_checkpoint, mark_step, master_decides,
                      place_model, plan_record, probes_in_this_process, read_checkpoint, reduce_mean, resolve_run_dir,
-                     restore, resumed_plan, save_checkpoint, setup_runtime, shard_optimizer, split_fingerprint,
-                     state_bytes_per_device, to_device, xla_counters)
+                     restore, resumed_plan, save_checkpoint, setup_runtime, split_fingerprint, state_bytes_per_device,
+                     to_device, wrap_ddp, xla_counters, zeros_like_param)
 
 EXIT_OK = 0  # the others: ConfigError 2, NoUsableData 3, Diverged 4
 
@@ -134,7 +134,7 @@ def make_optimizer(model: VJEPA3D, cfg: Config, rt: Runtime) -> torch.optim.Opti
     for group in optimizer.param_groups:
         for p in group["params"]:
             optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
-                                  "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+                                  "exp_avg": zeros_like_param(p, rt), "exp_avg_sq": zeros_like_param(p, rt)}
 
     def keep_this_devices_implementation(opt: torch.optim.Optimizer) -> None:
         # load_state_dict takes the param groups' flags from the checkpoint, i.e. from the device that wrote it.
@@ -197,8 +197,7 @@ def forward_backward(model, micro_batches: list, cfg: Config, rt: Runtime):
 
 
 def clip_and_measure(model: VJEPA3D, cfg: Config) -> torch.Tensor:
-    """Pre-clip total grad norm of this update, measured before the optimizer step and zero_grad (incident 1); of
-    all shards together when the model is sharded."""
+    """Pre-clip total grad norm of this update (all shards), measured before the step and zero_grad (incident 1)."""
     params = [p for p in model.parameters() if p.grad is not None]
     max_norm = cfg.grad_clip if cfg.grad_clip is not None else math.inf
     return global_value(torch.nn.utils.clip_grad_norm_(params, max_norm))
@@ -351,7 +350,7 @@ def dry_run(run: "Run") -> int:
         os.makedirs(run.run_dir, exist_ok=True)
         schedules = [hyperparameters_at(step, cfg, plan) for step in range(plan.total_steps)]
         masks = mask_generator_from_config(cfg)
-        print(describe_run(cfg, plan, run.model, run.train_ds, run.val_ds, run.rt, schedules, describe_masks(masks)))
+        print(describe_run(cfg, plan, run.train_ds, run.val_ds, run.rt, schedules, describe_masks(masks)))
         save_schedule_plot({"lr": [s.lr for s in schedules], "weight decay": [s.wd for s in schedules],
                             "EMA momentum": [s.ema for s in schedules]}, os.path.join(run.run_dir, "schedules.png"))
         save_mask_plot(run.train_ds[(0, 0)], cfg, mask_stats(masks), os.path.join(run.run_dir, "mask.png"))
@@ -371,8 +370,8 @@ class Run:
     plan: RunPlan
     train_ds: object
     val_ds: object
-    model: VJEPA3D
-    optimizer: Optional[torch.optim.Optimizer]  # None in a dry run
+    model: Optional[VJEPA3D]  # None in a dry run
+    optimizer: Optional[torch.optim.Optimizer]
     state: TrainState = field(default_factory=TrainState)
     plan_record: dict = field(default_factory=dict)  # stored in every checkpoint: a resume checks it continues it
     log: Optional[RunLog] = None
@@ -401,19 +400,13 @@ class Run:
 
 
 def prepare_run(cfg: Config, rt: Runtime) -> Run:
-    """The data and its train/val split (the same in every process), the plan, the model (sharded with shard: fsdp)
-    and its optimizer; a dry run gets the model's shapes only (on the meta device) and no optimizer."""
+    """The data and train/val split (the same in every process), the plan, the model and optimizer (None: dry run)."""
     torch.manual_seed(cfg.seed)
     train_ds, val_ds = build_datasets(cfg)
     check_ranks_agree(split_fingerprint(train_ds, val_ds), "the train/val split (use an index_path)", rt)
     plan = plan_run(cfg, rt.world_size, len(train_ds))
-    if cfg.dry_run:  # sizes only: no memory for weights (a ViT-g's would fill a laptop)
-        with torch.device("meta"):
-            return Run(cfg, rt, plan, train_ds, val_ds, VJEPA3D.from_config(cfg), None)
-    model = place_model(VJEPA3D.from_config(cfg), rt)  # whole, or sharded (shard: fsdp)
-    optimizer = make_optimizer(model, cfg, rt)
-    shard_optimizer(optimizer, rt)
-    return Run(cfg, rt, plan, train_ds, val_ds, model, optimizer)
+    model = None if cfg.dry_run else place_model(VJEPA3D.from_config(cfg), rt)  # whole, or sharded (shard: fsdp)
+    return Run(cfg, rt, plan, train_ds, val_ds, model, None if cfg.dry_run else make_optimizer(model, cfg, rt))
 
 
 def resume(run: Run) -> Tuple[Optional[dict], list]:
@@ -468,18 +461,6 @@ def open_log(run: Run, ckpt: Optional[dict], unreadable: list) -> RunLog:
     return log
 
 
-def log_device_memory(run: Run) -> None:
-    """Log the measured bytes of weights, EMA target and AdamW state on the fullest device (a device_memory event;
-    a console line when sharded). Every process takes part."""
-    rt, log = run.rt, run.log
-    held = state_bytes_per_device(run.model, run.optimizer, rt)
-    log.event("device_memory", run.state.step, fsdp_size=rt.fsdp_size, **held)
-    if rt.sharded:
-        log.print(f"sharded (fsdp) over {rt.fsdp_size} of {rt.world_size} devices; on the fullest device: weights "
-                  f"{size_text(held['weights'])}, EMA target {size_text(held['ema_target'])}, AdamW "
-                  f"{size_text(held['adamw'])}")
-
-
 def train(cfg: Config, rt: Runtime) -> int:
     """Pretrain for the run's plan (or only print the dry run's report); returns the exit code."""
     run = prepare_run(cfg, rt)
@@ -488,16 +469,14 @@ def train(cfg: Config, rt: Runtime) -> int:
     ckpt, unreadable = resume(run)
     run.log = open_log(run, ckpt, unreadable)
     compile_model(run.model, run.local_batch, cfg, rt, run.log)
-    # Wrapped after the restore: DDP starts every process from the same weights (a sharded model syncs by itself).
-    run.ddp_model = DistributedDataParallel(run.model, broadcast_buffers=False) if rt.ddp and not rt.sharded \
-        else run.model
+    run.ddp_model = wrap_ddp(run.model, rt)  # after the restore: DDP starts every process from the same weights
     if cfg.probe_every_steps is not None and probes_in_this_process(rt):
         run.probe_set = prepare_probe_set(cfg, cfg.probe_labels)  # loaded once; features recomputed at each probe
     if run.val_batch:
         run.val_loader = make_loader(run.val_ds, run.val_batch, train=False, workers=cfg.workers, seed=cfg.seed,
                                      rank=rt.process_index, world_size=rt.process_count)
     mark_step(rt)  # XLA: materialise weights and optimizer state now, so update 1 compiles the graph update 2 reuses
-    log_device_memory(run)
+    run.log.device_memory(run.state.step, state_bytes_per_device(run.model, run.optimizer, rt), rt)  # all take part
     state, plan = run.state, run.plan
     pending, speed = PendingDeviceStats(rt), Throughput()
     bar = tqdm(total=plan.total_steps, initial=state.step, disable=not (rt.is_master and sys.stderr.isatty()),
