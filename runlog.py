@@ -222,8 +222,8 @@ def describe_memory(cfg: Config, model, fsdp: int, batch: int) -> str:
     other fsdp sizes."""
     parts = memory_per_device(cfg, model, fsdp, batch)
     total = sum(parts.values())
-    fits = [f"{name} ({size} GiB)" for name, size in DEVICE_MEMORY_GIB.items() if total <= HEADROOM * size * 2 ** 30]
-    too_small = [f"{name} ({size} GiB)" for name, size in DEVICE_MEMORY_GIB.items() if name not in " ".join(fits)]
+    named = {f"{name} ({size} GiB)": total <= HEADROOM * size * 2 ** 30 for name, size in DEVICE_MEMORY_GIB.items()}
+    fits, too_small = [n for n, ok in named.items() if ok], [n for n, ok in named.items() if not ok]
     verdict = (f"will NOT fit {', '.join(too_small)}" + (f"; fits {', '.join(fits)}" if fits else "") if too_small
                else f"fits every named device, the smallest {fits[0]}") + f" (using {HEADROOM:.0%} of a device)"
     others = ", ".join(f"{n}: {size_text(sum(memory_per_device(cfg, model, n, batch).values()))}"
