@@ -1,6 +1,6 @@
 """OCT volumes -> training batches: patch masks, preprocessing, the decoded-volume cache, Dataset, sampler and
-loader, and the data command line. dicom.py reads the files (and says why one cannot be used); this module turns
-what it reads into batches of static shape.
+loader, and the data command line. dicom.py reads the files (and says why one cannot be used), index.py scans a
+source into an index; this module turns what they give into batches of static shape.
 
     python data.py scan SRC [--out index.jsonl] [--sop_classes any] [config flags]   # what is usable, and why not
     python data.py prepare SRC --cache DIR [config flags]      # decode + resample once into a local cache
@@ -37,9 +37,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from config import Config, ConfigError, ExitError, ScriptParser, load_config, script_main
-from dicom import (BENIGN_REASONS, TRANSIENT_REASONS, UnusableFile, Volume, format_reason_table, format_scan_report,
-                   index_source, list_sources, read_index, read_index_with_source, read_volume, reason_counts,
-                   source_identity, source_paths, update_index, write_index)
+from dicom import BENIGN_REASONS, TRANSIENT_REASONS, UnusableFile, Volume, read_volume, source_paths
+from index import (format_reason_table, format_scan_report, index_source, list_sources, read_index,
+                   read_index_with_source, reason_counts, source_identity, update_index, write_index)
 from phantom import ensure_phantom_set
 from storage import exists, write_atomic
 

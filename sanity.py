@@ -28,7 +28,8 @@ import runtime
 import train
 from config import Config, ConfigError, ScriptParser, load_config, plan_run, script_main
 from data import NoUsableData, OCTDataset, build_datasets, collate, mask_generator_from_config
-from dicom import BENIGN_REASONS, find_files, format_reason_table, reason_counts, scan_files
+from dicom import BENIGN_REASONS
+from index import find_files, format_reason_table, reason_counts, scan_files
 from model import JEPAOutput, VJEPA3D
 
 EXIT_OK, EXIT_FAILED = 0, 1

@@ -20,7 +20,8 @@ from config import ConfigError, load_config
 from corpora import write_broken_corpus, write_decoys
 from data import (EpochSampler, NoUsableData, OCTDataset, build_datasets, cache_path, collate, load_prepared,
                   load_val_sample, make_loader, resample, split_by_patient)
-from dicom import UnusableFile, find_files, format_reason_table, read_index, read_volume, scan_files, write_index
+from dicom import UnusableFile, read_volume
+from index import find_files, format_reason_table, read_index, scan_files, write_index
 from phantom import STYLES, quantize, synth_reflectivity, write_oct, write_phantom
 
 REPO = Path(__file__).resolve().parents[1]

@@ -24,7 +24,8 @@ from config import load_config
 from corpora import write_odd_cases
 from data import main as data_main
 from data import OCTDataset, cache_path, crop_starts, index_records, load_prepared, resample_and_clip, to_sample
-from dicom import REASONS, UnusableFile, find_files, read_index, read_volume, scan_files, unscramble_czm
+from dicom import REASONS, UnusableFile, read_volume, unscramble_czm
+from index import find_files, read_index, scan_files
 from phantom import STYLES, _jp2_file, czm_scramble, quantize, synth_reflectivity, write_oct, write_phantom
 
 REPO = Path(__file__).resolve().parents[1]
@@ -213,7 +214,7 @@ import resource, signal, sys
 sys.path.insert(0, {str(REPO)!r})
 from config import load_config
 from data import OCTDataset
-from dicom import scan_files
+from index import scan_files
 cfg = load_config([], image_size=[8, 32, 32], patch_size=[4, 8, 8], workers=0, cache_dir={str(cache)!r})
 dataset = OCTDataset(scan_files([{path!r}]), cfg, train=True)
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
