@@ -518,7 +518,8 @@ def split_by_patient(records: Sequence[dict], val_fraction: float, seed: int) ->
 
 def build_datasets(cfg: Config) -> Tuple[OCTDataset, OCTDataset]:
     """(train, val) datasets of cfg's data, split by patient. Raises NoUsableData when no volume is usable or
-    the share of bad files passes cfg.max_bad_fraction (other objects such as reports are not bad files)."""
+    the share of bad files passes cfg.max_bad_fraction (other objects such as reports, copies and line scans are not
+    bad files: BENIGN_REASONS)."""
     if cfg.cache_dir is not None and cfg.cache_dir.startswith("gs://"):
         raise ConfigError("cache_dir: the decoded-volume cache must be a local folder (it is read at every step).")
     if cfg.data_root is None and cfg.manifest_path is None and cfg.cache_dir is None:
@@ -532,7 +533,7 @@ def build_datasets(cfg: Config) -> Tuple[OCTDataset, OCTDataset]:
     if not usable or len(bad) > cfg.max_bad_fraction * (len(usable) + len(bad)):
         source = cfg.data_root or cfg.manifest_path or cfg.phantom_dir
         raise NoUsableData(f"{len(usable)} usable volumes and {len(bad)} unusable files in {source} (max_bad_fraction "
-                           f"{cfg.max_bad_fraction}; {', '.join(BENIGN_REASONS)} are other objects, not counted):\n"
+                           f"{cfg.max_bad_fraction}; {', '.join(BENIGN_REASONS)} are not counted):\n"
                            f"{format_reason_table(reason_counts(records))}\n"
                            f"run `python data.py scan {source}` for the details of each file")
     if len(usable) < len(records):  # incident 11: every file that is not used is reported, by reason

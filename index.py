@@ -1,6 +1,7 @@
 """The files of a source and its scan index: find the candidate files of a source, scan them into index records
 (one per volume or rejected file, with its reason) and keep an index up to date. `python data.py scan SRC` is this
-module's command; dicom.py reads the files.
+module's command. Which files make a volume, and why the others cannot be used, is decided by dicom.units, the rule
+that read_volume follows too, so a scan and the loader cannot disagree.
 
 Finding files: a folder (recursive), a glob, a gs:// prefix or glob, or a manifest (a TSV/CSV with a `filepath`
 column); hidden files and sidecars are left out. The index (one JSON line per volume or rejected file) records what
@@ -21,8 +22,7 @@ import numpy as np
 from tqdm import tqdm
 
 from config import ConfigError
-from dicom import (BENIGN_REASONS, REASONS, TRANSIENT_REASONS, Header, UnusableFile, _layout, _unique_instances,
-                   folder_files, inspect_file, is_candidate)
+from dicom import REASONS, TRANSIENT_REASONS, Unit, UnusableFile, folder_files, inspect_file, is_candidate, units
 from storage import gcs_filesystem, read_bytes, write_atomic
 
 # ----------------------------------------------------------------------------------------------------------
@@ -94,34 +94,12 @@ def source_identity(path: str) -> str:
 # Scanning them, and the index
 # ----------------------------------------------------------------------------------------------------------
 
-def _reject(paths: Sequence[str], error: UnusableFile, identities: Dict[str, str]) -> dict:
-    return {"paths": list(paths), "sources": [identities.get(p, "") for p in paths], "ok": False,
-            "reason": error.reason, "detail": error.detail, "manufacturer": error.manufacturer, "model": error.model,
-            "series": error.series or None, "shape": None, "spacing": None}
-
-
-def _volume_record(headers: List[Header], identities: Dict[str, str]) -> dict:
-    """The index record of one volume: a multi-frame file, or single-frame files of one series in stack order."""
-    first = headers[0]
-    try:
-        pairs, spacing, note, shape = _layout(headers)
-    except UnusableFile as e:
-        return _reject([h.path for h in headers], UnusableFile(e.reason, e.detail, first.manufacturer, first.model,
-                                                               first.series), identities)
-    paths = list(dict.fromkeys(headers[i].path for i, _ in pairs))  # files in stack order
-    return {"paths": paths, "sources": [identities.get(p, "") for p in paths], "ok": True, "reason": None,
-            "detail": None, "manufacturer": first.manufacturer, "model": first.model, "series": first.series,
-            "shape": shape, "spacing": list(spacing) if spacing else None, "spacing_issue": note,
-            "patient": first.patient, "transfer_syntax": first.transfer_syntax, "bits": first.bits}
-
-
 def scan_files(files: Sequence[str], sop_classes: str = "oct", progress: bool = False, threads: int = 8,
                identities: Optional[Dict[str, str]] = None) -> List[dict]:
-    """Index records: one per volume (a multi-frame file, or the single-frame files of one series) and one
-    per rejected file, so every file appears exactly once. A record has paths, sources (source_identity of each),
-    ok, reason (None when ok), detail, manufacturer, model, series, shape [D,H,W], spacing [dz,dy,dx] or None,
-    spacing_issue, patient. Copies of a file (same SOPInstanceUID) are listed as duplicate_instance; a bad file of
-    a series makes the whole series bad. `identities` ({path: source_identity}, e.g. from list_sources) saves
+    """Index records, one per dicom.units verdict (a volume: a multi-frame file or the single-frame files of one
+    series; or files rejected together), so every file appears exactly once. A record has paths, sources
+    (source_identity of each), ok, reason (None when ok), detail, manufacturer, model, series, shape [D,H,W], spacing
+    [dz,dy,dx] or None, spacing_issue, patient. `identities` ({path: source_identity}, e.g. from list_sources) saves
     looking them up.
     """
     def inspect(path):
@@ -135,27 +113,22 @@ def scan_files(files: Sequence[str], sop_classes: str = "oct", progress: bool = 
         results = list(tqdm(pool.map(inspect, files), total=len(files), unit="file", desc="scan",
                             disable=None if progress else True))  # None: a bar on a terminal only
     identities = {path: identity for path, (identity, _) in zip(files, results)}
-    failed = {path: r for path, (_, r) in zip(files, results) if isinstance(r, UnusableFile)}
-    headers, copies = _unique_instances([r for _, r in results if isinstance(r, Header)])
-    records = [_reject([path], e, identities) for path, e in failed.items()]
-    records += [_reject([copy.path], UnusableFile("duplicate_instance", f"same SOPInstanceUID as {original.path}",
-                                                  copy.manufacturer, copy.model, copy.series), identities)
-                for copy, original in copies]
-    bad_member = {e.series: (path, e) for path, e in failed.items() if e.series and e.reason not in BENIGN_REASONS}
-    series = {}
-    for h in headers:
-        if h.frames > 1:
-            records.append(_volume_record([h], identities))
-        else:
-            series.setdefault((h.series, h.rows, h.cols), []).append(h)
-    for (uid, _, _), members in series.items():
-        if uid in bad_member:
-            path, e = bad_member[uid]
-            error = UnusableFile(e.reason, f"{path} of this series: {e.detail}", e.manufacturer, e.model, uid)
-            records.append(_reject([h.path for h in members], error, identities))
-        else:
-            records.append(_volume_record(members, identities))
-    return sorted(records, key=lambda r: r["paths"][0])
+    return [_record(unit, identities) for unit in units({path: r for path, (_, r) in zip(files, results)})]
+
+
+def _record(unit: Unit, identities: Dict[str, str]) -> dict:
+    """The index record of a dicom.units verdict."""
+    sources = [identities.get(p, "") for p in unit.paths]
+    if unit.error is not None:
+        e = unit.error
+        return {"paths": unit.paths, "sources": sources, "ok": False, "reason": e.reason, "detail": e.detail,
+                "manufacturer": e.manufacturer, "model": e.model, "series": e.series or None, "shape": None,
+                "spacing": None}
+    h = unit.header
+    return {"paths": unit.paths, "sources": sources, "ok": True, "reason": None, "detail": None,
+            "manufacturer": h.manufacturer, "model": h.model, "series": h.series, "shape": unit.shape,
+            "spacing": list(unit.spacing) if unit.spacing else None, "spacing_issue": unit.note, "patient": h.patient,
+            "transfer_syntax": h.transfer_syntax, "bits": h.bits}
 
 
 def write_index(records: Sequence[dict], path: str, built_from: Optional[dict] = None) -> None:

@@ -202,8 +202,8 @@ def check_real_data(setup: Setup) -> Check:
     return Check(usable > 0 and bad <= setup.cfg.max_bad_fraction * (usable + bad),
                  f"{usable} usable volumes, {bad} bad files in {sampled_files(records)} of {found} files",
                  f"some usable, bad <= {setup.cfg.max_bad_fraction:.0%}",
-                 f"too many files cannot be used (see the table below; {', '.join(BENIGN_REASONS)} are other objects "
-                 f"and not counted as bad); run `python data.py scan {source}` for every file", table)
+                 f"too many files cannot be used (see the table below; {', '.join(BENIGN_REASONS)} are not "
+                 f"counted as bad); run `python data.py scan {source}` for every file", table)
 
 
 def check_inputs(setup: Setup, per_maker: int = 4) -> Check:
