@@ -284,6 +284,10 @@ class Volume:
     model: str
     source: str  # path or URL (the first file of a series)
     spacing_issue: Optional[str] = None  # why spacing is None, or how the spacing tags disagree with positions
+    patient: str = ""  # see _patient_key: the unit of patient-level splits
+    study: str = ""  # StudyInstanceUID
+    series: str = ""  # SeriesInstanceUID, else the path
+    laterality: str = ""  # R or L (ImageLaterality, else Laterality); '' when neither is there
 
 
 @dataclass
@@ -311,6 +315,8 @@ class Header:
     sop_uid: str
     series: str  # SeriesInstanceUID, else the path
     patient: str  # see _patient_key
+    study: str  # StudyInstanceUID
+    laterality: str  # R or L (ImageLaterality, else Laterality); '' when neither is there
     slope: float
     intercept: float
     geometry: List[Frame]  # one per per-frame group (frames of a valid file); empty for a file without them
@@ -576,7 +582,10 @@ def _header(ds: pydicom.Dataset, path: str, sop_classes: str) -> Header:
     manufacturer, model = _maker(ds)
     return Header(path, manufacturer, model, frames, int(rows), int(cols), int(bits),
                   ds.file_meta.TransferSyntaxUID.name, str(ds.get("SOPInstanceUID", "") or ""),
-                  str(ds.get("SeriesInstanceUID", "") or path), _patient_key(ds, path), slope, intercept, geometry,
+                  str(ds.get("SeriesInstanceUID", "") or path), _patient_key(ds, path),
+                  str(ds.get("StudyInstanceUID", "") or ""),
+                  str(ds.get("ImageLaterality", "") or ds.get("Laterality", "") or "").strip().upper(), slope, intercept,
+                  geometry,
                   None if flag is None else str(flag).upper(), pixel_spacing, slice_spacing, spacing_error)
 
 
@@ -838,7 +847,8 @@ def read_volume(source: Union[str, Sequence[str]], sop_classes: str = "oct") -> 
         raise UnusableFile(e.reason, e.detail, first.manufacturer, first.model, first.series) from None
     except Exception as e:  # a combination of tags that the checks did not name
         raise UnusableFile("bad_header", f"{type(e).__name__}: {e}", first.manufacturer, first.model) from None
-    return Volume(voxels, spacing, first.manufacturer, first.model, first.path, note)
+    return Volume(voxels, spacing, first.manufacturer, first.model, first.path, note, first.patient, first.study,
+                  first.series, first.laterality)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -951,7 +961,8 @@ def _volume_record(headers: List[Header], identities: Dict[str, str]) -> dict:
     return {"paths": paths, "sources": [identities.get(p, "") for p in paths], "ok": True, "reason": None,
             "detail": None, "manufacturer": first.manufacturer, "model": first.model, "series": first.series,
             "shape": shape, "spacing": list(spacing) if spacing else None, "spacing_issue": note,
-            "patient": first.patient, "transfer_syntax": first.transfer_syntax, "bits": first.bits}
+            "patient": first.patient, "study": first.study, "laterality": first.laterality,
+            "transfer_syntax": first.transfer_syntax, "bits": first.bits}
 
 
 def scan_files(files: Sequence[str], sop_classes: str = "oct", progress: bool = False, threads: int = 8,
