@@ -455,14 +455,19 @@ class PretrainedEncoder(Encoder):
 
 
 def random_encoder(config: dict, seed: int) -> PretrainedEncoder:
-    """A random init of an export's architecture, initialised as pretraining starts (the target encoder of
-    VJEPA3D after torch.manual_seed(seed), as probe.load_model('random') builds it): the floor to beat. The global
-    RNG is left as it was."""
+    """A random init of an export's architecture: the target encoder of a VJEPA3D built after torch.manual_seed(seed),
+    as pretraining starts and as probe.load_model('random') builds it (the same weights, given the export's training
+    config: the predictor's size moves the random stream). The floor to beat; the global RNG is left as it was."""
+    source = config.get("source") or {}
     config = {**{k: v for k, v in config.items() if k != "weights"}, "source": {"encoder": "random init", "seed": seed}}
     encoder = PretrainedEncoder(config)
+    try:
+        cfg = load_config([], **source["training_config"])
+    except (KeyError, TypeError, ConfigError):  # no training config (e.g. a fine-tuned export): the predictor's default
+        cfg = encoder.settings
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        encoder.load_state_dict(VJEPA3D.from_config(encoder.settings).encoder_state_dict())
+        encoder.load_state_dict(VJEPA3D.from_config(cfg).encoder_state_dict())
     return encoder.eval()
 
 

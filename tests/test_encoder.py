@@ -17,29 +17,12 @@ import torch
 from PIL import Image
 
 import encoder as encoder_cli
-import train
 from data import find_files, load_training_volume, scan_files
 from model import ExportError, load_encoder, random_encoder, save_encoder
 from probe import read_model_checkpoint
 from test_probe import one_thread  # noqa: F401 (autouse: tiny models, one thread)
-from test_train import smoke_flags
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="session")
-def trained_checkpoint(tmp_path_factory, smoke_phantoms) -> str:
-    """The last checkpoint of a real 4-update smoke training run."""
-    tmp = tmp_path_factory.mktemp("encoder_run")
-    assert train.main(smoke_flags(tmp, smoke_phantoms, "--max_steps", "4", "--ckpt_every_steps", "4")) == 0
-    return str(tmp / "runs" / "r" / "checkpoints" / "step_0000004.pt")
-
-
-@pytest.fixture(scope="session")
-def export_dir(tmp_path_factory, trained_checkpoint) -> str:
-    out = str(tmp_path_factory.mktemp("export") / "encoder")
-    assert encoder_cli.main(["export", "--ckpt", os.path.dirname(trained_checkpoint), "--out", out]) == 0
-    return out
 
 
 def test_export_then_load_gives_the_training_target_encoders_tokens(export_dir, trained_checkpoint):
