@@ -8,7 +8,7 @@
 Fine-tuning on labelled volumes is finetune.py. An export is a folder: encoder.safetensors (the EMA target encoder,
 keys as model.Encoder) and config.json (format version, architecture, the preprocessing contract, the training-time
 augmentation, the weights' sha256, and where they came from: checkpoint, update, plan, training config). In Python:
-model.load_encoder(DIR), and data.load_training_volume(path, encoder.settings) preprocesses a DICOM file or series
+model.load_encoder(DIR), and data.load_val_sample(path, encoder.settings) preprocesses a DICOM file or series
 as the contract says.
 
 embed writes one row per usable volume to an .npz (numpy only): path (the file, or the folder of a series' files),
@@ -44,13 +44,14 @@ from sklearn.decomposition import PCA
 from tqdm import tqdm
 
 from config import Config, ConfigError, ScriptParser, given_flags, load_config, script_main
-from data import (NoUsableData, UnusableFile, format_reason_table, index_records, load_prepared, to_sample,
-                  write_atomic)
+from data import NoUsableData, index_records, load_prepared, to_sample
+from dicom import UnusableFile, format_reason_table
 from model import (CONFIG_FILE, POOLS, VJEPA3D, ExportError, PretrainedEncoder, export_config, load_encoder,
                    random_encoder, save_encoder)
 from probe import (encode_volumes, fit_attentive, load_labelled_volumes, probe_device, read_model_checkpoint,
                    resolve_checkpoint)
 from runtime import fetch_to_host, setup_runtime, to_device
+from storage import exists, write_atomic
 
 CLI_FIELDS = {"export": (), "embed": ("device", "cache_dir", "workers", "data_root", "manifest_path", "index_path"),
               "show": ("device", "cache_dir", "seed")}
@@ -67,7 +68,7 @@ def export(ckpt: str, out: str, force: bool = False) -> float:
     tokens and the checkpoint's target encoder's on a random batch (ExportError above ROUND_TRIP_TOLERANCE)."""
     path = resolve_checkpoint(ckpt)
     model, cfg, state = read_model_checkpoint(path)
-    if os.path.exists(os.path.join(out, CONFIG_FILE)) and not force:
+    if exists(f"{out.rstrip('/')}/{CONFIG_FILE}") and not force:
         raise ConfigError(f"out: {out} already holds an export; choose another --out, or --force to replace it.")
     source = {"checkpoint": path, "encoder": "target (EMA)", "update": state.get("train_state", {}).get("step"),
               "plan": state.get("plan"), "training_config": state["config"]}

@@ -47,7 +47,8 @@ from sklearn.model_selection import StratifiedGroupKFold
 from tqdm import tqdm
 
 from config import Config, ConfigError, ScriptParser, given_flags, load_config, script_main
-from data import UnusableFile, format_reason_table, prepare, read_volume, to_sample
+from data import resample_and_clip, to_sample
+from dicom import UnusableFile, format_reason_table, read_volume
 from model import PretrainedEncoder, load_encoder, random_encoder, save_encoder
 from probe import (TEST_FRACTION, AttentiveProbe, classification_scores, encode_volumes, interval, probe_device,
                    split_scores, stratified_split)
@@ -60,7 +61,7 @@ PATIENT_COLUMN = "patient"
 
 @dataclass
 class LabelledSet:
-    """Labelled volumes held in memory, preprocessed up to the crop (the cacheable part: data.prepare)."""
+    """Labelled volumes held in memory, preprocessed up to the crop (data.resample_and_clip, the cacheable part)."""
     prepared: List[np.ndarray]  # [d,h,w] uint8/uint16 per volume
     targets: np.ndarray  # [M] class ids, or [M, C] of 0/1 (multilabel)
     classes: List[str]
@@ -132,7 +133,7 @@ def load_labelled_set(labels_csv: str, cfg: Config) -> LabelledSet:
     for i, path in enumerate(tqdm(paths, unit="volume", desc="read", disable=None)):
         try:
             volume = read_volume(path, cfg.sop_classes)
-            prepared.append(prepare(volume, cfg))
+            prepared.append(resample_and_clip(volume, cfg))
         except UnusableFile as e:
             skipped[e.reason] += 1
             continue

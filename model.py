@@ -17,7 +17,6 @@ import copy
 import hashlib
 import json
 import math
-import os
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
@@ -28,6 +27,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from config import Config, ConfigError, load_config
+from storage import read_bytes, write_atomic
 
 
 @dataclass
@@ -354,7 +354,7 @@ CONFIG_FILE, WEIGHTS_FILE = "config.json", "encoder.safetensors"
 ARCHITECTURE_FIELDS = ("image_size", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio")
 PREPROCESSING_FIELDS = ("image_size", "target_spacing", "missing_spacing", "clip_percentiles", "sop_classes")
 AUGMENTATION_FIELDS = ("flip_prob", "intensity_jitter")  # training-time only: fine-tuning uses them
-PREPROCESSING_STEPS = (  # what data.load_training_volume does with the fields above; documentation in config.json
+PREPROCESSING_STEPS = (  # what data.load_val_sample does with the fields above; documentation in config.json
     "read the DICOM volume [D,H,W] (frames, rows = depth, columns)",
     "resample to target_spacing mm (none: resize to image_size), anti-aliased",
     "clip to the volume's own clip_percentiles and map onto the full range of its storage type",
@@ -382,7 +382,7 @@ def export_config(cfg: Config, source: dict) -> dict:
 
 def export_settings(config: dict, where: str = CONFIG_FILE) -> Config:
     """A Config holding an export's architecture, preprocessing and augmentation (the rest at defaults), for
-    data.load_training_volume and fine-tuning. Raises ExportError naming the field that is missing or wrong."""
+    data.load_val_sample and fine-tuning. Raises ExportError naming the field that is missing or wrong."""
     if config.get("format") != EXPORT_FORMAT:
         raise ExportError(f"{where}: format is {config.get('format')!r}, expected {EXPORT_FORMAT!r}; export a "
                           f"checkpoint with `python encoder.py export --ckpt CKPT --out DIR`.")
@@ -425,7 +425,7 @@ def pool_tokens(tokens: torch.Tensor, grid: Sequence[int], pool: str = "mean") -
 
 class PretrainedEncoder(Encoder):
     """An exported encoder: model.Encoder with its export's settings. forward: volume [B,1,D,H,W], preprocessed as
-    `settings` says (data.load_training_volume(path, encoder.settings)), -> tokens [B,N,E]; embed: -> [B,E]
+    `settings` says (data.load_val_sample(path, encoder.settings)), -> tokens [B,N,E]; embed: -> [B,E]
     (pool 'mean') or [B, gh*E] ('axial'). Its state_dict keys are those of encoder.safetensors."""
 
     def __init__(self, config: dict, where: str = CONFIG_FILE):
@@ -476,25 +476,20 @@ def _sha256(payload: bytes) -> str:
 
 
 def save_encoder(state: dict, config: dict, directory: str) -> None:
-    """Write an export: encoder.safetensors (the Encoder state `state`), then config.json with the weights' sha256,
-    each atomically (config.json last: an export without it is incomplete)."""
+    """Write an export to a local or gs:// folder: encoder.safetensors (the Encoder state `state`), then config.json
+    with the weights' sha256, each atomically (config.json last: an export without it is incomplete)."""
     weights = safetensors.torch.save({k: v.detach().cpu().contiguous() for k, v in state.items()},
                                      metadata={"format": EXPORT_FORMAT, "format_version": str(EXPORT_VERSION)})
     config = {**config, "weights": {"file": WEIGHTS_FILE, "sha256": _sha256(weights)}}
-    os.makedirs(directory, exist_ok=True)
-    for name, payload in ((WEIGHTS_FILE, weights), (CONFIG_FILE, (json.dumps(config, indent=2) + "\n").encode())):
-        tmp = os.path.join(directory, f".{name}.tmp-{os.getpid()}")
-        with open(tmp, "wb") as f:
-            f.write(payload)
-        os.replace(tmp, os.path.join(directory, name))
+    write_atomic(f"{directory.rstrip('/')}/{WEIGHTS_FILE}", weights)
+    write_atomic(f"{directory.rstrip('/')}/{CONFIG_FILE}", (json.dumps(config, indent=2) + "\n").encode())
 
 
 def read_export_config(directory: str) -> dict:
     """The config.json of an export; ExportError when it is missing or not JSON."""
-    path = os.path.join(directory, CONFIG_FILE)
+    path = f"{directory.rstrip('/')}/{CONFIG_FILE}"
     try:
-        with open(path) as f:
-            return json.load(f)
+        return json.loads(read_bytes(path))
     except FileNotFoundError:
         raise ExportError(f"{path} not found; export a checkpoint with `python encoder.py export --ckpt CKPT --out "
                           f"{directory}`.") from None
@@ -503,15 +498,14 @@ def read_export_config(directory: str) -> dict:
 
 
 def load_encoder(directory: str) -> PretrainedEncoder:
-    """The encoder exported to `directory`, in eval mode on the CPU. The weights must match config.json exactly:
+    """The encoder exported to `directory` (local or gs://), in eval mode on the CPU. The weights must match config.json exactly:
     their sha256, every key, shape and dtype (strict). Raises ExportError naming the file, key or field otherwise."""
     config = read_export_config(directory)
-    encoder = PretrainedEncoder(config, os.path.join(directory, CONFIG_FILE))
+    encoder = PretrainedEncoder(config, f"{directory.rstrip('/')}/{CONFIG_FILE}")
     weights = config.get("weights") or {}
-    path = os.path.join(directory, WEIGHTS_FILE)
+    path = f"{directory.rstrip('/')}/{WEIGHTS_FILE}"
     try:
-        with open(path, "rb") as f:
-            payload = f.read()
+        payload = read_bytes(path)
     except FileNotFoundError:
         raise ExportError(f"{path} not found (config.json without its weights: copy the whole export folder).") \
             from None

@@ -17,7 +17,8 @@ import torch
 from PIL import Image
 
 import encoder as encoder_cli
-from data import find_files, load_training_volume, scan_files
+from data import load_val_sample
+from dicom import find_files, scan_files
 from model import ExportError, load_encoder, random_encoder, save_encoder
 from probe import read_model_checkpoint
 from test_probe import one_thread  # noqa: F401 (autouse: tiny models, one thread)
@@ -146,7 +147,7 @@ def test_embed_writes_a_row_per_volume_with_its_identity_and_the_reason_for_each
     assert not (tmp_path / "emb.npz.partial").exists()
     # each row is what the plain-Python route (README) gives for that path
     for i in (0, 7):
-        volume = load_training_volume(str(table["path"][i]), encoder.settings)[None]
+        volume = load_val_sample(str(table["path"][i]), encoder.settings)[None]
         np.testing.assert_allclose(table["embedding"][i], encoder.embed(volume)[0].detach().numpy(), atol=1e-6)
     assert "truncated" in capsys.readouterr().out
 
