@@ -11,12 +11,15 @@ Labels: probe.py's CSV (paths relative to the CSV's folder; a series folder is o
                            DICOM PatientID, else the file), so that no patient is on two sides of a split
 
 Modes: `frozen` runs probe.py's probes (probe.split_scores: logistic regression on mean-pooled tokens, attentive
-probe; the budget probe.py uses) on the frozen encoder; `full` trains the whole encoder with an attentive head
-(probe.AttentiveProbe): AdamW, layer-wise LR decay (block i of L at lr * layer_decay ** (L - i), the patch embedding
-at lr * layer_decay ** (L + 1), head and final norm at lr), one warmup epoch then cosine, the augmentation the
-encoder was pretrained with (random crop, flip, intensity jitter), early stopping on the loss of a validation part
-of each fold's training patients (--val_fraction) with --patience epochs; the weights of its best epoch are tested
-and kept. Multi-label: one probe per class (frozen), a sigmoid head (full); scores are means over the classes.
+probe; the budget probe.py uses) on the frozen encoder. `full` fine-tunes the whole encoder, starting from those
+attentive probes (linear probing, then fine-tuning: a fresh head trained in batches of 8 did not even fit the
+training volumes of the labelled phantoms, see README): AdamW, layer-wise LR decay (block i of L at
+lr * layer_decay ** (L - i), the patch embedding at lr * layer_decay ** (L + 1), heads and final norm at lr), one
+warmup epoch then cosine, the augmentation the encoder was pretrained with (crop jitter, flip, intensity jitter),
+early stopping on the loss of a validation part of each fold's training patients (--val_fraction) after --patience
+epochs without a better one; the weights of the best epoch (0: the probes on the frozen encoder) are tested and
+kept. Multi-label: a binary probe per class (frozen), a binary attentive head per class (full); scores are means
+over the classes.
 
 Splits: `kfold` (default): scikit-learn's StratifiedGroupKFold over patients (no patient in two folds), repeated
 --repeats times with other shuffles. `probe`: probe.py's volume-level splits (seed r for repeat r, 40% held out), for
@@ -24,9 +27,10 @@ comparing with probe.py's numbers (patients may then be on both sides). Scores p
 and balanced accuracy, with mean and 95% t-interval over all folds; --vs_random runs a random init of the same
 architecture with the same splits, seeds and budget and adds the paired differences (pretrained - random).
 
-Writes OUT/report.json and, per fold of the fine-tuned export, OUT/full/r{repeat}_f{fold}/: config.json and
-encoder.safetensors (model.load_encoder reads them), head.safetensors (probe.AttentiveProbe(E, classes)) and
-fold.json (classes, task, the fold's paths, scores, epochs). The config flags that apply: device, seed.
+Writes OUT/report.json and, per fold of the export's full fine-tuning, OUT/full/r{repeat}_f{fold}/: config.json
+and encoder.safetensors (model.load_encoder reads them), heads.safetensors (the heads of finetune.Classifier) and
+fold.json (classes, task, the paths of each part, scores, the loss of every epoch). The config flags that apply:
+device, seed (splits, probes, heads and the random init follow from it).
 """
 import copy
 import csv
@@ -50,8 +54,8 @@ from config import Config, ConfigError, ScriptParser, given_flags, load_config, 
 from data import resample_and_clip, to_sample
 from dicom import UnusableFile, format_reason_table, read_volume
 from model import PretrainedEncoder, load_encoder, random_encoder, save_encoder
-from probe import (TEST_FRACTION, AttentiveProbe, classification_scores, encode_volumes, interval, probe_device,
-                   split_scores, stratified_split)
+from probe import (TEST_FRACTION, AttentiveProbe, classification_scores, encode_volumes, fit_attentive, interval,
+                   probe_device, split_scores, stratified_split)
 from train import cosine_ramp
 
 CLI_FIELDS = ("device", "seed")
@@ -82,11 +86,11 @@ class LabelledSet:
 class FullSettings:
     """The budget and optimizer of full fine-tuning (the same for every encoder compared)."""
     epochs: int = 30
-    lr: float = 5e-4
+    lr: float = 3e-4
     layer_decay: float = 0.75
     weight_decay: float = 0.05
     batch_size: int = 8
-    patience: int = 5
+    patience: int = 8
     val_fraction: float = 0.2
 
 
@@ -217,19 +221,33 @@ def frozen_fold(tokens: torch.Tensor, data: LabelledSet, train_idx, test_idx, se
 # ----------------------------------------------------------------------------------------------------------
 
 class Classifier(torch.nn.Module):
-    """An encoder with an attentive head: volume [B,1,D,H,W] -> tokens [B,N,E] -> logits [B,C]."""
+    """An encoder with attentive heads (probe.AttentiveProbe): volume [B,1,D,H,W] -> tokens [B,N,E] -> logits [B,C].
+    One head over the classes, or (multilabel) one binary head per class, whose two logits' difference is the
+    class's log-odds."""
 
-    def __init__(self, encoder: PretrainedEncoder, classes: int):
+    def __init__(self, encoder: PretrainedEncoder, heads: List[AttentiveProbe], multilabel: bool):
         super().__init__()
-        self.encoder = encoder
-        self.head = AttentiveProbe(encoder.embed_dim, classes)
+        self.encoder, self.heads, self.multilabel = encoder, torch.nn.ModuleList(heads), multilabel
 
     def forward(self, volume: torch.Tensor) -> torch.Tensor:
-        return self.head(self.encoder(volume))
+        tokens = self.encoder(volume)  # [B, N, E]
+        if not self.multilabel:
+            return self.heads[0](tokens)
+        logits = [head(tokens) for head in self.heads]  # C x [B, 2]
+        return torch.stack([two[:, 1] - two[:, 0] for two in logits], dim=1)  # [B, C]
+
+
+def probe_heads(tokens: torch.Tensor, data: LabelledSet, fit_idx: np.ndarray, seed: int) -> List[AttentiveProbe]:
+    """probe.py's attentive probe trained on the frozen tokens [M,N,E] of data[fit_idx] (multilabel: one binary probe
+    per class): where full fine-tuning starts from (linear probing, then fine-tuning)."""
+    targets = data.targets[fit_idx]
+    if data.task != "multilabel":
+        return [fit_attentive(tokens[fit_idx], torch.from_numpy(targets).long(), len(data.classes), seed)]
+    return [fit_attentive(tokens[fit_idx], torch.from_numpy(t).long(), 2, seed) for t in targets.T]
 
 
 def layer_decay_groups(model: Classifier, settings: FullSettings) -> List[dict]:
-    """AdamW parameter groups with layer-wise LR decay: depth L+1 (head, final norm) at lr, block i at
+    """AdamW parameter groups with layer-wise LR decay: depth L+1 (heads, final norm) at lr, block i at
     lr * layer_decay ** (L - i), the patch embedding at lr * layer_decay ** (L + 1); weight decay on weight matrices
     and kernels only. Each group's 'lr_scale' multiplies the scheduled LR."""
     depth = len(model.encoder.blocks)
@@ -265,20 +283,23 @@ def predict(model: Classifier, data: LabelledSet, idx: np.ndarray, cfg: Config, 
     return probs.numpy(), float(loss_of(logits, targets, data.task))
 
 
-def finetune_fold(encoder: PretrainedEncoder, data: LabelledSet, fit_idx: np.ndarray, val_idx: np.ndarray,
-                  cfg: Config, settings: FullSettings, seed: int, device) -> Tuple[Classifier, dict]:
-    """Train a copy of the encoder with a new head on data[fit_idx] until the validation loss on data[val_idx] has not
-    improved for `patience` epochs (or `epochs` ran); returns the model at its best epoch and the training log."""
+def finetune_fold(encoder: PretrainedEncoder, tokens: torch.Tensor, data: LabelledSet, fit_idx: np.ndarray,
+                  val_idx: np.ndarray, cfg: Config, settings: FullSettings, seed: int, device) -> Tuple[Classifier, dict]:
+    """Fine-tune a copy of the encoder with attentive heads, first fitted on its frozen tokens [M,N,E] (probe_heads),
+    on data[fit_idx] until the validation loss on data[val_idx] has not improved for `patience` epochs (or `epochs`
+    ran); returns the model at its best epoch (0: the probe heads on the frozen encoder) and the training log."""
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
-    model = Classifier(copy.deepcopy(encoder), len(data.classes)).to(device)
+    model = Classifier(copy.deepcopy(encoder), probe_heads(tokens, data, fit_idx, seed), data.task == "multilabel")
+    model.to(device)
     groups = layer_decay_groups(model, settings)
     optimizer = torch.optim.AdamW(groups, lr=settings.lr)
     steps_per_epoch = math.ceil(len(fit_idx) / settings.batch_size)
     total = settings.epochs * steps_per_epoch
-    best = {"val_loss": math.inf, "epoch": -1, "state": None}
-    step, history = 0, []
-    for epoch in range(settings.epochs):
+    val_loss = predict(model, data, val_idx, cfg, settings.batch_size, device)[1]
+    best = {"val_loss": val_loss, "epoch": 0, "state": copy.deepcopy(model.state_dict())}
+    step, history = 0, [{"epoch": 0, "train_loss": None, "val_loss": val_loss}]
+    for epoch in range(1, settings.epochs + 1):
         model.train()
         order = rng.permutation(fit_idx)
         losses = []
@@ -297,27 +318,27 @@ def finetune_fold(encoder: PretrainedEncoder, data: LabelledSet, fit_idx: np.nda
             step += 1
             losses.append(float(loss.detach()))
         val_loss = predict(model, data, val_idx, cfg, settings.batch_size, device)[1]
-        history.append({"epoch": epoch + 1, "train_loss": float(np.mean(losses)), "val_loss": val_loss})
+        history.append({"epoch": epoch, "train_loss": float(np.mean(losses)), "val_loss": val_loss})
         if val_loss < best["val_loss"]:
             best = {"val_loss": val_loss, "epoch": epoch, "state": copy.deepcopy(model.state_dict())}
         elif epoch - best["epoch"] >= settings.patience:
             break
     model.load_state_dict(best["state"])
-    return model, {"epochs": epoch + 1, "best_epoch": best["epoch"] + 1, "val_loss": best["val_loss"],
-                   "history": history}
+    return model, {"epochs": epoch, "best_epoch": best["epoch"], "val_loss": best["val_loss"], "history": history}
 
 
 def save_fold(model: Classifier, encoder: PretrainedEncoder, data: LabelledSet, fold: dict, parts: dict,
               directory: str, source: dict) -> None:
-    """A fold's fine-tuned model: an export of its encoder (load_encoder reads it), head.safetensors and fold.json
+    """A fold's fine-tuned model: an export of its encoder (load_encoder reads it), heads.safetensors and fold.json
     (classes, task, the paths of each part, scores and training log)."""
     config = {k: v for k, v in encoder.config.items() if k != "weights"}
     save_encoder(model.encoder.state_dict(), {**config, "source": {**source, "encoder": "fine-tuned (full)",
                                                                    "pretrained": encoder.config["source"]}}, directory)
-    safetensors.torch.save_file({k: v.detach().cpu().contiguous() for k, v in model.head.state_dict().items()},
-                                os.path.join(directory, "head.safetensors"))
-    record = {"classes": data.classes, "task": data.task, "head": f"probe.AttentiveProbe({encoder.embed_dim}, "
-              f"{len(data.classes)})", **fold, **{f"{part}_paths": [data.paths[i] for i in idx]
+    safetensors.torch.save_file({k: v.detach().cpu().contiguous() for k, v in model.heads.state_dict().items()},
+                                os.path.join(directory, "heads.safetensors"))
+    outputs = 2 if model.multilabel else len(data.classes)
+    record = {"classes": data.classes, "task": data.task, "heads": f"{len(model.heads)} x probe.AttentiveProbe("
+              f"{encoder.embed_dim}, {outputs}) (finetune.Classifier)", **fold, **{f"{part}_paths": [data.paths[i] for i in idx]
                                                     for part, idx in parts.items()}}
     with open(os.path.join(directory, "fold.json"), "w") as f:
         json.dump(record, f, indent=1)
@@ -351,8 +372,8 @@ def run_arm(arm: str, encoder: PretrainedEncoder, data: LabelledSet, splits: Lis
     (probe.split_scores) and full fine-tuning. save: {'directory', 'source'} to keep each fold's fine-tuned model
     (save_fold)."""
     results: Dict[str, List[dict]] = {}
+    tokens = encode_volumes(encoder.to(device), model_inputs(data, range(len(data.paths)), cfg), device).cpu()
     if "frozen" in modes:
-        tokens = encode_volumes(encoder.to(device), model_inputs(data, range(len(data.paths)), cfg), device).cpu()
         for s in splits:
             train_idx, test_idx = s["split"]
             for probe, scores in frozen_fold(tokens, data, train_idx, test_idx, s["seed"]).items():
@@ -362,7 +383,7 @@ def run_arm(arm: str, encoder: PretrainedEncoder, data: LabelledSet, splits: Lis
         for s in tqdm(splits, unit="fold", desc="fine-tune", disable=None):
             train_idx, test_idx = s["split"]
             fit_idx, val_idx = validation_split(data, train_idx, settings.val_fraction, s["seed"])
-            model, log = finetune_fold(encoder, data, fit_idx, val_idx, cfg, settings, s["seed"], device)
+            model, log = finetune_fold(encoder, tokens, data, fit_idx, val_idx, cfg, settings, s["seed"], device)
             probs, _ = predict(model, data, test_idx, cfg, settings.batch_size, device)
             fold = {"repeat": s["repeat"], "fold": s["fold"], "train": len(fit_idx), "val": len(val_idx),
                     "test": len(test_idx), **task_scores(probs, data.targets[test_idx], data.task), **log}

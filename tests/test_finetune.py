@@ -13,6 +13,7 @@ import torch
 import finetune
 import probe
 from model import load_encoder, random_encoder
+from probe import AttentiveProbe
 from test_probe import one_thread  # noqa: F401 (autouse: tiny models, one thread)
 
 
@@ -69,7 +70,8 @@ def test_patient_folds_keep_each_patient_on_one_side_and_every_class_in_each_tes
 
 
 def test_layer_wise_lr_decay_gives_deeper_layers_larger_steps_and_spares_norms_and_biases(export_dir):
-    model = finetune.Classifier(load_encoder(export_dir), 3)
+    encoder = load_encoder(export_dir)
+    model = finetune.Classifier(encoder, [AttentiveProbe(encoder.embed_dim, 3)], multilabel=False)
     groups = finetune.layer_decay_groups(model, finetune.FullSettings(layer_decay=0.5, weight_decay=0.05))
     scale = {id(p): g["lr_scale"] for g in groups for p in g["params"]}
     decay = {id(p): g["weight_decay"] for g in groups for p in g["params"]}
@@ -78,7 +80,7 @@ def test_layer_wise_lr_decay_gives_deeper_layers_larger_steps_and_spares_norms_a
     assert scale[id(named["encoder.patch_embed.weight"])] == 0.5 ** 3  # 2 blocks: embedding, blocks, head
     assert scale[id(named["encoder.blocks.0.attn.qkv.weight"])] == 0.5 ** 2
     assert scale[id(named["encoder.blocks.1.attn.qkv.weight"])] == 0.5
-    assert scale[id(named["encoder.norm.weight"])] == scale[id(named["head.head.weight"])] == 1.0
+    assert scale[id(named["encoder.norm.weight"])] == scale[id(named["heads.0.head.weight"])] == 1.0
     assert decay[id(named["encoder.blocks.1.mlp.fc1.weight"])] == 0.05
     assert decay[id(named["encoder.blocks.1.mlp.fc1.bias"])] == decay[id(named["encoder.norm.weight"])] == 0.0
 
@@ -94,12 +96,14 @@ def test_full_finetuning_keeps_each_folds_best_model_which_loads_and_scores_as_r
     patients = {row["path"]: row["patient"] for row in csv.DictReader(open(binary_labels))}
     for f in folds:
         assert f["best_epoch"] <= f["epochs"] <= min(4, f["best_epoch"] + 1)  # stopped 1 epoch after its best, or at 4
+        assert [h["epoch"] for h in f["history"]] == list(range(f["epochs"] + 1))  # epoch 0: the probe heads alone
         saved = json.loads((out / "full" / f"r0_f{f['fold']}" / "fold.json").read_text())
         parts = [{patients[p] for p in saved[f"{part}_paths"]} for part in ("train", "val", "test")]
         assert not (parts[0] & parts[1] or parts[0] & parts[2] or parts[1] & parts[2])
     directory = out / "full" / "r0_f1"
-    model = finetune.Classifier(load_encoder(str(directory)), 2)
-    model.head.load_state_dict(safetensors.torch.load_file(directory / "head.safetensors"))
+    encoder = load_encoder(str(directory))
+    model = finetune.Classifier(encoder, [AttentiveProbe(encoder.embed_dim, 2)], multilabel=False)
+    model.heads.load_state_dict(safetensors.torch.load_file(directory / "heads.safetensors"))
     data = finetune.load_labelled_set(binary_labels, model.encoder.settings)
     saved = json.loads((directory / "fold.json").read_text())
     test = np.array([data.paths.index(p) for p in saved["test_paths"]])
