@@ -368,8 +368,8 @@ def _header(ds: pydicom.Dataset, path: str, sop_classes: str) -> Header:
                   ds.file_meta.TransferSyntaxUID.name, str(ds.get("SOPInstanceUID", "") or ""),
                   str(ds.get("SeriesInstanceUID", "") or path), _patient_key(ds, path),
                   str(ds.get("StudyInstanceUID", "") or ""),
-                  str(ds.get("ImageLaterality", "") or ds.get("Laterality", "") or "").strip().upper(), slope, intercept,
-                  geometry,
+                  str(ds.get("ImageLaterality", "") or ds.get("Laterality", "") or "").strip().upper(),
+                  slope, intercept, geometry,
                   None if flag is None else str(flag).upper(), pixel_spacing, slice_spacing, spacing_error)
 
 

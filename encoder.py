@@ -230,8 +230,9 @@ def embed(encoder_dir: str, out: str, cli: Config, pool: str = "mean", batch_siz
     """Embed every usable volume of cli's data_root / manifest_path (with its device, cache_dir, workers,
     index_path) with an export and write `out` (.npz); returns its arrays and how many volumes were computed now.
     Resumes from out.partial/ (see embed_records), removed once `out` is written."""
-    if not out.endswith(".npz"):
-        raise ConfigError(f"out: {out} must end in .npz (one array per column; np.load reads it).")
+    if not out.endswith(".npz") or out.startswith("gs://"):
+        raise ConfigError(f"out: {out} must be a local file ending in .npz (one array per column; np.load reads it); "
+                          f"copy it to a bucket afterwards.")
     if os.path.exists(out):
         raise ConfigError(f"out: {out} exists; choose another --out or delete it (nothing is overwritten).")
     if cli.data_root is None and cli.manifest_path is None:
@@ -308,7 +309,7 @@ def draw_volume_row(axes, volume: np.ndarray, look: dict, s: int, slab: int, pat
                       interpolation="nearest")
         ax.set_xticks([])
         ax.set_yticks([])
-    axes[0].set_title(f"B-scan {frame} of {D}", fontsize=8, loc="left")
+    axes[0].set_xlabel(f"B-scan {frame} of {D}", fontsize=8)
 
 
 def show(encoder_dir: str, labels_csv: str, out: str, cli: Config, vs_random: bool = True) -> None:

@@ -194,8 +194,9 @@ def check_fold(data: LabelledSet, idx: np.ndarray, what: str) -> None:
     else:
         bad = [c for i, c in enumerate(data.classes) if not (data.targets[idx] == i).any()]
     if bad:
-        raise ConfigError(f"folds: the {what} of a fold has {'no' if data.task != 'multilabel' else 'only one value of'}"
-                          f" class {bad[0]} ({len(idx)} volumes); use fewer --folds or label more patients.")
+        lacks = "only one value of" if data.task == "multilabel" else "no"
+        raise ConfigError(f"folds: the {what} of a fold has {lacks} class {bad[0]} ({len(idx)} volumes); use fewer "
+                          f"--folds or label more patients.")
 
 
 def task_scores(probs: np.ndarray, targets: np.ndarray, task: str) -> dict:
@@ -258,7 +259,8 @@ def layer_decay_groups(model: Classifier, settings: FullSettings) -> List[dict]:
         else:
             layer = 0 if name.startswith("encoder.patch_embed") else depth + 1
         decay = p.ndim >= 2
-        group = groups.setdefault((layer, decay), {"params": [], "lr_scale": settings.layer_decay ** (depth + 1 - layer),
+        group = groups.setdefault((layer, decay), {"params": [],
+                                                   "lr_scale": settings.layer_decay ** (depth + 1 - layer),
                                                    "weight_decay": settings.weight_decay if decay else 0.0})
         group["params"].append(p)
     return list(groups.values())
@@ -284,7 +286,8 @@ def predict(model: Classifier, data: LabelledSet, idx: np.ndarray, cfg: Config, 
 
 
 def finetune_fold(encoder: PretrainedEncoder, tokens: torch.Tensor, data: LabelledSet, fit_idx: np.ndarray,
-                  val_idx: np.ndarray, cfg: Config, settings: FullSettings, seed: int, device) -> Tuple[Classifier, dict]:
+                  val_idx: np.ndarray, cfg: Config, settings: FullSettings, seed: int,
+                  device) -> Tuple[Classifier, dict]:
     """Fine-tune a copy of the encoder with attentive heads, first fitted on its frozen tokens [M,N,E] (probe_heads),
     on data[fit_idx] until the validation loss on data[val_idx] has not improved for `patience` epochs (or `epochs`
     ran); returns the model at its best epoch (0: the probe heads on the frozen encoder) and the training log."""
@@ -337,9 +340,9 @@ def save_fold(model: Classifier, encoder: PretrainedEncoder, data: LabelledSet, 
     safetensors.torch.save_file({k: v.detach().cpu().contiguous() for k, v in model.heads.state_dict().items()},
                                 os.path.join(directory, "heads.safetensors"))
     outputs = 2 if model.multilabel else len(data.classes)
-    record = {"classes": data.classes, "task": data.task, "heads": f"{len(model.heads)} x probe.AttentiveProbe("
-              f"{encoder.embed_dim}, {outputs}) (finetune.Classifier)", **fold, **{f"{part}_paths": [data.paths[i] for i in idx]
-                                                    for part, idx in parts.items()}}
+    heads = f"{len(model.heads)} x probe.AttentiveProbe({encoder.embed_dim}, {outputs}) (finetune.Classifier)"
+    record = {"classes": data.classes, "task": data.task, "heads": heads, **fold,
+              **{f"{part}_paths": [data.paths[i] for i in idx] for part, idx in parts.items()}}
     with open(os.path.join(directory, "fold.json"), "w") as f:
         json.dump(record, f, indent=1)
 
@@ -353,7 +356,8 @@ def fold_splits(data: LabelledSet, splits: str, folds: int, repeats: int, seed: 
     patient_folds with shuffle seed+repeat; probe: probe.py's stratified_split of seed `repeat` (its seeds)."""
     if splits == "probe":
         if data.task == "multilabel":
-            raise ConfigError("splits: probe.py's splits take one class per volume; use --splits kfold for multi-label.")
+            raise ConfigError("splits: probe.py's splits take one class per volume; use --splits kfold for "
+                              "multi-label.")
         return [{"repeat": r, "fold": 0, "seed": r, "split": stratified_split(data.targets, TEST_FRACTION, r)}
                 for r in range(repeats)]
     out = []
@@ -388,8 +392,9 @@ def run_arm(arm: str, encoder: PretrainedEncoder, data: LabelledSet, splits: Lis
             fold = {"repeat": s["repeat"], "fold": s["fold"], "train": len(fit_idx), "val": len(val_idx),
                     "test": len(test_idx), **task_scores(probs, data.targets[test_idx], data.task), **log}
             results.setdefault("full", []).append(fold)
-            print(f"{arm}, full fine-tuning, repeat {s['repeat']} fold {s['fold']}: AUROC {fold['auroc']:.3f}, balanced "
-                  f"accuracy {fold['balanced_accuracy']:.3f}, {log['epochs']} epochs (best {log['best_epoch']})",
+            print(f"{arm}, full fine-tuning, repeat {s['repeat']} fold {s['fold']}: AUROC {fold['auroc']:.3f}, "
+                  f"balanced accuracy {fold['balanced_accuracy']:.3f}, {log['epochs']} epochs "
+                  f"(best {log['best_epoch']})",
                   file=sys.stderr)
             if save:
                 save_fold(model, encoder, data, fold, {"train": fit_idx, "val": val_idx, "test": test_idx},

@@ -436,7 +436,8 @@ class PretrainedEncoder(Encoder):
         self.embed_dim = s.embed_dim
 
     def forward(self, volume: torch.Tensor, keep_idx: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """volume [B,1,D,H,W] -> tokens [B,N,E] (or [B*M,K,E] for keep_idx, as Encoder.forward); the shape is checked."""
+        """volume [B,1,D,H,W] -> tokens [B,N,E] (or [B*M,K,E] for keep_idx, as Encoder.forward); the shape is
+        checked."""
         check_volume(volume, self.image_size)
         return super().forward(volume, keep_idx)
 
@@ -498,8 +499,9 @@ def read_export_config(directory: str) -> dict:
 
 
 def load_encoder(directory: str) -> PretrainedEncoder:
-    """The encoder exported to `directory` (local or gs://), in eval mode on the CPU. The weights must match config.json exactly:
-    their sha256, every key, shape and dtype (strict). Raises ExportError naming the file, key or field otherwise."""
+    """The encoder exported to `directory` (local or gs://), in eval mode on the CPU. The weights must match
+    config.json exactly: their sha256, every key, shape and dtype (strict). Raises ExportError naming the file, key or
+    field otherwise."""
     config = read_export_config(directory)
     encoder = PretrainedEncoder(config, f"{directory.rstrip('/')}/{CONFIG_FILE}")
     weights = config.get("weights") or {}
@@ -517,9 +519,9 @@ def load_encoder(directory: str) -> PretrainedEncoder:
     expected = encoder.state_dict()
     missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
     if missing or unexpected:
-        raise ExportError(f"{path}: " + (f"key {missing[0]} is missing" if missing else f"unexpected key {unexpected[0]}")
-                          + f" for the architecture in {CONFIG_FILE} ({encoder.settings.depth} blocks of width "
-                          f"{encoder.settings.embed_dim}).")
+        problem = f"key {missing[0]} is missing" if missing else f"unexpected key {unexpected[0]}"
+        raise ExportError(f"{path}: {problem} for the architecture in {CONFIG_FILE} ({encoder.settings.depth} blocks "
+                          f"of width {encoder.settings.embed_dim}).")
     for key, tensor in tensors.items():
         if tensor.shape != expected[key].shape or tensor.dtype != expected[key].dtype:
             raise ExportError(f"{path}: key {key} is {tensor.dtype} {list(tensor.shape)}, the architecture in "
