@@ -1,0 +1,33 @@
+import sys, time, copy, numpy as np, torch
+sys.path.insert(0, "/work/wt/issue24")
+import finetune, probe
+from model import load_encoder
+E = "/work/wt/issue24-exp"
+enc = load_encoder(f"{E}/enc-s0")
+cfg = enc.settings
+data = finetune.load_labelled_set(f"{E}/data/phantoms_learn_probe/labels.csv", cfg)
+(tr, te) = finetune.patient_folds(data, 5, 0)[1]
+fit, val = finetune.validation_split(data, tr, 0.2, 1)
+orig_inputs = finetune.model_inputs
+mode = sys.argv[4]
+if mode in ("noaug", "lp_noaug"):
+    finetune.model_inputs = lambda data, idx, cfg, rng=None: orig_inputs(data, idx, cfg, None)
+if mode == "noshift":
+    from dataclasses import replace
+    import data as datamod
+    datamod.AXIAL_JITTER = 0.0
+if mode.startswith("lp"):
+    tokens = probe.encode_volumes(enc, orig_inputs(data, range(len(data.paths)), cfg), "cpu")
+    head = probe.fit_attentive(tokens[fit], torch.from_numpy(data.targets[fit]).long(), 3, 1)
+    orig = finetune.Classifier.__init__
+    def init(self, encoder, classes):
+        orig(self, encoder, classes)
+        self.head.load_state_dict(head.state_dict())
+    finetune.Classifier.__init__ = init
+for lr in map(float, sys.argv[1].split(",")):
+    s = finetune.FullSettings(epochs=int(sys.argv[2]), lr=lr, patience=100, layer_decay=float(sys.argv[3]))
+    t = time.time()
+    model, log = finetune.finetune_fold(enc, data, fit, val, cfg, s, 1, "cpu")
+    probs, _ = finetune.predict(model, data, te, cfg, 8, "cpu")
+    print(mode, lr, finetune.task_scores(probs, data.targets[te], data.task), "best", log["best_epoch"], f"{time.time()-t:.0f}s", flush=True)
+    print("  ", [(h["epoch"], round(h["train_loss"], 3), round(h["val_loss"], 3)) for h in log["history"]], flush=True)
