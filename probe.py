@@ -351,7 +351,7 @@ def read_model_checkpoint(ckpt: str) -> Tuple[VJEPA3D, Config, dict]:
         model = VJEPA3D.from_config(ckpt_cfg)
         model.load_state_dict(state["model"])
     except (ConfigError, RuntimeError, TypeError) as e:
-        raise ConfigError(f"ckpt: {ckpt} does not fit this version of config.py/model.py ({e}); probe it with the "
+        raise ConfigError(f"ckpt: {ckpt} does not fit this version of config.py/model.py ({e}); read it with the "
                           f"octjepa version that wrote it.") from None
     return model, ckpt_cfg, state
 
