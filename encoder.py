@@ -338,7 +338,7 @@ def show(encoder_dir: str, labels_csv: str, out: str, cli: Config, vs_random: bo
             row = axes[i * len(arms) + j]
             draw_volume_row(row, volumes[s, 0].numpy(), look, i, slab, encoder.settings.patch_size[0])
             row[0].set_ylabel(f"{arm}\n{classes[labels[s]]}, p={look['prob'][i]:.2f}", fontsize=9)
-    fig.suptitle(f"{os.path.basename(os.path.abspath(encoder_dir))}: one volume per class of {len(labels)} labelled "
+    fig.suptitle(f"{encoder_dir}: one volume per class of {len(labels)} labelled "
                  f"volumes; p = the probe's held-out probability of its class", fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=90)
