@@ -45,7 +45,8 @@ from tqdm import tqdm
 
 from config import Config, ConfigError, ScriptParser, given_flags, load_config, script_main
 from data import NoUsableData, index_records, load_prepared, to_sample
-from dicom import UnusableFile, format_reason_table
+from dicom import UnusableFile
+from index import format_reason_table
 from model import (CONFIG_FILE, POOLS, VJEPA3D, ExportError, PretrainedEncoder, export_config, load_encoder,
                    random_encoder, save_encoder)
 from probe import (encode_volumes, fit_attentive, load_labelled_volumes, probe_device, read_model_checkpoint,

@@ -52,7 +52,8 @@ from tqdm import tqdm
 
 from config import Config, ConfigError, ScriptParser, given_flags, load_config, script_main
 from data import resample_and_clip, to_sample
-from dicom import UnusableFile, format_reason_table, read_volume
+from dicom import UnusableFile, read_volume
+from index import format_reason_table
 from model import PretrainedEncoder, load_encoder, random_encoder, save_encoder
 from probe import (TEST_FRACTION, AttentiveProbe, classification_scores, encode_volumes, fit_attentive, interval,
                    probe_device, split_scores, stratified_split)

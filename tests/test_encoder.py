@@ -18,7 +18,7 @@ from PIL import Image
 
 import encoder as encoder_cli
 from data import load_val_sample
-from dicom import find_files, scan_files
+from index import find_files, scan_files
 from model import ExportError, load_encoder, random_encoder, save_encoder
 from probe import read_model_checkpoint
 from test_probe import one_thread  # noqa: F401 (autouse: tiny models, one thread)
