@@ -1,7 +1,8 @@
 """Markdown tables of the README's fine-tuning results from finetune.py reports (experiments/finetune.sh):
-    python experiments/finetune_table.py REPORT_WITH_RANDOM.json [REPORT.json ...]
-The first report must hold the random init (--vs_random); every report must have the same folds (the same labels,
---seed, --folds and --repeats), so that each encoder is compared with the random init fold by fold."""
+    python experiments/finetune_table.py RANDOM.json REPORT.json [REPORT.json ...]
+RANDOM.json is the report of finetune.py on an export of the random init (model.random_encoder), the others of the
+pretrained encoders; all must have the same folds (the same labels, --seed, --folds and --repeats), so that each
+encoder is compared with the random init fold by fold."""
 import json
 import sys
 from pathlib import Path
@@ -12,10 +13,10 @@ from probe import interval  # noqa: E402
 MODES = ("mean_pool", "attentive", "full")
 
 
-def cell(values) -> str:
-    iv = interval(values)
-    return f"{iv['mean']:+.3f} [{iv['low']:+.3f}, {iv['high']:+.3f}]" if min(values) < 0 else \
-        f"{iv['mean']:.3f} [{iv['low']:.3f}, {iv['high']:.3f}]"
+def cell(values, signed: bool = False) -> str:
+    """mean [95% t-interval] of `values`; signed: with + or - (differences)."""
+    iv, sign = interval(values), "+" if signed else ""
+    return f"{iv['mean']:{sign}.3f} [{iv['low']:{sign}.3f}, {iv['high']:{sign}.3f}]"
 
 
 def scores(arm: dict, mode: str, metric: str) -> list:
@@ -28,16 +29,17 @@ def folds(arm: dict) -> list:
 
 def main(paths) -> None:
     reports = [json.loads(Path(p).read_text()) for p in paths]
-    random = reports[0]["arms"]["random init"]
+    random = reports[0]["arms"]["encoder"]
     for metric in ("auroc", "balanced_accuracy"):
         print(f"\n{metric} per fold, mean [95% t-interval over folds]\n")
         print("| encoder | mean-pool probe | attentive probe | full fine-tuning | full - attentive (paired) |")
         print("|---|---|---|---|---|")
-        rows = [(Path(p).stem, r["arms"]["encoder"]) for p, r in zip(paths, reports)] + [("random init", random)]
+        rows = [(Path(p).stem.removeprefix("finetune_"), r["arms"]["encoder"]) for p, r in zip(paths[1:], reports[1:])]
+        rows.append(("random init", random))
         for name, arm in rows:
             assert folds(arm) == folds(random), f"{name}: other folds than the random init's"
             gain = [a - b for a, b in zip(scores(arm, "full", metric), scores(arm, "attentive", metric))]
-            print(f"| {name} | " + " | ".join(cell(scores(arm, m, metric)) for m in MODES) + f" | {cell(gain)} |")
+            print(f"| {name} | " + " | ".join(cell(scores(arm, m, metric)) for m in MODES) + f" | {cell(gain, True)} |")
         print("\npretrained - random init, paired by fold\n")
         print("| encoder | mean-pool probe | attentive probe | full fine-tuning |")
         print("|---|---|---|---|")
@@ -47,11 +49,11 @@ def main(paths) -> None:
             for m in MODES:
                 differences = [a - b for a, b in zip(scores(arm, m, metric), scores(random, m, metric))]
                 pooled[m].append(sum(differences) / len(differences))
-                cells.append(cell(differences))
+                cells.append(cell(differences, True))
             print(f"| {name} | " + " | ".join(cells) + " |")
         if len(rows) > 2:
             print(f"| mean of the {len(rows) - 1} pretraining seeds (interval over seeds) | "
-                  + " | ".join(cell(pooled[m]) for m in MODES) + " |")
+                  + " | ".join(cell(pooled[m], True) for m in MODES) + " |")
 
 
 if __name__ == "__main__":
