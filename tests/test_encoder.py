@@ -216,7 +216,7 @@ def test_show_draws_pretrained_and_random_features_and_attention(export_dir, pha
 def readme_snippet() -> str:
     """The Python block of the README's section on loading an exported encoder."""
     text = (REPO / "README.md").read_text()
-    section = text[text.index("### Load it in plain Python"):]
+    section = text[text.index("### Export, and load it in plain Python"):]
     return section[section.index("```python") + len("```python"):section.index("```\n", section.index("```python"))]
 
 
