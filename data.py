@@ -18,7 +18,9 @@ Masks are index tensors of a fixed length per sample (incident 6): every sample 
 `n_target = round(mask_ratio * N)` target tokens and `N - n_target` context tokens, disjoint and covering
 all N tokens, so batches have static shapes and no token is thrown away.
 """
+import contextlib
 import csv
+import errno
 import glob
 import hashlib
 import io
@@ -27,12 +29,15 @@ import math
 import os
 import re
 import secrets
+import shutil
+import signal
 import socket
 import sys
+import time
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 # Before any gcsfs import: otherwise every gcsfs call waits 60 s on an experimental gRPC check.
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
@@ -342,19 +347,29 @@ def exists(path: str) -> bool:
     return gcs_filesystem().exists(path) if path.startswith("gs://") else os.path.exists(path)
 
 
-def write_atomic(path: str, payload) -> None:
-    """Write bytes (or a buffer) to a local file or a gs:// object so that readers see the old state or the whole new
-    file, never a part. gs://: one upload (an object appears only once complete). Local: into a tmp name unique to
-    this host, process and call (a shared NFS folder), fsynced, then renamed; a failed write (a full disk) removes
-    the tmp file and raises."""
+@contextlib.contextmanager
+def open_atomic(path: str):
+    """A binary file to write `path` through (local or gs://), streamed: readers see the old state or the whole new
+    file, never a part, and nothing is held in memory beyond a buffer. gs://: a resumable upload, whose object
+    appears only when it completes. Local: a tmp file beside it, named for this host, process and call (a shared
+    NFS folder), fsynced, then renamed. On an exception (a full disk, a kill's KeyboardInterrupt) the tmp file or
+    the upload is discarded and the exception raised."""
     if path.startswith("gs://"):
-        gcs_filesystem().pipe_file(path, bytes(payload))
+        f = gcs_filesystem().open(path, "wb")
+        try:
+            yield _InBlocks(f)
+            f.close()
+        except BaseException:
+            with contextlib.suppress(Exception):  # the storage may be what failed
+                f.discard()  # cancels the upload session, if one was started
+            f.closed = True  # else fsspec's __del__ would close, i.e. upload the part written so far
+            raise
         return
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp = f"{path}{TMP_INFIX}{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
     try:
         with open(tmp, "wb") as f:
-            f.write(payload)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -364,12 +379,118 @@ def write_atomic(path: str, payload) -> None:
         raise
 
 
+TMP_INFIX = ".tmp-"  # open_atomic's tmp files: path + TMP_INFIX + host-pid-random
+
+
+class _InBlocks:
+    """A gcsfs file written in pieces of its block size, so that it uploads as it goes: fsspec would buffer one large
+    write (a tensor of a checkpoint) whole, and copy it again to send it."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        for start in range(0, len(view), self.f.blocksize):
+            self.f.write(view[start:start + self.f.blocksize])
+        return len(view)
+
+    def flush(self) -> None:
+        self.f.flush()  # uploads a whole block if one is buffered; the rest goes at the end
+
+
+def write_atomic(path: str, payload) -> None:
+    """Write bytes (or a buffer) to a local file or a gs:// object, atomically (open_atomic)."""
+    with open_atomic(path) as f:
+        f.write(payload)
+
+
+def copy_atomic(source: str, destination: str) -> None:
+    """Copy a file or object to another path on the same storage, atomically (gs://: a server-side copy)."""
+    if source.startswith("gs://"):
+        gcs_filesystem().copy(source, destination)
+        return
+    with open(source, "rb") as src, open_atomic(destination) as dst:
+        shutil.copyfileobj(src, dst, 2**24)
+
+
+def rename(source: str, destination: str) -> None:
+    """Rename a file (gs://: copy and delete the object)."""
+    if source.startswith("gs://"):
+        gcs_filesystem().mv(source, destination)
+    else:
+        os.replace(source, destination)
+
+
+def remove_stale_tmp(folder: str) -> List[str]:
+    """Delete the tmp files that writers killed mid-write left in a local folder (open_atomic's; gs:// uploads leave
+    none); returns their paths. Only for a folder no one is writing to now."""
+    if folder.startswith("gs://"):
+        return []
+    stale = glob.glob(os.path.join(glob.escape(folder), f"*{TMP_INFIX}*"))
+    for path in stale:
+        os.remove(path)
+    return stale
+
+
+def storage_errors() -> tuple:
+    """The exception types a failing storage raises: OSError (disk, permissions, timeouts, connection errors) and,
+    once gs:// was used, gcsfs's HTTP and aiohttp's client errors."""
+    types = (OSError,)
+    if "gcsfs" in sys.modules:
+        import aiohttp
+        from gcsfs.retry import HttpError
+        types += (HttpError, aiohttp.ClientError)
+    return types
+
+
+PERMANENT_STORAGE_ERRORS = (PermissionError, FileNotFoundError, NotADirectoryError, IsADirectoryError)
+
+
+def is_transient(error: BaseException) -> bool:
+    """Whether a storage error may pass by itself (a network or server error, a timeout, a full disk), so that
+    trying again makes sense; a wrong path, missing permissions or a read-only filesystem do not pass."""
+    if isinstance(error, PERMANENT_STORAGE_ERRORS) or getattr(error, "errno", None) == errno.EROFS:
+        return False
+    if isinstance(error, OSError):
+        return True
+    if "gcsfs" in sys.modules:
+        from gcsfs.retry import is_retriable
+        return is_retriable(error)
+    return False
+
+
+def retry(fn: Callable, *args, seconds: float, on_error: Optional[Callable[[Exception, float], None]] = None):
+    """fn(*args), tried again after 1, 2, 4... (at most 60) s while it raises a transient storage error (is_transient)
+    and `seconds` have not passed; on_error(error, pause) is told before each pause. The last error, and any other,
+    is raised."""
+    deadline, pause = time.monotonic() + seconds, 1.0
+    while True:
+        try:
+            return fn(*args)
+        except storage_errors() as e:
+            if not is_transient(e) or time.monotonic() + pause > deadline:
+                raise
+            if on_error is not None:
+                on_error(e, pause)
+        time.sleep(pause)
+        pause = min(2 * pause, 60.0)
+
+
 def read_bytes(path: str) -> bytes:
     """The whole content of a local file or a gs:// object."""
     if path.startswith("gs://"):
         return gcs_filesystem().cat_file(path)
     with open(path, "rb") as f:
         return f.read()
+
+
+def remove(path: str) -> None:
+    """Delete a local file or a gs:// object."""
+    if path.startswith("gs://"):
+        gcs_filesystem().rm(path)
+    else:
+        os.remove(path)
 
 
 def _ends_cleanly(ds: pydicom.Dataset, f, size: int) -> bool:
@@ -1357,7 +1478,25 @@ def make_loader(dataset: OCTDataset, batch_size: int, train: bool, workers: int,
     sampler = EpochSampler(len(dataset), rank, world_size, seed, epoch, shuffle=train, start=start, epochs=epochs,
                            per_epoch=per_epoch)
     return torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
-                                       collate_fn=collate, drop_last=True)
+                                       collate_fn=collate, drop_last=True, worker_init_fn=leave_stop_signals_to_main)
+
+
+def make_val_loader(dataset: OCTDataset, volumes: int, batch_size: int, workers: int, rank: int = 0,
+                    process_count: int = 1) -> torch.utils.data.DataLoader:
+    """The first `volumes` volumes of a validation split, volume i read by process i % process_count, in order, in
+    batches of up to batch_size (the last one may be smaller): the same volumes, crops and masks on any number of
+    processes."""
+    keys = [(0, i) for i in range(rank, volumes, process_count)]
+    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=keys, num_workers=workers,
+                                       collate_fn=collate, worker_init_fn=leave_stop_signals_to_main)
+
+
+def leave_stop_signals_to_main(worker_id: int) -> None:
+    """A DataLoader worker ignores SIGINT and SIGTERM. Ctrl-C reaches every process of the terminal, and torchrun
+    signals a worker's whole process group: the training process finishes its update, checkpoints, then ends its
+    workers itself (a worker that died first would end the run with "DataLoader worker exited unexpectedly")."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def ensure_phantoms(cfg: Config) -> str:
