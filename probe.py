@@ -1,4 +1,4 @@
-"""Does pretraining work? Linear probes on frozen target-encoder features (incident 12).
+"""Does pretraining work? Probes on frozen target-encoder features, pretrained vs a random init (incident 12).
 
     python probe.py --ckpt runs/demo/checkpoints/best.pt          # the built-in labelled phantom set
     python probe.py --ckpt runs/demo/checkpoints --vs_random      # the run's last checkpoint vs a random init
@@ -43,6 +43,7 @@ import numpy as np
 import scipy.stats
 import torch
 import torch.nn.functional as F
+from matplotlib.figure import Figure
 from sklearn.exceptions import ConvergenceWarning
 from sklearn.linear_model import LogisticRegression
 from sklearn.metrics import balanced_accuracy_score, roc_auc_score
@@ -50,8 +51,11 @@ from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
 from config import Config, ConfigError, ScriptParser, given_flags, load_config, script_main
+from data import load_val_sample
+from dicom import UnusableFile
 from model import VJEPA3D
-from runtime import list_checkpoints, read_checkpoint
+from phantom import ensure_phantom_set
+from runtime import device_kind, list_checkpoints, read_checkpoint
 
 PROBE_PHANTOMS = 240  # volumes of the built-in labelled phantom set
 PROBE_PHANTOM_SEED = 1  # the pretraining phantoms use seed 0
@@ -202,21 +206,14 @@ def read_labels(path: str) -> List[Tuple[str, str]]:
 
 def phantom_labels(cfg: Config) -> str:
     """labels.csv of the built-in labelled phantom set in cfg.phantom_dir + '_probe' (written once)."""
-    from phantom import phantom_set_complete, write_phantom_set
     directory = cfg.phantom_dir.rstrip("/") + "_probe"
-    if not phantom_set_complete(directory, PROBE_PHANTOMS, seed=PROBE_PHANTOM_SEED):
-        print(f"writing {PROBE_PHANTOMS} labelled phantom volumes to {directory} (once)", file=sys.stderr)
-        try:
-            write_phantom_set(directory, PROBE_PHANTOMS, seed=PROBE_PHANTOM_SEED)
-        except FileExistsError as e:
-            raise ConfigError(f"phantom_dir: {e}") from None
+    ensure_phantom_set(directory, PROBE_PHANTOMS, PROBE_PHANTOM_SEED, "labelled phantom volumes")
     return os.path.join(directory, "labels.csv")
 
 
 def load_labelled_volumes(cfg: Config, labels_csv: str, max_volumes: Optional[int] = None):
     """(volumes [M,1,D,H,W] float32 preprocessed like validation samples, class ids [M], class names,
     {reason: count} of unusable files) of a labels CSV; at most max_volumes, drawn at random."""
-    from data import UnusableFile, load_training_volume
     rows = read_labels(labels_csv)
     if max_volumes is not None and len(rows) > max_volumes:
         keep = np.random.default_rng(0).permutation(len(rows))[:max_volumes]
@@ -224,7 +221,7 @@ def load_labelled_volumes(cfg: Config, labels_csv: str, max_volumes: Optional[in
     volumes, labels, skipped = [], [], Counter()
     for path, label in rows:
         try:
-            volumes.append(load_training_volume(path, cfg))
+            volumes.append(load_val_sample(path, cfg))
         except UnusableFile as e:
             skipped[e.reason] += 1
             continue
@@ -333,12 +330,10 @@ def load_model(ckpt: str, cfg: Config) -> Tuple[VJEPA3D, Config]:
 
 
 def probe_device(cfg: Config) -> torch.device:
-    """cuda when cfg.device is auto or cuda and a GPU is there, else cpu."""
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device: cuda was asked for but torch sees no CUDA device; use --device cpu or auto.")
+    """cuda when cfg.device is auto or cuda and a GPU is there, else cpu (runtime.device_kind without xla)."""
     if cfg.device == "xla":
         raise ConfigError("device: probe.py runs on cpu or cuda; use --device cpu or auto.")
-    return torch.device("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu")
+    return torch.device(device_kind(cfg, xla=False))
 
 
 @script_main
@@ -423,7 +418,6 @@ def format_report(report: dict, volumes: int) -> str:
 def save_probe_plot(metrics_path: str, report: dict, path: str) -> None:
     """PNG of the in-training probe AUROC (metrics.jsonl 'probe' lines) against pretraining updates, with the
     random-init level of the report's mean-pool probe (mean and 95% interval) drawn in."""
-    from matplotlib.figure import Figure
     probes = []
     if os.path.exists(metrics_path):
         with open(metrics_path) as f:
@@ -442,6 +436,7 @@ def save_probe_plot(metrics_path: str, report: dict, path: str) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=80)
+
 
 if __name__ == "__main__":
     sys.exit(main())

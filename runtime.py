@@ -1,7 +1,7 @@
 """Where the training update runs and what survives it: devices, processes, SPMD/DDP setup, the signals that stop
-a run, the collectives every process (DDP rank or XLA host) decides with, host<->device transfers, the device-side
-NaN guard, XLA counters, and checkpoints (files on local disk or gs://, their content, the timeline a resume
-continues, restore).
+a run, the collectives every process (DDP rank or XLA host) decides with, host<->device transfers, XLA counters,
+and checkpoints (files on local disk or gs:// through storage.py, their content, the timeline a resume continues,
+restore).
 
 train.py runs the loop on these; probe.py and bench.py use them without importing the loop. Nothing here knows
 the model or the loss.
@@ -9,7 +9,6 @@ the model or the loss.
 import atexit
 import contextlib
 import gc
-import glob
 import hashlib
 import io
 import json
@@ -27,8 +26,8 @@ import numpy as np
 import torch
 
 from config import Config, ConfigError, ExitError, RunPlan, StorageFailed, plan_run
-from data import (copy_atomic, exists, gcs_filesystem, is_transient, open_atomic, read_bytes, remove, rename, retry,
-                  storage_errors, write_atomic)
+from storage import (copy_atomic, exists, glob_paths, is_transient, open_atomic, read_bytes, remove, remove_stale_tmp,
+                     rename, retry, storage_errors, write_atomic)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -60,12 +59,8 @@ class Runtime:
 
 
 def setup_runtime(cfg: Config) -> Runtime:
-    """Pick the device (auto: xla if configured, else cuda, else cpu) and join the process group if any."""
-    kind = cfg.device
-    if kind == "auto":
-        kind = "xla" if _xla_configured() else "cuda" if torch.cuda.is_available() else "cpu"
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device: cuda was asked for but torch sees no CUDA device; use --device cpu or auto.")
+    """Pick the device (device_kind) and join the process group if any."""
+    kind = device_kind(cfg)
     if kind == "xla":
         return _setup_xla()
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -81,6 +76,17 @@ def setup_runtime(cfg: Config) -> Runtime:
     device = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # torchrun: processes on this machine
     return Runtime(device, kind, world, rank, world, 1, multi_host=local_world < world, group=group)
+
+
+def device_kind(cfg: Config, xla: bool = True) -> str:
+    """cpu | cuda | xla: cfg.device, where auto is xla if configured (and `xla` allows it), else cuda if torch sees
+    a GPU, else cpu. ConfigError for cuda without a CUDA device."""
+    kind = cfg.device
+    if kind == "auto":
+        kind = "xla" if xla and _xla_configured() else "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device: cuda was asked for but torch sees no CUDA device; use --device cpu or auto.")
+    return kind
 
 
 def leave_process_group() -> None:
@@ -218,7 +224,7 @@ def master_decides(rt: Runtime, fn, *args):
     return result
 
 
-def runs_probe(rt: Runtime) -> bool:
+def probes_in_this_process(rt: Runtime) -> bool:
     """Whether this process computes the probe during pretraining: the master; on XLA every host, since an SPMD
     graph that only one host runs would leave it waiting for the others."""
     return rt.is_master or rt.kind == "xla"
@@ -267,17 +273,18 @@ def xla_counters() -> dict:
     return {"xla_compiles": compiles[0] if compiles else 0, "xla_transfers": transfers[0] if transfers else 0}
 
 
-class UnreadStats:
-    """Per-update statistics still on the device, with host-side notes. CPU/CUDA read them after every update
-    (`due`); XLA only where the loop needs them anyway (log, validation, probe, checkpoint), all in one transfer:
-    a read inside the step would cut the XLA graph, and the NaN guard decides there without the host."""
+class PendingDeviceStats:
+    """Per-update statistics still on the device, with host-side notes, until the host reads them. CPU/CUDA read
+    them after every update (`read_every_update`); XLA only where the loop needs them anyway (log, validation,
+    probe, checkpoint), all in one transfer: a read inside the step would cut the XLA graph, and the NaN guard
+    decides there without the host."""
 
     def __init__(self, rt: Runtime):
         self.rt = rt
         self.unread: List[Tuple[dict, torch.Tensor]] = []
 
     @property
-    def due(self) -> bool:
+    def read_every_update(self) -> bool:
         """Whether the host reads after every update (CPU/CUDA)."""
         return self.rt.kind != "xla"
 
@@ -312,21 +319,6 @@ def to_cpu(obj):
     return obj
 
 
-@torch.no_grad()
-def guarded_step(optimizer: torch.optim.Optimizer, apply: torch.Tensor, step: Callable[[], None]) -> None:
-    """step() (an optimizer update), kept only where `apply` (a 0-d bool tensor) is True: otherwise every weight
-    and every optimizer state tensor keeps its old value exactly. Decided on the device, so XLA needs no host sync."""
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    old_params = [p.clone() for p in params]
-    old_states = [{k: v.clone() for k, v in optimizer.state[p].items()} for p in params]
-    step()
-    for p, old in zip(params, old_params):
-        p.copy_(torch.where(apply, p, old))
-    for p, old in zip(params, old_states):
-        for key, value in optimizer.state[p].items():
-            value.copy_(torch.where(apply, value, old[key]))
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Checkpoints: files, content, the plan a resume continues, the run folder
 # ----------------------------------------------------------------------------------------------------------
@@ -338,9 +330,8 @@ def step_of(path: str) -> int:
 
 def list_checkpoints(ckpt_dir: str) -> List[str]:
     """Step checkpoints in ckpt_dir, newest first (temp files of interrupted writes and set-aside files ignored)."""
-    paths = glob.glob(ckpt_dir.rstrip("/") + "/step_*.pt") if not ckpt_dir.startswith("gs://") else \
-        ["gs://" + p for p in gcs_filesystem().glob(ckpt_dir.rstrip("/") + "/step_*.pt")]
-    return sorted([p for p in paths if re.search(r"step_\d+\.pt$", p)], key=step_of, reverse=True)
+    paths = [p for p in glob_paths(ckpt_dir.rstrip("/") + "/step_*.pt") if re.search(r"step_\d+\.pt$", p)]
+    return sorted(paths, key=step_of, reverse=True)
 
 
 class UnreadableCheckpoint(Exception):
@@ -378,6 +369,23 @@ def save_checkpoint(path: str, state: dict, keep_last: int, best: bool, retry_se
     with contextlib.suppress(*storage_errors()):  # a file left over is deleted by the next checkpoint's pass
         for old in older[keep_last - 1:]:
             remove(old)
+
+
+def checkpoint_everywhere(path: str, model: torch.nn.Module, optimizer, state, plan: dict, cfg: Config, rt: Runtime,
+                          best: bool, on_error: Optional[Callable[[Exception, float], None]] = None) -> Optional[str]:
+    """Checkpoint the current update (`state`: train.TrainState; `plan`: the plan record) to `path`, with
+    save_checkpoint's retries for ckpt_retry_minutes. The master builds the state and writes it (on XLA every host
+    takes part in fetching it: a sharded array needs them all); then every process learns how that went, so none
+    rolls back to a file not written yet. Returns the write's last error (repr) or None, the same in every process."""
+    error = None
+    if rt.is_master or rt.kind == "xla":
+        ckpt = {**checkpoint_state(model, optimizer, state, cfg, rt), "plan": plan}
+    if rt.is_master:
+        try:
+            save_checkpoint(path, ckpt, cfg.keep_last, best, 60 * cfg.ckpt_retry_minutes, on_error)
+        except storage_errors() as e:
+            error = repr(e)
+    return broadcast_from_master(error, rt)
 
 
 def _write_checkpoint(path: str, state: dict) -> None:
@@ -473,7 +481,8 @@ def resumed_plan(saved: dict, cfg: Config, plan: RunPlan, train_ds, val_ds, step
             + " To train with the new settings: start a new run (another --run_name).")
     extensions = list(saved["extensions"])
     if longer:
-        extensions.append([step, saved["total_steps"], plan.total_steps] + ["rewarm"] * (cfg.extend_schedule == "rewarm"))
+        rewarm = ["rewarm"] if cfg.extend_schedule == "rewarm" else []
+        extensions.append([step, saved["total_steps"], plan.total_steps] + rewarm)
     return replace(reference, total_steps=plan.total_steps, extensions=extensions)
 
 
@@ -482,17 +491,22 @@ def set_aside(path: str, reason: str, why: str) -> dict:
     step_0000060.pt -> step_0000060.pt.<reason>-<time>. Returns what was done, for the console and events.jsonl."""
     moved_to = f"{path}.{reason}-{time.strftime('%Y%m%d-%H%M%S')}"
     rename(path, moved_to)
-    return {"path": path, "moved_to": moved_to, "reason": reason, "why": why}
+    return {"event": f"{reason}_checkpoint", "path": path, "moved_to": moved_to,
+            "why": f"{why}; set aside as {moved_to}"}
 
 
 def choose_resume_checkpoint(cfg: Config) -> Tuple[Optional[str], Optional[dict], List[dict]]:
     """The master's choice of what the run resumes from: (path, checkpoint), or (None, None) to start from scratch;
-    plus the files set aside on the way. resume auto: the newest step checkpoint that loads; each newer one whose
-    content does not load is set aside ('unreadable'). Then every step checkpoint past the resumed update is set aside
-    ('abandoned': a timeline left by resuming an earlier file), so neither a later `--resume auto` nor keep_last
-    sees it. A storage error that outlasts ckpt_retry_minutes is StorageFailed, with nothing set aside."""
+    plus what it did to the run's files on the way ({event, path, why}). First the tmp files of writers stopped
+    mid-write go. resume auto: the newest step checkpoint that loads; each newer one whose content does not load is
+    set aside ('unreadable'). Then every step checkpoint past the resumed update is set aside ('abandoned': a
+    timeline left by resuming an earlier file), so neither a later `--resume auto` nor keep_last sees it. A storage
+    error that outlasts ckpt_retry_minutes is StorageFailed, with nothing set aside."""
     retry_seconds = cfg.ckpt_retry_minutes * 60
-    path, ckpt, moved = None, None, []
+    path, ckpt = None, None
+    moved = [{"event": "stale_tmp_removed", "path": tmp, "why": "left by a writer stopped mid-write: removed"}
+             for folder in {os.path.join(cfg.out_dir, cfg.run_name), cfg.ckpt_dir} - {None}
+             for tmp in remove_stale_tmp(folder)]
     try:
         if cfg.resume == "auto":
             for candidate in list_checkpoints(cfg.ckpt_dir):
@@ -523,7 +537,8 @@ def choose_resume_checkpoint(cfg: Config) -> Tuple[Optional[str], Optional[dict]
 
 
 def load_resume_checkpoint(cfg: Config, rt: Runtime) -> Tuple[Optional[str], Optional[dict], List[dict]]:
-    """(path, checkpoint) that this run resumes from, or (None, None); plus the files set aside. The master chooses
+    """(path, checkpoint) that this run resumes from, or (None, None); plus what the master did to the run's files
+    (choose_resume_checkpoint). The master chooses
     (choose_resume_checkpoint); every process loads that same file, retrying transient read errors for
     ckpt_retry_minutes, or every process stops with StorageFailed."""
     path = ckpt = error = None

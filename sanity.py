@@ -22,10 +22,14 @@ from typing import List, Optional
 
 import numpy as np
 import torch
+from matplotlib.figure import Figure
 
 import runtime
+import schedules
 import train
 from config import Config, ConfigError, ScriptParser, load_config, plan_run, script_main
+from data import NoUsableData, OCTDataset, build_datasets, collate, mask_generator_from_config
+from dicom import BENIGN_REASONS, find_files, format_reason_table, reason_counts, scan_files
 from model import JEPAOutput, VJEPA3D
 
 EXIT_OK, EXIT_FAILED = 0, 1
@@ -75,14 +79,12 @@ class Setup:
     @cached_property
     def data_sample(self):
         """(number of files found, index records of a seeded random sample of them): real data only."""
-        from data import find_files, scan_files
         files = find_files(self.cfg.data_root, self.cfg.manifest_path)
         pick = np.random.default_rng(self.cfg.seed).permutation(len(files))[:DATA_SAMPLE_FILES]
         return len(files), scan_files([files[i] for i in sorted(pick)], self.cfg.sop_classes)
 
     @cached_property
     def train_ds(self):
-        from data import NoUsableData, OCTDataset, build_datasets
         if not self.real_data:
             return build_datasets(self.small)[0]
         usable = [r for r in self.data_sample[1] if r["ok"]]
@@ -115,12 +117,10 @@ class Setup:
 
     @cached_property
     def batch(self) -> dict:
-        from data import collate
         return collate(self.samples)
 
     @cached_property
     def micro_batches(self) -> List[dict]:
-        from data import collate
         return [collate([s]) for s in self.samples]
 
     @cached_property
@@ -138,7 +138,7 @@ class Setup:
         """`steps` optimizer updates through train.train_update, the code train.py runs."""
         if optimizer is None:
             optimizer = train.make_optimizer(model, self.small, self.rt)
-        hp = train.Hyperparameters(lr, self.small.weight_decay, ema)
+        hp = schedules.Hyperparameters(lr, self.small.weight_decay, ema)
         return [train.train_update(model, optimizer, micro_batches, hp, self.small, self.rt) for _ in range(steps)]
 
 
@@ -151,7 +151,7 @@ def check_lr_schedule(setup: Setup) -> Check:
     a constant schedule is base_lr throughout."""
     cfg, plan = setup.cfg, setup.plan
     total, warm = plan.total_steps, plan.warmup_steps
-    lrs = np.array([train.lr_at(step, cfg, plan) for step in range(total + 10)])  # past the end: holds min_lr
+    lrs = np.array([schedules.lr_at(step, cfg, plan) for step in range(total + 10)])  # past the end: holds min_lr
     problems = []
     dead = ~(np.isfinite(lrs) & (lrs > 0))
     if dead.any():
@@ -180,20 +180,19 @@ def check_lr_schedule(setup: Setup) -> Check:
 def check_ema_schedule(setup: Setup) -> Check:
     """The full run's EMA momentum stays within [ema_base, 1] and never decreases."""
     cfg, plan = setup.cfg, setup.plan
-    emas = np.array([train.ema_at(step, cfg, plan) for step in range(plan.total_steps + 10)])
+    emas = np.array([schedules.ema_at(step, cfg, plan) for step in range(plan.total_steps + 10)])
     falls = np.flatnonzero(np.diff(emas) < 0)
     ok = emas.min() >= cfg.ema_base and emas.max() <= 1.0 and not falls.size
     return Check(bool(ok), f"{emas.min():.5f} .. {emas.max():.5f}" + (f", falls at update {falls[0] + 1}"
                                                                       if falls.size else ""),
                  f"within [{cfg.ema_base:g}, 1], non-decreasing",
                  "the target's EMA momentum must rise from ema_base to ema_end as a function of the optimizer-update "
-                 "count (train.ema_at): above 1 it pushes the target away from the encoder, a falling momentum lets "
+                 "count (schedules.ema_at): above 1 it pushes the target away from the encoder, a falling momentum lets "
                  "the target chase the encoder (collapse, incident 12)")
 
 
 def check_real_data(setup: Setup) -> Check:
     """A sample of the real files is scanned: some volumes are usable and few files are bad; the reject table."""
-    from data import BENIGN_REASONS, format_reason_table, reason_counts
     found, records = setup.data_sample
     usable = sum(r["ok"] for r in records)
     bad = sum(not r["ok"] and r["reason"] not in BENIGN_REASONS for r in records)
@@ -246,7 +245,6 @@ def mask_problems(context_idx: torch.Tensor, target_idx: torch.Tensor, cfg: Conf
 def check_masks(setup: Setup) -> Check:
     """The loader's masks, and the configured grid's masks, are index tensors [B, Nc] / [B, Nt] with exact counts,
     disjoint and complete (incident 6)."""
-    from data import mask_generator_from_config
     batch = setup.batch
     full = [mask_generator_from_config(setup.cfg)(np.random.default_rng([setup.cfg.seed, i])) for i in range(4)]
     full_context, full_target = (torch.from_numpy(np.stack([m[k] for m in full])) for k in (0, 1))
@@ -421,7 +419,6 @@ def lr_sweep(cfg: Config, lrs: List[float], png_path: str) -> dict:
     """Short runs of the scaled model at each LR from the same weights and data (EMA target on, no warmup);
     recommends the largest LR that stayed stable (finite, no loss above 1.1x its start, no collapse) and whose
     loss fell; saves the loss curves to png_path."""
-    from data import collate
     setup = Setup(cfg)
     ds = setup.train_ds
     batches = [collate([ds[(0, (2 * i + j) % len(ds))] for j in range(2)]) for i in range(8)]
@@ -448,7 +445,6 @@ def lr_sweep(cfg: Config, lrs: List[float], png_path: str) -> dict:
 
 def save_sweep_plot(curves: dict, path: str) -> None:
     """PNG of the loss curve of each LR."""
-    from matplotlib.figure import Figure
     fig = Figure(figsize=(7, 4))
     ax = fig.subplots()
     for lr, losses in curves.items():

@@ -19,7 +19,7 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -28,18 +28,17 @@ from tqdm import tqdm
 
 from config import (Config, ExitError, Preempted, RunPlan, ScriptParser, StorageFailed, load_config, plan_run,
                     save_config, script_main)
-from data import (NoUsableData, build_datasets, format_reason_table, make_loader, make_val_loader,
-                  mask_generator_from_config, remove_stale_tmp, storage_errors)
+from data import (NoUsableData, build_datasets, describe_masks, format_reason_table, make_loader, make_val_loader,
+                  mask_generator_from_config, mask_stats)
 from model import VJEPA3D
 from probe import compare_with_random, prepare_probe_set, probe_auroc, rankme
 from runlog import (RunLog, Throughput, describe_run, format_train_line, json_number, save_mask_plot,
                     save_schedule_plot, save_training_plot, summary)
-from runtime import (Runtime, StopSignals, UnreadStats, any_process, broadcast_from_master, check_checkpoint_folder,
-                     check_ranks_agree,
-                     checkpoint_path, checkpoint_state, gather_objects, guarded_step, load_resume_checkpoint,
-                     mark_step, master_decides, plan_record, read_checkpoint, reduce_mean,
-                     resolve_run_dir, restore, resumed_plan, runs_probe, save_checkpoint, setup_runtime,
-                     split_fingerprint, to_device, xla_counters)
+from runtime import (PendingDeviceStats, Runtime, StopSignals, any_process, check_checkpoint_folder, check_ranks_agree,
+                     checkpoint_everywhere, checkpoint_path, gather_objects, load_resume_checkpoint, mark_step,
+                     master_decides, plan_record, probes_in_this_process, read_checkpoint, reduce_mean,
+                     resolve_run_dir, restore, resumed_plan, setup_runtime, split_fingerprint, to_device, xla_counters)
+from schedules import Hyperparameters, describe_extension, hyperparameters_at
 
 EXIT_OK = 0  # the others: ConfigError 2, NoUsableData 3, Diverged 4, StorageFailed 74, Preempted 75
 
@@ -48,90 +47,6 @@ class Diverged(ExitError):
     """Training cannot recover from non-finite updates; the message is the diagnosis."""
     exit_code = 4
     prefix = "training diverged beyond recovery:\n"
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Schedules: pure functions of the optimizer-update count (incidents 2, 3). No state, no restarts.
-# ----------------------------------------------------------------------------------------------------------
-
-def cosine_ramp(step: float, start_step: int, end_step: int, start: float, end: float) -> float:
-    """Half-cosine from `start` at start_step to `end` at end_step; holds `end` afterwards."""
-    if step >= end_step:
-        return end
-    progress = max(0.0, (step - start_step) / max(1, end_step - start_step))
-    return end + 0.5 * (start - end) * (1.0 + math.cos(math.pi * progress))
-
-
-@dataclass
-class Segment:
-    """The part of a run one warmup+cosine schedule spans: the first plan, or the updates an `--extend_schedule
-    rewarm` added. `clock` is an update on the segment's own clock: each later `--extend_schedule stretch` stretched
-    what was left of the segment over the longer run, so its schedules continue from the values they had (a
-    finished run holds its final values)."""
-    start: int  # its first update
-    end: int  # the run length it was planned for (its schedules end at update end - 1)
-    warmup: int
-    clock: float
-
-
-def schedule_segment(step: int, plan: RunPlan) -> Segment:
-    """The schedule segment that update `step` is in, with the update on that segment's clock."""
-    start, end, warmup, stretches = 0, plan.planned_steps, plan.warmup_steps, []
-    for extension in plan.extensions:  # [at_step, old_total, new_total] (+ "rewarm"), oldest first
-        at, old_total, new_total = extension[:3]
-        if extension[3:] == ["rewarm"]:
-            if step < at:
-                break
-            start, end, warmup, stretches = at, new_total, max(1, min(plan.warmup_steps, (new_total - at) // 2)), []
-        else:
-            stretches.append((at, old_total, new_total))
-    clock = float(step)
-    for at, old_total, new_total in reversed(stretches):
-        if clock > at:
-            clock = at + (clock - at) * max(0, old_total - 1 - at) / (new_total - 1 - at)
-    return Segment(start, end, warmup, clock)
-
-
-def lr_at(step: int, cfg: Config, plan: RunPlan) -> float:
-    """LR of update number `step` (0-based): linear warmup to base_lr, cosine to min_lr, then min_lr.
-    The first update (step 0) already uses a non-zero LR: base_lr / warmup_steps. A rewarm segment warms up from
-    the LR where the run was (never a jump: incident 2)."""
-    if cfg.schedule == "constant":
-        return cfg.base_lr
-    seg = schedule_segment(step, plan)
-    if seg.clock - seg.start < seg.warmup:
-        from_lr = 0.0 if seg.start == 0 else lr_at(seg.start - 1, cfg, plan)
-        return from_lr + (cfg.base_lr - from_lr) * (seg.clock - seg.start + 1) / seg.warmup
-    return cosine_ramp(seg.clock, seg.start + seg.warmup, seg.end - 1, cfg.base_lr, cfg.min_lr)
-
-
-def wd_at(step: int, cfg: Config, plan: RunPlan) -> float:
-    """Weight decay of update `step`: cosine from weight_decay to weight_decay_end (constant when None)."""
-    end = cfg.weight_decay if cfg.weight_decay_end is None else cfg.weight_decay_end
-    seg = schedule_segment(step, plan)
-    return cosine_ramp(seg.clock, seg.start, seg.end - 1, cfg.weight_decay, end)
-
-
-def ema_at(step: int, cfg: Config, plan: RunPlan) -> float:
-    """EMA momentum of the target update after update `step`: from ema_base to ema_end, cosine or linear."""
-    seg = schedule_segment(step, plan)
-    if cfg.ema_schedule == "linear":
-        progress = min(1.0, (seg.clock - seg.start) / max(1, seg.end - 1 - seg.start))
-        return cfg.ema_base + (cfg.ema_end - cfg.ema_base) * progress
-    return cosine_ramp(seg.clock, seg.start, seg.end - 1, cfg.ema_base, cfg.ema_end)
-
-
-@dataclass
-class Hyperparameters:
-    """The schedules' values for one optimizer update."""
-    lr: float
-    wd: float
-    ema: float
-
-
-def hyperparameters_at(step: int, cfg: Config, plan: RunPlan, lr_scale: float = 1.0) -> Hyperparameters:
-    """LR (times the rollbacks' lr_scale), weight decay and EMA momentum of update `step`."""
-    return Hyperparameters(lr_at(step, cfg, plan) * lr_scale, wd_at(step, cfg, plan), ema_at(step, cfg, plan))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -229,6 +144,21 @@ def clip_and_measure(model: VJEPA3D, cfg: Config) -> torch.Tensor:
     params = [p for p in model.parameters() if p.grad is not None]
     max_norm = cfg.grad_clip if cfg.grad_clip is not None else math.inf
     return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
+@torch.no_grad()
+def guarded_step(optimizer: torch.optim.Optimizer, apply: torch.Tensor, step: Callable[[], None]) -> None:
+    """step() (an optimizer update), kept only where `apply` (a 0-d bool tensor) is True: otherwise every weight
+    and every optimizer state tensor keeps its old value exactly. Decided on the device, so XLA needs no host sync."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    old_params = [p.clone() for p in params]
+    old_states = [{k: v.clone() for k, v in optimizer.state[p].items()} for p in params]
+    step()
+    for p, old in zip(params, old_params):
+        p.copy_(torch.where(apply, p, old))
+    for p, old in zip(params, old_states):
+        for key, value in optimizer.state[p].items():
+            value.copy_(torch.where(apply, value, old[key]))
 
 
 @dataclass
@@ -332,10 +262,8 @@ def next_update_batches(groups, run: "Run") -> list:
 @torch.compiler.set_stance("force_eager")  # compiled parts are for the training update: no eval recompiles
 @torch.no_grad()
 def validate(model: VJEPA3D, loader, volumes: int, cfg: Config, rt: Runtime, max_tokens: int = 4096) -> dict:
-    """Val loss, target_std and RankMe over the run's `volumes` validation volumes (Run.val_volumes: the same ones,
-    with the same crops and masks, on any number of processes), so that val loss and best.pt compare across runs
-    on different machines. loss: the mean over those volumes; target_std: over all their target tokens; RankMe: of
-    target-encoder embeddings of a fixed set of each volume's tokens."""
+    """Val loss (their mean), target_std (over all their target tokens) and RankMe (of a fixed set of each one's
+    target-encoder tokens) of the run's `volumes` val volumes: the same, on any number of processes (Run.val_volumes)."""
     model.eval()
     indices = iter(range(rt.process_index, volumes, rt.process_count))  # the order of make_val_loader's volumes
     per_volume = math.ceil(max_tokens / max(1, volumes))
@@ -353,11 +281,9 @@ def validate(model: VJEPA3D, loader, volumes: int, cfg: Config, rt: Runtime, max
             keep = torch.randperm(len(volume_tokens), generator=torch.Generator().manual_seed(index))[:per_volume]
             feats.append((index, volume_tokens[keep]))
     model.train()
-    parts = [(loss_sum, target_tokens, target_sums, feats)]
-    if rt.ddp:  # the other processes' volumes (on XLA the arrays, and so the sums, are global already)
-        parts = gather_objects(parts[0], rt)
-    loss_sum = sum(p[0] for p in parts)
-    target_tokens = sum(p[1] for p in parts)
+    mine = (loss_sum, target_tokens, target_sums, feats)  # DDP: + the other processes' (XLA arrays are global)
+    parts = gather_objects(mine, rt) if rt.ddp else [mine]
+    loss_sum, target_tokens = (sum(p[i] for p in parts) for i in (0, 1))
     feats = sorted((item for p in parts for item in p[3]), key=lambda item: item[0])
     if not feats:
         return {}
@@ -377,10 +303,11 @@ def dry_run(run: "Run") -> int:
         cfg, plan = run.cfg, run.plan
         os.makedirs(run.run_dir, exist_ok=True)
         schedules = [hyperparameters_at(step, cfg, plan) for step in range(plan.total_steps)]
-        print(describe_run(cfg, plan, run.model, run.train_ds, run.val_ds, run.rt, schedules))
+        masks = mask_generator_from_config(cfg)
+        print(describe_run(cfg, plan, run.model, run.train_ds, run.val_ds, run.rt, schedules, describe_masks(masks)))
         save_schedule_plot({"lr": [s.lr for s in schedules], "weight decay": [s.wd for s in schedules],
                             "EMA momentum": [s.ema for s in schedules]}, os.path.join(run.run_dir, "schedules.png"))
-        save_mask_plot(run.train_ds[(0, 0)], cfg, os.path.join(run.run_dir, "mask.png"))
+        save_mask_plot(run.train_ds[(0, 0)], cfg, mask_stats(masks), os.path.join(run.run_dir, "mask.png"))
         print(f"dry run: nothing trained; schedule and mask pictures in {run.run_dir}/")
     return EXIT_OK
 
@@ -423,9 +350,8 @@ class Run:
 
     @property
     def val_volumes(self) -> int:
-        """The val volumes each validation uses: the first val_batches x global_batch_size of the val split, the same
-        on any number of processes; on XLA a multiple of the device count (a batch is split evenly over them). 0
-        turns validation off."""
+        """The first val_batches x global_batch_size val volumes, the same on any number of processes (XLA: a multiple
+        of the device count, over which a batch is split); 0 turns validation off."""
         volumes = min(len(self.val_ds), self.cfg.val_batches * self.plan.global_batch_size)
         return volumes - volumes % self.rt.world_size if self.rt.kind == "xla" else volumes
 
@@ -448,8 +374,8 @@ def prepare_run(cfg: Config, rt: Runtime) -> Run:
 
 def resume(run: Run) -> Tuple[Optional[dict], List[dict]]:
     """Restore the checkpoint that cfg.resume names, if any, in every process: weights, optimizer, position, RNG
-    states and the plan it was written for (any change is refused; --extend lengthens it). Returns (the
-    checkpoint or None, the checkpoint files set aside: unreadable ones, and those past the resumed update)."""
+    states and the plan it was written for (any change is refused; --extend lengthens it). Returns (the checkpoint
+    or None, what the start did to the run's files: runtime.choose_resume_checkpoint)."""
     cfg, rt = run.cfg, run.rt
     run.last_ckpt, ckpt, set_aside = load_resume_checkpoint(cfg, rt)
     if ckpt is not None:
@@ -467,18 +393,13 @@ def open_log(run: Run, ckpt: Optional[dict], set_aside: List[dict]) -> RunLog:
     only the updates before the resumed one (all of them on a start from scratch): the run logs the rest again."""
     cfg, rt, state, plan = run.cfg, run.rt, run.state, run.plan
     log = RunLog(run.run_dir, cfg, active=rt.is_master)
-    if log.active:
-        for folder in {run.run_dir, cfg.ckpt_dir or run.run_dir}:
-            for path in remove_stale_tmp(folder):
-                log.event("stale_tmp_removed", state.step, path=path)
-                log.print(f"removed {path}: a writer stopped in the middle left it")
-    for moved in set_aside:
-        log.event(f"{moved['reason']}_checkpoint", state.step, **moved)
-        log.print(f"set aside {moved['path']} ({moved['reason']}: {moved['why']}) as {moved['moved_to']}")
+    for found in set_aside:  # stale tmp files removed, checkpoints set aside
+        log.event(found["event"], state.step, **{k: v for k, v in found.items() if k != "event"})
+        log.print(f"{found['path']}: {found['why']}")
     if cfg.resume == "auto" and ckpt is None:
-        unreadable = [m["path"] for m in set_aside if m["reason"] == "unreadable"]
-        found = f"none of the {len(unreadable)} checkpoints" if unreadable else "no checkpoint"
-        log.print(f"resume auto: {found} in {cfg.ckpt_dir} could be loaded; starting from scratch")
+        unreadable = sum(m["event"] == "unreadable_checkpoint" for m in set_aside)
+        log.print(f"resume auto: {f'none of the {unreadable} checkpoints' if unreadable else 'no checkpoint'} in "
+                  f"{cfg.ckpt_dir} could be loaded; starting from scratch")
     if ckpt is not None:
         log.event("resume", state.step, path=run.last_ckpt)
         log.print(f"resumed from {run.last_ckpt} at update {state.step}")
@@ -488,10 +409,9 @@ def open_log(run: Run, ckpt: Optional[dict], set_aside: List[dict]) -> RunLog:
         extended_from = ckpt.get("plan", {}).get("total_steps", plan.total_steps)
         if extended_from < plan.total_steps:
             hp = hyperparameters_at(state.step, cfg, plan, state.lr_scale)
-            log.event("extend", state.step, from_total_steps=extended_from, to_total_steps=plan.total_steps,
-                      schedule=cfg.extend_schedule, finished=state.step >= extended_from, lr=hp.lr, wd=hp.wd,
-                      ema_momentum=hp.ema)
-            log.print(describe_extension(run, extended_from))
+            log.event("extend", state.step, from_total_steps=extended_from, to_total_steps=plan.total_steps, lr=hp.lr,
+                      schedule=cfg.extend_schedule, finished=state.step >= extended_from, ema_momentum=hp.ema)
+            log.print(describe_extension(cfg, plan, state.step, extended_from, state.lr_scale, run.last_ckpt))
     log.drop_metrics_after(state.step)
     if log.active:
         save_config(cfg, os.path.join(run.run_dir, "config.yaml"))
@@ -507,29 +427,8 @@ def open_log(run: Run, ckpt: Optional[dict], set_aside: List[dict]) -> RunLog:
     return log
 
 
-def describe_extension(run: Run, extended_from: int) -> str:
-    """The console line of an --extend: what the LR, weight decay and EMA momentum do over the added updates."""
-    cfg, plan, step = run.cfg, run.plan, run.state.step
-    now, end = (hyperparameters_at(s, cfg, plan, run.state.lr_scale) for s in (step, plan.total_steps - 1))
-    head = f"extend: {extended_from} -> {plan.total_steps} updates from update {step}"
-    if cfg.extend_schedule == "rewarm":
-        warmup = schedule_segment(step, plan).warmup
-        return (f"{head} (rewarm): the LR warms up from {now.lr:.3g} to base_lr {cfg.base_lr:g} over {warmup} "
-                f"updates, then falls along a cosine to {end.lr:.3g}; weight decay and the EMA momentum ramp again "
-                f"from {now.wd:.3g} and ema_base {now.ema:g} to {end.wd:.3g} and {end.ema:g}, as in a new run")
-    if step < extended_from:
-        return (f"{head}: the LR continues from {now.lr:.3g} and the schedules stretch over the longer run (LR "
-                f"{end.lr:.3g}, EMA momentum {end.ema:g} at its end)")
-    frozen = ": the target encoder no longer moves" if now.ema >= 1 else ""
-    return (f"{head}: the run had finished, so its schedules hold their final values: LR {now.lr:.3g}, weight decay "
-            f"{now.wd:.3g}, EMA momentum {now.ema:g}{frozen}. These updates are a cool-down at the final LR. To keep "
-            f"learning instead, stop and run again with --resume {run.last_ckpt} --extend true --extend_schedule "
-            f"rewarm (a new warmup to base_lr and cosine over the added updates, the EMA from ema_base again).")
-
-
 def train(cfg: Config, rt: Runtime) -> int:
-    """Pretrain for the run's plan (or only print the dry run's report); returns the exit code. SIGTERM and SIGINT
-    stop it at the next update boundary, with a checkpoint: Preempted (exit 75)."""
+    """Pretrain for the run's plan (or only print the dry run's report); returns the exit code (or raises an ExitError)."""
     run = prepare_run(cfg, rt)
     if cfg.dry_run:
         return dry_run(run)
@@ -539,7 +438,7 @@ def train(cfg: Config, rt: Runtime) -> int:
         compile_model(run.model, run.local_batch, cfg, rt, run.log)
         # Wrapped after the restore: DDP starts every process from the same weights.
         run.ddp_model = DistributedDataParallel(run.model, broadcast_buffers=False) if rt.ddp else run.model
-        if cfg.probe_every_steps is not None and runs_probe(rt):
+        if cfg.probe_every_steps is not None and probes_in_this_process(rt):
             run.probe_set = prepare_probe_set(cfg, cfg.probe_labels)  # loaded once; features recomputed at each probe
         if run.val_volumes:
             run.val_loader = make_val_loader(run.val_ds, run.val_volumes, run.local_batch, workers=cfg.workers,
@@ -551,10 +450,9 @@ def train(cfg: Config, rt: Runtime) -> int:
 
 
 def train_loop(run: Run, signals: StopSignals) -> None:
-    """The optimizer updates from the run's position to its end, with logs, validation, probes and checkpoints;
-    a stop signal in any process ends them, in every process, at the same update boundary (Preempted)."""
+    """The updates from the run's position to its end; a stop signal in any process ends them in all (Preempted)."""
     cfg, rt, state, plan = run.cfg, run.rt, run.state, run.plan
-    unread, speed = UnreadStats(rt), Throughput()
+    pending, speed = PendingDeviceStats(rt), Throughput()
     bar = tqdm(total=plan.total_steps, initial=state.step, disable=not (rt.is_master and sys.stderr.isatty()),
                unit="update", dynamic_ncols=True)
 
@@ -571,7 +469,7 @@ def train_loop(run: Run, signals: StopSignals) -> None:
             hp = hyperparameters_at(state.step, cfg, plan, state.lr_scale)
             update = train_update(run.ddp_model, run.optimizer, [to_device(b, rt) for b in micro_batches], hp, cfg, rt)
             mark_step(rt)
-            unread.add(update.stats, step=state.step, lr=hp.lr, files=[p for b in micro_batches for p in b["path"]])
+            pending.add(update.stats, step=state.step, lr=hp.lr, files=[p for b in micro_batches for p in b["path"]])
             state.step += 1
             speed.updates += 1
             bar.update(1)
@@ -583,11 +481,11 @@ def train_loop(run: Run, signals: StopSignals) -> None:
             is_ckpt = cfg.ckpt_dir is not None and (state.step % cfg.ckpt_every_steps == 0 or is_last or time_due
                                                     or stop)
             is_probe = run.probe_set is not None and (state.step % cfg.probe_every_steps == 0 or is_last)
-            if not (is_log or is_val or is_ckpt or is_probe or unread.due or stop):
+            if not (is_log or is_val or is_ckpt or is_probe or pending.read_every_update or stop):
                 continue
 
             # --- the host reads what the device did: every update on CPU/CUDA, only here on XLA ---
-            newest = count_skipped_updates(unread.read(), run)
+            newest = count_skipped_updates(pending.read(), run)
             if state.consecutive_nonfinite >= cfg.max_consecutive_nonfinite:
                 rollback(run, hp.lr)
                 bar.reset(total=plan.total_steps)
@@ -610,8 +508,7 @@ def train_loop(run: Run, signals: StopSignals) -> None:
 def preempted(run: Run, signals: List[Optional[str]]) -> Preempted:
     """Log the stop (the checkpoint of this update is written) and return the Preempted error that ends the run."""
     cfg, step = run.cfg, run.state.step
-    got = ", ".join(f"process {rank}: {name}" for rank, name in enumerate(signals) if name) if len(signals) > 1 \
-        else signals[0]
+    got = " and ".join(sorted({name for name in signals if name}))  # events.jsonl says which process got which
     saved = run.last_ckpt if cfg.ckpt_dir is not None else None
     run.log.event("preempted", step, signals=signals, checkpoint=saved)
     run.log.close()
@@ -674,23 +571,13 @@ def probe_and_log(run: Run) -> None:
 
 
 def save(run: Run, best: bool, final: bool = False) -> None:
-    """Checkpoint the current update (and best.pt when `best`). The master builds the state and writes it (on XLA
-    every host takes part in fetching it: a sharded array needs them all); then every process learns how that went,
-    so none rolls back to a file that is not written yet. A write that still fails after ckpt_retry_minutes of
-    retries is skipped (a checkpoint_failed event) and training goes on; a second failure in a row, or a failed
-    `final` checkpoint (the end of the run, a preemption), stops every process with StorageFailed (exit 74)."""
-    cfg, rt, state, log = run.cfg, run.rt, run.state, run.log
-    path, error = checkpoint_path(cfg.ckpt_dir, state.step), None
-    if rt.is_master or rt.kind == "xla":
-        ckpt = {**checkpoint_state(run.model, run.optimizer, state, cfg, rt), "plan": run.plan_record}
-    if rt.is_master:
-        def note(e: Exception, pause: float) -> None:
-            log.print(f"checkpoint {path}: {e!r}; trying again in {pause:.0f} s")
-        try:
-            save_checkpoint(path, ckpt, cfg.keep_last, best, 60 * cfg.ckpt_retry_minutes, on_error=note)
-        except storage_errors() as e:
-            error = repr(e)
-    error = broadcast_from_master(error, rt)
+    """Checkpoint the current update (and best.pt when `best`) in every process. A write that still fails after
+    ckpt_retry_minutes is skipped (a checkpoint_failed event); a second failure in a row, or a failed `final`
+    checkpoint (the end of the run, a preemption), stops every process with StorageFailed (exit 74)."""
+    cfg, state, log = run.cfg, run.state, run.log
+    path = checkpoint_path(cfg.ckpt_dir, state.step)
+    error = checkpoint_everywhere(path, run.model, run.optimizer, state, run.plan_record, cfg, run.rt, best,
+                                  lambda e, pause: log.print(f"checkpoint {path}: {e!r}; again in {pause:.0f} s"))
     run.last_ckpt_time = time.monotonic()
     if error is None:
         run.last_ckpt, run.failed_ckpts = path, 0
@@ -703,9 +590,8 @@ def save(run: Run, best: bool, final: bool = False) -> None:
         raise StorageFailed(f"{which}, {path}, could not be written after retrying for {cfg.ckpt_retry_minutes:g} "
                             f"min: {error}. The last checkpoint written is {run.last_ckpt or 'none'}; run the same "
                             f"command with --resume auto when the storage is back.")
-    log.print(f"WARNING: checkpoint {path} skipped after retrying for {cfg.ckpt_retry_minutes:g} min ({error}); "
-              f"training goes on from {run.last_ckpt or 'no checkpoint'}; a second failure in a row stops the run "
-              f"(exit 74)")
+    log.print(f"WARNING: checkpoint {path} skipped after {cfg.ckpt_retry_minutes:g} min of retries ({error}); training "
+              f"goes on from {run.last_ckpt or 'no checkpoint'}; a second failure in a row stops the run (exit 74)")
 
 
 def rollback(run: Run, lr: float) -> None:
@@ -738,7 +624,7 @@ def finish(run: Run) -> None:
     """The end of the run: does the encoder beat a random one (summary_probe), training.png, the summary."""
     cfg, log = run.cfg, run.log
     versus_random = None
-    if cfg.summary_probe and runs_probe(run.rt):
+    if cfg.summary_probe and probes_in_this_process(run.rt):
         probe_set = run.probe_set or prepare_probe_set(cfg, cfg.probe_labels)
         versus_random = compare_with_random(run.model, cfg, probe_set, run.rt.device)
         log.event("summary_probe", run.state.step, **versus_random)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
+import dicom  # noqa: E402
 import runtime  # noqa: E402
 import train  # noqa: E402
 
@@ -67,13 +68,13 @@ if rank == 1 and faults & {"bad_files", "no_data"}:
 
     def load_prepared(paths, cfg, sources=None):
         if "no_data" in faults or "heidelberg" in paths[0]:
-            raise data.UnusableFile("read_error", f"injected read error on process 1 for {paths[0]}")
+            raise dicom.UnusableFile("read_error", f"injected read error on process 1 for {paths[0]}")
         return real_load(paths, cfg, sources)
 
     data.load_prepared = load_prepared
 
 if "report" in faults:
-    real_resume, real_state, built = train.resume, train.checkpoint_state, []
+    real_resume, real_state, built = train.resume, runtime.checkpoint_state, []
 
     def resume(run):
         out = real_resume(run)
@@ -84,7 +85,7 @@ if "report" in faults:
         built.append(1)
         return real_state(*args, **kwargs)
 
-    train.resume, train.checkpoint_state = resume, checkpoint_state
+    train.resume, runtime.checkpoint_state = resume, checkpoint_state
     atexit.register(lambda: print(f"process {rank}: checkpoint states built: {len(built)}", file=sys.stderr,
                                   flush=True))
 

@@ -15,7 +15,8 @@ import torch
 import train
 from config import load_config, plan_run
 from runtime import Runtime, list_checkpoints, read_checkpoint
-from train import Hyperparameters, ema_at, lr_at, main, make_optimizer, train_update, wd_at
+from schedules import Hyperparameters, ema_at, lr_at, wd_at
+from train import guarded_step, main, make_optimizer, optimizer_step, train_update
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = str(REPO / "configs" / "smoke.yaml")
@@ -148,8 +149,6 @@ def test_poisoned_batch_is_skipped_and_changes_nothing(poison):
 
 def test_device_side_guard_keeps_weights_and_adam_state_exactly_when_told_to_skip():
     """The XLA path's NaN guard (no host sync) decides with torch.where; run here on CPU tensors."""
-    from runtime import guarded_step
-    from train import optimizer_step
     cfg, model, optimizer, batch, rt = tiny_update_setup()
     trained = [p for group in optimizer.param_groups for p in group["params"]]
     for apply in (True, False):
@@ -177,7 +176,7 @@ def test_device_side_guard_keeps_weights_and_adam_state_exactly_when_told_to_ski
         assert torch.equal(a, b)
 
 
-# --- collapse (issue 8) ---
+# --- collapse ---
 
 def test_a_collapsed_target_encoder_is_flagged_by_target_std_and_rankme(tmp_path):
     from probe import rankme
@@ -212,7 +211,7 @@ def test_collapse_warning_when_the_probe_loses_half_its_gain_over_chance(tmp_pat
     log = RunLog(str(tmp_path), cfg, active=True)
     for step, auroc in ((250, 0.77), (500, 0.78), (750, 0.82), (1000, 0.81), (1250, 0.80)):  # healthy: no warning
         log.metrics({"split": "probe", "step": step, "probe_auroc": auroc})
-    for step, auroc in ((1500, 0.64), (1750, 0.55)):  # what a partial collapse did to the probe (issue 12)
+    for step, auroc in ((1500, 0.64), (1750, 0.55)):  # what a partial collapse did to the probe (README, Does it learn)
         log.metrics({"split": "probe", "step": step, "probe_auroc": auroc})
     events = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "collapse_warning"]
     assert [(e["step"], e["metric"]) for e in events] == [(1500, "probe_auroc")]
