@@ -187,8 +187,8 @@ def check_ema_schedule(setup: Setup) -> Check:
                                                                       if falls.size else ""),
                  f"within [{cfg.ema_base:g}, 1], non-decreasing",
                  "the target's EMA momentum must rise from ema_base to ema_end as a function of the optimizer-update "
-                 "count (schedules.ema_at): above 1 it pushes the target away from the encoder, a falling momentum lets "
-                 "the target chase the encoder (collapse, incident 12)")
+                 "count (schedules.ema_at): above 1 it pushes the target away from the encoder, a falling momentum "
+                 "lets the target chase the encoder (collapse, incident 12)")
 
 
 def check_real_data(setup: Setup) -> Check:

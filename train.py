@@ -263,7 +263,7 @@ def next_update_batches(groups, run: "Run") -> list:
 @torch.no_grad()
 def validate(model: VJEPA3D, loader, volumes: int, cfg: Config, rt: Runtime, max_tokens: int = 4096) -> dict:
     """Val loss (their mean), target_std (over all their target tokens) and RankMe (of a fixed set of each one's
-    target-encoder tokens) of the run's `volumes` val volumes: the same, on any number of processes (Run.val_volumes)."""
+    target-encoder tokens) of the run's `volumes` val volumes: the same on any number of processes."""
     model.eval()
     indices = iter(range(rt.process_index, volumes, rt.process_count))  # the order of make_val_loader's volumes
     per_volume = math.ceil(max_tokens / max(1, volumes))
@@ -428,7 +428,7 @@ def open_log(run: Run, ckpt: Optional[dict], set_aside: List[dict]) -> RunLog:
 
 
 def train(cfg: Config, rt: Runtime) -> int:
-    """Pretrain for the run's plan (or only print the dry run's report); returns the exit code (or raises an ExitError)."""
+    """Pretrain for the run's plan (or only print the dry run's report); returns the exit code, or raises ExitError."""
     run = prepare_run(cfg, rt)
     if cfg.dry_run:
         return dry_run(run)
@@ -443,7 +443,7 @@ def train(cfg: Config, rt: Runtime) -> int:
         if run.val_volumes:
             run.val_loader = make_val_loader(run.val_ds, run.val_volumes, run.local_batch, workers=cfg.workers,
                                              rank=rt.process_index, process_count=rt.process_count)
-        mark_step(rt)  # XLA: materialise weights and optimizer state now, so update 1 compiles the graph update 2 reuses
+        mark_step(rt)  # XLA: weights and optimizer state materialised now: update 1 compiles the graph update 2 reuses
         train_loop(run, signals)
     finish(run)
     return EXIT_OK

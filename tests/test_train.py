@@ -297,7 +297,8 @@ def test_rerunning_a_finished_run_name_needs_resume(tmp_path, smoke_phantoms, ca
 
 
 @pytest.mark.slow
-def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one_and_the_next_start_removes_its_tmp_file(tmp_path, smoke_phantoms):
+def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one_and_the_next_start_removes_its_tmp_file(
+        tmp_path, smoke_phantoms):
     assert main(smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "4")) == 0
     ckpt_dir = tmp_path / "runs" / "r" / "checkpoints"
     good = list_checkpoints(str(ckpt_dir))[0]
