@@ -88,7 +88,7 @@ class RunLog:
             tqdm.write(" ".join(str(a) for a in args))
 
     def close(self) -> None:
-        """Finish the W&B run (its files are complete after this)."""
+        """Finish the W&B run. wandb-core writes its files in its own process and may complete them a moment later."""
         if self.wandb_run is not None:
             self.wandb_run.finish()
 

@@ -410,33 +410,40 @@ def test_demo_run_completes_and_its_loss_falls(tmp_path):
     assert "done:" in result.stdout and "metrics" in result.stdout
 
 
-def read_wandb_offline_history(run_dir):
-    """History rows of an offline W&B run, read from its .wandb file (a LevelDB-style record log). W&B's service
-    may still be writing the file when run.finish() has returned: read until the run's exit record is in it."""
+def read_wandb_records(path):
+    """The protobuf records of a W&B transaction log (.wandb file: LevelDB-style 32 KiB blocks of fragments)."""
     import struct
     from wandb.proto import wandb_internal_pb2
+    buf, pos, pending, records, block = path.read_bytes(), 7, b"", [], 32768  # 7-byte ':W&B' file header
+    while pos + 7 <= len(buf):
+        if block - pos % block < 7:  # block trailer padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", buf[pos:pos + 7])
+        pending += buf[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST fragment: one protobuf record is complete
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            records.append(record)
+    return records
+
+
+def read_wandb_offline_history(run_dir, timeout_s=120):
+    """History rows of an offline W&B run. wandb-core writes the file in its own process and may still be writing
+    when run.finish() has returned (seen on a loaded machine: the file still empty), so wait for its `exit` record."""
     (path,) = Path(run_dir).glob("wandb/offline-run-*/run-*.wandb")
-    for _ in range(300):
-        buf, pos, pending, rows, kinds, block = path.read_bytes(), 7, b"", [], set(), 32768  # 7-byte ':W&B' header
-        while pos + 7 <= len(buf):
-            if block - pos % block < 7:  # block trailer padding
-                pos += block - pos % block
-                continue
-            _, length, kind = struct.unpack("<IHB", buf[pos:pos + 7])
-            pending += buf[pos + 7:pos + 7 + length]
-            pos += 7 + length
-            if kind in (1, 4):  # FULL or LAST fragment: one protobuf record is complete
-                record = wandb_internal_pb2.Record()
-                record.ParseFromString(pending)
-                pending = b""
-                kinds.add(record.WhichOneof("record_type"))
-                if record.WhichOneof("record_type") == "history":
-                    rows.append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json)
-                                 for i in record.history.item})
-        if "exit" in kinds:
-            return rows
-        time.sleep(0.1)
-    raise AssertionError(f"{path} has no exit record after 30 s")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = read_wandb_records(path)
+        kinds = [r.WhichOneof("record_type") for r in records]
+        if "exit" in kinds or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert "exit" in kinds, f"{path}: no exit record {timeout_s} s after the run finished (records: {kinds})"
+    return [{(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item}
+            for r, kind in zip(records, kinds) if kind == "history"]
 
 
 @pytest.mark.slow
