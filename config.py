@@ -435,7 +435,7 @@ class RunPlan:
     total_steps: int
     warmup_steps: int
     # [at_step, old_total, new_total] of each --extend, oldest first, + "rewarm" for --extend_schedule rewarm
-    # (train.schedule_segment: the schedules stretch what was left of them, or start a new segment at at_step)
+    # (schedules.schedule_segment: the schedules stretch what was left of them, or start a new segment at at_step)
     extensions: List[list] = field(default_factory=list)
 
     @property
