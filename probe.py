@@ -140,6 +140,10 @@ class AttentiveProbe(torch.nn.Module):
     def forward(self, tokens):
         return self.classify(F.layer_norm(tokens, tokens.shape[-1:]))
 
+    def attention(self, tokens):
+        """Each head's pooling weights [M, N, heads] over tokens [M, N, E] (they sum to 1 over N): where it looks."""
+        return torch.softmax(self.scores(F.layer_norm(tokens, tokens.shape[-1:])), dim=1)
+
     def classify(self, normed):
         """Logits [M, C] of layer-normed tokens [M, N, E]."""
         weights = torch.softmax(self.scores(normed), dim=1)  # [M, N, heads]
@@ -168,18 +172,26 @@ def attentive_scores(probe: AttentiveProbe, tokens: torch.Tensor, labels: np.nda
     return classification_scores(F.softmax(probe(tokens), dim=-1).numpy(), labels)
 
 
+def split_scores(tokens: torch.Tensor, labels: np.ndarray, train_idx: np.ndarray, test_idx: np.ndarray, seed: int,
+                 attentive: bool = True) -> Dict[str, dict]:
+    """Per probe (mean_pool, attentive), the held-out scores (classification_scores) on test_idx of the probe trained
+    on train_idx, initialised from `seed`. tokens: [M, N, E] frozen features of M labelled volumes; labels: [M] class
+    ids. The one place that says which probes there are: probe_scores and finetune.py call it."""
+    scores = {"mean_pool": linear_probe(tokens.mean(1).numpy(), labels, train_idx, test_idx)}
+    if attentive:
+        probe = fit_attentive(tokens[train_idx], torch.from_numpy(labels[train_idx]).long(), int(labels.max()) + 1,
+                              seed)
+        scores["attentive"] = attentive_scores(probe, tokens[test_idx], labels[test_idx])
+    return scores
+
+
 def probe_scores(tokens: torch.Tensor, labels: np.ndarray, seeds: Sequence[int], attentive: bool = True) -> dict:
-    """Per probe (mean_pool, attentive), the interval over seeds of held-out AUROC and balanced accuracy.
-    tokens: [M, N, E] frozen features of M labelled volumes; labels: [M] class ids."""
-    num_classes = int(labels.max()) + 1
-    pooled = tokens.mean(1).numpy()  # [M, E]
+    """Per probe (split_scores), the interval over seeds of held-out AUROC and balanced accuracy, each seed a new
+    stratified_split. tokens: [M, N, E] frozen features of M labelled volumes; labels: [M] class ids."""
     runs: Dict[str, Dict[str, list]] = {}
     for seed in seeds:
         tr, te = stratified_split(labels, TEST_FRACTION, seed)
-        scores = {"mean_pool": linear_probe(pooled, labels, tr, te)}
-        if attentive:
-            probe = fit_attentive(tokens[tr], torch.from_numpy(labels[tr]).long(), num_classes, seed)
-            scores["attentive"] = attentive_scores(probe, tokens[te], labels[te])
+        scores = split_scores(tokens, labels, tr, te, seed, attentive)
         for probe, metrics in scores.items():
             for metric, value in metrics.items():
                 runs.setdefault(probe, {}).setdefault(metric, []).append(value)
@@ -310,6 +322,21 @@ def load_model(ckpt: str, cfg: Config) -> Tuple[VJEPA3D, Config]:
     if ckpt == "random":
         torch.manual_seed(cfg.seed)
         return VJEPA3D.from_config(cfg), cfg
+    model, ckpt_cfg, _ = read_model_checkpoint(ckpt)
+    return model, ckpt_cfg
+
+
+def resolve_checkpoint(ckpt: str) -> str:
+    """A run's checkpoints folder -> its newest step checkpoint (a not-found path when it has none); any other path
+    as it is."""
+    if os.path.isdir(ckpt):
+        return (list_checkpoints(ckpt) or [os.path.join(ckpt, "step_*.pt")])[0]
+    return ckpt
+
+
+def read_model_checkpoint(ckpt: str) -> Tuple[VJEPA3D, Config, dict]:
+    """(model, its config, the whole checkpoint) of a train.py checkpoint file (local or gs://). Raises ConfigError,
+    naming the fix, for a missing or incompatible checkpoint."""
     fix = "pass a checkpoint written by train.py (OUT_DIR/RUN_NAME/checkpoints/best.pt or step_*.pt) or --ckpt random"
     try:
         state = read_checkpoint(ckpt)
@@ -324,9 +351,9 @@ def load_model(ckpt: str, cfg: Config) -> Tuple[VJEPA3D, Config]:
         model = VJEPA3D.from_config(ckpt_cfg)
         model.load_state_dict(state["model"])
     except (ConfigError, RuntimeError, TypeError) as e:
-        raise ConfigError(f"ckpt: {ckpt} does not fit this version of config.py/model.py ({e}); probe it with the "
+        raise ConfigError(f"ckpt: {ckpt} does not fit this version of config.py/model.py ({e}); read it with the "
                           f"octjepa version that wrote it.") from None
-    return model, ckpt_cfg
+    return model, ckpt_cfg, state
 
 
 def probe_device(cfg: Config) -> torch.device:
@@ -354,9 +381,7 @@ def main(argv: List[str]) -> int:
         parser.error("--seeds needs at least 2 for an interval")
     if args.vs_random and args.ckpt == "random":
         parser.error("--vs_random compares a checkpoint with a random init; give --ckpt PATH")
-    ckpt = args.ckpt
-    if os.path.isdir(ckpt):  # a run's checkpoints folder: its last step checkpoint
-        ckpt = (list_checkpoints(ckpt) or [os.path.join(ckpt, "step_*.pt")])[0]
+    ckpt = resolve_checkpoint(args.ckpt)
     if args.ckpt != "random":
         other = sorted(given_flags(rest) - set(CKPT_FIELDS))
         if other:

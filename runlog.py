@@ -212,7 +212,7 @@ def start_wandb(cfg: Config, run_dir: str):
 
 def describe_run(cfg: Config, plan: RunPlan, model, train_ds, val_ds, rt, schedules: list, masks: str) -> str:
     """The dry run's preflight report: sizes, tokens, FLOPs, memory, the masks (`masks`: data.describe_masks's
-    lines) and the schedules (train.Hyperparameters of every update) at milestones."""
+    lines) and the schedules (schedules.Hyperparameters of every update) at milestones."""
     n_context, n_target = cfg.token_counts()
     flops = training_flops_per_sample(cfg)
     act = activation_bytes_per_sample(cfg)

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import encoder
 from test_resume import free_port
 from test_train import main, read_jsonl, smoke_flags, train_lines
 from runtime import list_checkpoints
@@ -157,3 +158,24 @@ def test_two_xla_hosts_resume_from_one_checkpoint_or_both_stop(tmp_path, smoke_p
     # A read error on host 1 that does not pass: both stop, before either trains, with the storage exit code.
     for code, err in pod("read_always", "--max_steps", "8", "--resume", "auto", "--extend", "true"):
         assert code == 74 and "process 1" in err and "none trains" in err, err[-3000:]
+
+
+def test_an_exported_encoder_embeds_on_xla_as_on_cpu(tmp_path, export_dir, phantom_dir, xla_python):
+    """load_encoder and the forward pass on the XLA device (4 devices: the batch is sharded) against the CPU of the
+    torch_xla venv and the CPU of this one (another torch version)."""
+    def embed(name, python, device, devices=1):
+        out = tmp_path / f"{name}.npz"
+        flags = ["embed", "--encoder", export_dir, "--data_root", phantom_dir, "--out", str(out), "--device", device,
+                 "--workers", "0", "--batch_size", "4"]
+        if python:
+            run_train(python, flags, devices, script="encoder.py")
+        else:
+            assert encoder.main(flags) == 0
+        with np.load(out) as z:
+            return z["embedding"], list(z["path"])
+    xla, paths = embed("xla", xla_python, "xla", devices=4)
+    cpu, cpu_paths = embed("xla_venv_cpu", xla_python, "cpu")
+    here, _ = embed("cpu", None, "cpu")  # in this process
+    assert paths == cpu_paths and xla.shape == (10, 48)
+    np.testing.assert_allclose(xla, cpu, atol=1e-5)
+    np.testing.assert_allclose(xla, here, atol=1e-5)
