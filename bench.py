@@ -41,6 +41,7 @@ import torch
 from pydicom.uid import JPEG2000, ExplicitVRLittleEndian, JPEG2000Lossless, JPEGBaseline8Bit, RLELossless
 
 import runtime
+import schedules
 import train
 from config import ScriptParser, given_flags, load_config, script_main
 from data import OCTDataset, load_prepared, make_loader, mask_generator_from_config
@@ -233,7 +234,7 @@ def time_updates(cfg, rt: runtime.Runtime, batch: dict, warmup: int, repeats: in
     rss_before = peak_rss_bytes()
     names = ["unsharded", "sharded"] if rt.sharded else ["eager"] if rt.kind == "xla" else ["eager", "compiled"]
     variants = {name: {} for name in names}
-    hp = train.Hyperparameters(cfg.base_lr, cfg.weight_decay, cfg.ema_base)
+    hp = schedules.Hyperparameters(cfg.base_lr, cfg.weight_decay, cfg.ema_base)
     for name, v in variants.items():
         torch.manual_seed(cfg.seed)
         variant_rt = replace(rt, fsdp_size=1) if name == "unsharded" else rt
