@@ -350,10 +350,10 @@ class Run:
 
     @property
     def val_volumes(self) -> int:
-        """The first val_batches x global_batch_size val volumes, the same on any number of processes (XLA: a multiple
-        of the device count, over which a batch is split); 0 turns validation off."""
+        """The first val_batches x global_batch_size val volumes, the same on any number of processes (XLA and sharded
+        runs: a multiple of the device count, as every device takes part in each forward); 0 turns validation off."""
         volumes = min(len(self.val_ds), self.cfg.val_batches * self.plan.global_batch_size)
-        return volumes - volumes % self.rt.world_size if self.rt.kind == "xla" else volumes
+        return volumes - volumes % self.rt.world_size if self.rt.kind == "xla" or self.rt.sharded else volumes
 
     @property
     def checkpoint_time_due(self) -> bool:
