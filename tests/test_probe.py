@@ -159,7 +159,7 @@ def test_a_file_that_is_not_a_checkpoint_exits_2(capsys, tmp_path):
     assert code == 2 and "not a readable checkpoint" in err
     torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")
     code, err = run_cli(capsys, "--ckpt", str(tmp_path / "other.pt"))
-    assert code == 2 and "'model' and 'config'" in err
+    assert code == 2 and "not an octjepa checkpoint (no 'model')" in err
 
 
 def test_checkpoint_whose_weights_do_not_fit_its_config_exits_2(capsys, tmp_path):
