@@ -42,6 +42,7 @@ class Config:
     index_path: Optional[str] = None  # JSONL index written by `python data.py scan` (reused if given)
     phantom_dir: str = "data/phantoms"  # where the built-in demo phantoms are written when data_root is None
     phantom_count: int = 48  # volumes in the built-in phantom set
+    phantom_varied: bool = False  # built-in phantoms with varied eyes (position, tilt, brightness...: phantom.draw_eye)
     sop_classes: str = "oct"  # oct | any
     image_size: List[int] = field(default_factory=lambda: [16, 64, 64])  # [D, H, W] voxels fed to the model
     patch_size: List[int] = field(default_factory=lambda: [4, 8, 8])  # tubelet [pd, ph, pw]

@@ -1362,10 +1362,10 @@ def make_loader(dataset: OCTDataset, batch_size: int, train: bool, workers: int,
 
 def ensure_phantoms(cfg: Config) -> str:
     """cfg.phantom_dir holding the built-in phantom set of cfg.phantom_count volumes, written once."""
-    if not phantom_set_complete(cfg.phantom_dir, cfg.phantom_count):
+    if not phantom_set_complete(cfg.phantom_dir, cfg.phantom_count, varied=cfg.phantom_varied):
         print(f"writing {cfg.phantom_count} phantom OCT volumes to {cfg.phantom_dir} (once)", file=sys.stderr)
         try:
-            write_phantom_set(cfg.phantom_dir, cfg.phantom_count)
+            write_phantom_set(cfg.phantom_dir, cfg.phantom_count, varied=cfg.phantom_varied)
         except FileExistsError as e:
             raise ConfigError(f"phantom_dir: {e}") from None
     return cfg.phantom_dir
