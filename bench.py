@@ -9,14 +9,14 @@ predictor, loss, backward, clipping, AdamW, EMA) on synthetic inputs at the conf
 (default: the demo config; --quick: the smoke config), after warm-up, eager and compiled (compile: true's
 compile_parts; not on XLA) interleaved, and compares their model FLOP/s with the peak of a large matmul
 measured in the same run and dtype (MFU) and with a plain ViT encoder of the same width. Memory: CUDA max
-allocated; CPU peak RSS growth. Targets (issue 7): CPU fp32 demo >= 70% of the matmul peak; GPU bf16 production
+allocated; CPU peak RSS growth. Targets: CPU fp32 demo >= 70% of the matmul peak; GPU bf16 production
 >= 40%.
 
 `data` writes OCT volumes of a realistic size (Spectralis-like 49x496x512; --quick: 16x128x128) in each
 transfer syntax and measures, on one core (torch threads = 1): raw pydicom decode, the full uncached
 pipeline (read, resample, clip, crop, normalize, mask), and the pipeline from the decoded-volume cache;
 then the DataLoader with cfg.workers processes from the cache. The reference is this machine's
-single-core memory copy bandwidth. Targets (issue 3): uncached costs at most 1.5x decode for uncompressed
+single-core memory copy bandwidth. Targets: uncached costs at most 1.5x decode for uncompressed
 data; the cache delivers at least 50 volumes/s per core at image_size [64,384,384].
 """
 import importlib.metadata

@@ -54,6 +54,7 @@ import scipy.stats
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from matplotlib.figure import Figure
 from sklearn.exceptions import ConvergenceWarning
 from sklearn.linear_model import LogisticRegression, RidgeCV
 from sklearn.metrics import balanced_accuracy_score, r2_score, roc_auc_score
@@ -62,8 +63,11 @@ from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
 from config import Config, ConfigError, ScriptParser, given_flags, load_config, script_main
+from data import load_val_sample
+from dicom import UnusableFile
 from model import VJEPA3D
-from runtime import list_checkpoints, read_checkpoint
+from phantom import ensure_phantom_set
+from runtime import device_kind, list_checkpoints, read_checkpoint
 
 PROBE_PHANTOMS = 240  # volumes of the plain labelled phantom set (plain_lesion, and the probe during pretraining)
 PROBE_PHANTOM_SEED = 1  # the pretraining phantoms use seed 0
@@ -476,15 +480,9 @@ def read_labels(path: str, columns: Sequence[str] = ("label",)) -> List[Tuple[st
 def phantom_labels(cfg: Config, varied: bool = False) -> str:
     """labels.csv of a built-in labelled phantom set, written once: the plain set in cfg.phantom_dir + '_probe', or
     the varied one (varied eyes, balanced labels, retina_thickness) in cfg.phantom_dir + '_suite'."""
-    from phantom import phantom_set_complete, write_phantom_set
     n, seed = (SUITE_PHANTOMS, SUITE_PHANTOM_SEED) if varied else (PROBE_PHANTOMS, PROBE_PHANTOM_SEED)
     directory = cfg.phantom_dir.rstrip("/") + ("_suite" if varied else "_probe")
-    if not phantom_set_complete(directory, n, seed=seed, varied=varied):
-        print(f"writing {n} labelled phantom volumes to {directory} (once)", file=sys.stderr)
-        try:
-            write_phantom_set(directory, n, seed=seed, varied=varied)
-        except FileExistsError as e:
-            raise ConfigError(f"phantom_dir: {e}") from None
+    ensure_phantom_set(directory, n, seed, "labelled phantom volumes", varied)
     return os.path.join(directory, "labels.csv")
 
 
@@ -492,7 +490,6 @@ def load_labelled_volumes(cfg: Config, labels_csv: str, max_volumes: Optional[in
                           columns: Sequence[str] = ("label",)):
     """(volumes [M,1,D,H,W] float32 preprocessed like validation samples, {column: values [M] (strings)},
     {reason: count} of unusable files) of a labels CSV; at most max_volumes, drawn at random."""
-    from data import UnusableFile, load_training_volume
     rows = read_labels(labels_csv, columns)
     if max_volumes is not None and len(rows) > max_volumes:
         keep = np.random.default_rng(0).permutation(len(rows))[:max_volumes]
@@ -500,7 +497,7 @@ def load_labelled_volumes(cfg: Config, labels_csv: str, max_volumes: Optional[in
     volumes, kept, skipped = [], [], Counter()
     for row in rows:
         try:
-            volumes.append(load_training_volume(row[0], cfg))
+            volumes.append(load_val_sample(row[0], cfg))
         except UnusableFile as e:
             skipped[e.reason] += 1
             continue
@@ -633,12 +630,10 @@ def load_model(ckpt: str, cfg: Config) -> Tuple[VJEPA3D, Config]:
 
 
 def probe_device(cfg: Config) -> torch.device:
-    """cuda when cfg.device is auto or cuda and a GPU is there, else cpu."""
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device: cuda was asked for but torch sees no CUDA device; use --device cpu or auto.")
+    """cuda when cfg.device is auto or cuda and a GPU is there, else cpu (runtime.device_kind without xla)."""
     if cfg.device == "xla":
         raise ConfigError("device: probe.py runs on cpu or cuda; use --device cpu or auto.")
-    return torch.device("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu")
+    return torch.device(device_kind(cfg, xla=False))
 
 
 def checkpoint_probe_config(ckpt_cfg: Config, cli_cfg: Config, given: Set[str]) -> Config:
@@ -775,7 +770,6 @@ def format_report(report: dict) -> str:
 def save_probe_plot(metrics_path: str, report: dict, path: str) -> None:
     """PNG of the in-training probe AUROC (metrics.jsonl 'probe' lines) against pretraining updates, with the
     random-init level of the report's first task's mean-pool read-out (mean and 95% interval) drawn in."""
-    from matplotlib.figure import Figure
     probes = []
     if os.path.exists(metrics_path):
         with open(metrics_path) as f:

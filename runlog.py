@@ -15,8 +15,8 @@ from matplotlib.figure import Figure
 from tqdm import tqdm
 
 from config import Config, RunPlan
-from data import describe_masks, mask_generator_from_config, mask_stats, write_atomic
 from model import activation_bytes_per_sample, training_flops_per_sample
+from storage import write_atomic
 
 
 class RunLog:
@@ -76,7 +76,7 @@ class RunLog:
             tqdm.write(" ".join(str(a) for a in args))
 
     def close(self) -> None:
-        """Finish the W&B run (its files are complete after this)."""
+        """Finish the W&B run. wandb-core writes its files in its own process and may complete them a moment later."""
         if self.wandb_run is not None:
             self.wandb_run.finish()
 
@@ -168,9 +168,9 @@ def start_wandb(cfg: Config, run_dir: str):
     return run
 
 
-def describe_run(cfg: Config, plan: RunPlan, model, train_ds, val_ds, rt, schedules: list) -> str:
-    """The dry run's preflight report: sizes, tokens, FLOPs, memory, and the schedules (train.Hyperparameters of
-    every update) at milestones."""
+def describe_run(cfg: Config, plan: RunPlan, model, train_ds, val_ds, rt, schedules: list, masks: str) -> str:
+    """The dry run's preflight report: sizes, tokens, FLOPs, memory, the masks (`masks`: data.describe_masks's
+    lines) and the schedules (train.Hyperparameters of every update) at milestones."""
     n_context, n_target = cfg.token_counts()
     flops = training_flops_per_sample(cfg)
     act = activation_bytes_per_sample(cfg)
@@ -190,7 +190,7 @@ def describe_run(cfg: Config, plan: RunPlan, model, train_ds, val_ds, rt, schedu
         f"activations       ~{act / 2**20:.1f} MiB/sample, ~{act * plan.per_core_batch_size / 2**30:.2f} GiB per "
         f"replica at batch {plan.per_core_batch_size} (+ {state_bytes / 2**30:.2f} GiB weights, grads, AdamW)",
     ]
-    lines.append(describe_masks(mask_generator_from_config(cfg)))
+    lines.append(masks)
     geometry = getattr(train_ds, "geometry_report", None)
     if callable(geometry):
         lines.append(geometry())
@@ -212,15 +212,14 @@ def save_schedule_plot(schedules: Dict[str, List[float]], path: str) -> None:
     fig.savefig(path, dpi=80)
 
 
-def save_mask_plot(sample: dict, cfg: Config, path: str) -> None:
+def save_mask_plot(sample: dict, cfg: Config, stats: dict, path: str) -> None:
     """PNG of one sample's masks: per mask set, the middle B-scan with its context (blue) and target (red) tokens
     overlaid and the en-face target map of every B-scan row, titled with the realised block size and the share
-    of target tokens with a context neighbour along each axis (data.mask_stats over 100 masks)."""
+    of target tokens with a context neighbour along each axis (`stats`: data.mask_stats over 100 masks)."""
     volume = sample["volume"][0].numpy()  # [D, H, W]
     gd, gh, gw = cfg.grid_size()
     pd, ph, pw = cfg.patch_size
     targets = sample["target_idx"].numpy().reshape(-1, sample["target_idx"].shape[-1])  # [M, Nt]
-    stats = mask_stats(mask_generator_from_config(cfg))
     frame = volume.shape[0] // 2
     fig = Figure(figsize=(15, 4 * len(targets)))
     for row, target_idx in zip(fig.subplots(len(targets), 3, squeeze=False), targets):

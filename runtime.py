@@ -1,13 +1,12 @@
 """Where the training update runs and what survives it: devices, processes, SPMD/DDP setup, host<->device
-transfers, the device-side NaN guard, XLA counters, and checkpoints (files on local disk or gs://, their content,
-resume and restore).
+transfers, XLA counters, and checkpoints (files on local disk or gs:// through storage.py, their content, resume and
+restore).
 
 train.py runs the loop on these; probe.py and bench.py use them without importing the loop. Nothing here knows
 the model or the loss.
 """
 import atexit
 import gc
-import glob
 import hashlib
 import io
 import json
@@ -17,13 +16,13 @@ import re
 import time
 import uuid
 from dataclasses import asdict, dataclass, replace
-from typing import Callable, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
 
 from config import Config, ConfigError, RunPlan, plan_run
-from data import gcs_filesystem, read_bytes, write_atomic
+from storage import glob_paths, read_bytes, remove, write_atomic
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -54,12 +53,8 @@ class Runtime:
 
 
 def setup_runtime(cfg: Config) -> Runtime:
-    """Pick the device (auto: xla if configured, else cuda, else cpu) and join the process group if any."""
-    kind = cfg.device
-    if kind == "auto":
-        kind = "xla" if _xla_configured() else "cuda" if torch.cuda.is_available() else "cpu"
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device: cuda was asked for but torch sees no CUDA device; use --device cpu or auto.")
+    """Pick the device (device_kind) and join the process group if any."""
+    kind = device_kind(cfg)
     if kind == "xla":
         return _setup_xla()
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -72,6 +67,17 @@ def setup_runtime(cfg: Config) -> Runtime:
     device = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # torchrun: processes on this machine
     return Runtime(device, kind, world, rank, world, 1, multi_host=local_world < world)
+
+
+def device_kind(cfg: Config, xla: bool = True) -> str:
+    """cpu | cuda | xla: cfg.device, where auto is xla if configured (and `xla` allows it), else cuda if torch sees
+    a GPU, else cpu. ConfigError for cuda without a CUDA device."""
+    kind = cfg.device
+    if kind == "auto":
+        kind = "xla" if xla and _xla_configured() else "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device: cuda was asked for but torch sees no CUDA device; use --device cpu or auto.")
+    return kind
 
 
 def leave_process_group() -> None:
@@ -153,7 +159,7 @@ def master_decides(rt: Runtime, fn, *args):
     return result
 
 
-def runs_probe(rt: Runtime) -> bool:
+def probes_in_this_process(rt: Runtime) -> bool:
     """Whether this process computes the probe during pretraining: the master; on XLA every host, since an SPMD
     graph that only one host runs would leave it waiting for the others."""
     return rt.is_master or rt.kind == "xla"
@@ -202,17 +208,18 @@ def xla_counters() -> dict:
     return {"xla_compiles": compiles[0] if compiles else 0, "xla_transfers": transfers[0] if transfers else 0}
 
 
-class UnreadStats:
-    """Per-update statistics still on the device, with host-side notes. CPU/CUDA read them after every update
-    (`due`); XLA only where the loop needs them anyway (log, validation, probe, checkpoint), all in one transfer:
-    a read inside the step would cut the XLA graph, and the NaN guard decides there without the host."""
+class PendingDeviceStats:
+    """Per-update statistics still on the device, with host-side notes, until the host reads them. CPU/CUDA read
+    them after every update (`read_every_update`); XLA only where the loop needs them anyway (log, validation,
+    probe, checkpoint), all in one transfer: a read inside the step would cut the XLA graph, and the NaN guard
+    decides there without the host."""
 
     def __init__(self, rt: Runtime):
         self.rt = rt
         self.unread: List[Tuple[dict, torch.Tensor]] = []
 
     @property
-    def due(self) -> bool:
+    def read_every_update(self) -> bool:
         """Whether the host reads after every update (CPU/CUDA)."""
         return self.rt.kind != "xla"
 
@@ -246,30 +253,13 @@ def to_cpu(obj):
     return obj
 
 
-@torch.no_grad()
-def guarded_step(optimizer: torch.optim.Optimizer, apply: torch.Tensor, step: Callable[[], None]) -> None:
-    """step() (an optimizer update), kept only where `apply` (a 0-d bool tensor) is True: otherwise every weight
-    and every optimizer state tensor keeps its old value exactly. Decided on the device, so XLA needs no host sync."""
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-    old_params = [p.clone() for p in params]
-    old_states = [{k: v.clone() for k, v in optimizer.state[p].items()} for p in params]
-    step()
-    for p, old in zip(params, old_params):
-        p.copy_(torch.where(apply, p, old))
-    for p, old in zip(params, old_states):
-        for key, value in optimizer.state[p].items():
-            value.copy_(torch.where(apply, value, old[key]))
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Checkpoints: files, content, the plan a resume continues, the run folder
 # ----------------------------------------------------------------------------------------------------------
 
 def list_checkpoints(ckpt_dir: str) -> List[str]:
     """Step checkpoints in ckpt_dir, newest first (temp files of interrupted writes are ignored)."""
-    pattern = ckpt_dir.rstrip("/") + "/step_*.pt"
-    paths = ["gs://" + p for p in gcs_filesystem().glob(pattern)] if pattern.startswith("gs://") else glob.glob(pattern)
-    paths = [p for p in paths if re.search(r"step_\d+\.pt$", p)]
+    paths = [p for p in glob_paths(ckpt_dir.rstrip("/") + "/step_*.pt") if re.search(r"step_\d+\.pt$", p)]
     return sorted(paths, key=lambda p: int(re.search(r"step_(\d+)\.pt$", p).group(1)), reverse=True)
 
 
@@ -313,10 +303,7 @@ def save_checkpoint(path: str, state: dict, keep_last: int, best: bool) -> None:
     if best:
         write_atomic(f"{ckpt_dir}/best.pt", buffer.getbuffer())
     for old in list_checkpoints(ckpt_dir)[keep_last:]:
-        if old.startswith("gs://"):
-            gcs_filesystem().rm(old)
-        else:
-            os.remove(old)
+        remove(old)
 
 
 def rng_state() -> dict:

@@ -22,10 +22,13 @@ from typing import List, Optional
 
 import numpy as np
 import torch
+from matplotlib.figure import Figure
 
 import runtime
 import train
 from config import Config, ConfigError, ScriptParser, load_config, plan_run, script_main
+from data import NoUsableData, OCTDataset, build_datasets, collate, mask_generator_from_config
+from dicom import BENIGN_REASONS, find_files, format_reason_table, reason_counts, scan_files
 from model import JEPAOutput, VJEPA3D
 
 EXIT_OK, EXIT_FAILED = 0, 1
@@ -75,14 +78,12 @@ class Setup:
     @cached_property
     def data_sample(self):
         """(number of files found, index records of a seeded random sample of them): real data only."""
-        from data import find_files, scan_files
         files = find_files(self.cfg.data_root, self.cfg.manifest_path)
         pick = np.random.default_rng(self.cfg.seed).permutation(len(files))[:DATA_SAMPLE_FILES]
         return len(files), scan_files([files[i] for i in sorted(pick)], self.cfg.sop_classes)
 
     @cached_property
     def train_ds(self):
-        from data import NoUsableData, OCTDataset, build_datasets
         if not self.real_data:
             return build_datasets(self.small)[0]
         usable = [r for r in self.data_sample[1] if r["ok"]]
@@ -115,12 +116,10 @@ class Setup:
 
     @cached_property
     def batch(self) -> dict:
-        from data import collate
         return collate(self.samples)
 
     @cached_property
     def micro_batches(self) -> List[dict]:
-        from data import collate
         return [collate([s]) for s in self.samples]
 
     @cached_property
@@ -193,7 +192,6 @@ def check_ema_schedule(setup: Setup) -> Check:
 
 def check_real_data(setup: Setup) -> Check:
     """A sample of the real files is scanned: some volumes are usable and few files are bad; the reject table."""
-    from data import BENIGN_REASONS, format_reason_table, reason_counts
     found, records = setup.data_sample
     usable = sum(r["ok"] for r in records)
     bad = sum(not r["ok"] and r["reason"] not in BENIGN_REASONS for r in records)
@@ -246,7 +244,6 @@ def mask_problems(context_idx: torch.Tensor, target_idx: torch.Tensor, cfg: Conf
 def check_masks(setup: Setup) -> Check:
     """The loader's masks, and the configured grid's masks, are index tensors [B, Nc] / [B, Nt] with exact counts,
     disjoint and complete (incident 6)."""
-    from data import mask_generator_from_config
     batch = setup.batch
     full = [mask_generator_from_config(setup.cfg)(np.random.default_rng([setup.cfg.seed, i])) for i in range(4)]
     full_context, full_target = (torch.from_numpy(np.stack([m[k] for m in full])) for k in (0, 1))
@@ -421,7 +418,6 @@ def lr_sweep(cfg: Config, lrs: List[float], png_path: str) -> dict:
     """Short runs of the scaled model at each LR from the same weights and data (EMA target on, no warmup);
     recommends the largest LR that stayed stable (finite, no loss above 1.1x its start, no collapse) and whose
     loss fell; saves the loss curves to png_path."""
-    from data import collate
     setup = Setup(cfg)
     ds = setup.train_ds
     batches = [collate([ds[(0, (2 * i + j) % len(ds))] for j in range(2)]) for i in range(8)]
@@ -448,7 +444,6 @@ def lr_sweep(cfg: Config, lrs: List[float], png_path: str) -> dict:
 
 def save_sweep_plot(curves: dict, path: str) -> None:
     """PNG of the loss curve of each LR."""
-    from matplotlib.figure import Figure
     fig = Figure(figsize=(7, 4))
     ax = fig.subplots()
     for lr, losses in curves.items():

@@ -17,7 +17,7 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -25,16 +25,16 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from config import Config, ExitError, RunPlan, ScriptParser, load_config, plan_run, save_config, script_main
-from data import NoUsableData, build_datasets, format_reason_table, make_loader, mask_generator_from_config
+from data import (NoUsableData, build_datasets, describe_masks, format_reason_table, make_loader,
+                  mask_generator_from_config, mask_stats)
 from model import VJEPA3D
 from probe import compare_with_random, prepare_probe_set, probe_auroc, rankme
 from runlog import (RunLog, Throughput, describe_run, format_train_line, json_number, save_mask_plot,
                     save_schedule_plot, save_training_plot, summary)
-from runtime import (Runtime, UnreadStats, check_checkpoints_are_shared, check_ranks_agree, checkpoint_path,
-                     checkpoint_state, gather_objects, guarded_step, load_resume_checkpoint, mark_step,
-                     master_decides, plan_record, read_checkpoint, reduce_mean, resolve_run_dir, restore,
-                     resumed_plan, runs_probe, save_checkpoint, setup_runtime, split_fingerprint, to_device,
-                     xla_counters)
+from runtime import (PendingDeviceStats, Runtime, check_checkpoints_are_shared, check_ranks_agree, checkpoint_path,
+                     checkpoint_state, gather_objects, load_resume_checkpoint, mark_step, master_decides, plan_record,
+                     probes_in_this_process, read_checkpoint, reduce_mean, resolve_run_dir, restore, resumed_plan,
+                     save_checkpoint, setup_runtime, split_fingerprint, to_device, xla_counters)
 
 EXIT_OK = 0  # the others: ConfigError 2, NoUsableData 3, Diverged 4
 
@@ -202,6 +202,21 @@ def clip_and_measure(model: VJEPA3D, cfg: Config) -> torch.Tensor:
     return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
 
+@torch.no_grad()
+def guarded_step(optimizer: torch.optim.Optimizer, apply: torch.Tensor, step: Callable[[], None]) -> None:
+    """step() (an optimizer update), kept only where `apply` (a 0-d bool tensor) is True: otherwise every weight
+    and every optimizer state tensor keeps its old value exactly. Decided on the device, so XLA needs no host sync."""
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    old_params = [p.clone() for p in params]
+    old_states = [{k: v.clone() for k, v in optimizer.state[p].items()} for p in params]
+    step()
+    for p, old in zip(params, old_params):
+        p.copy_(torch.where(apply, p, old))
+    for p, old in zip(params, old_states):
+        for key, value in optimizer.state[p].items():
+            value.copy_(torch.where(apply, value, old[key]))
+
+
 @dataclass
 class UpdateResult:
     """One optimizer update's measurements, as device tensors (read by the host only at sync points)."""
@@ -333,10 +348,11 @@ def dry_run(run: "Run") -> int:
         cfg, plan = run.cfg, run.plan
         os.makedirs(run.run_dir, exist_ok=True)
         schedules = [hyperparameters_at(step, cfg, plan) for step in range(plan.total_steps)]
-        print(describe_run(cfg, plan, run.model, run.train_ds, run.val_ds, run.rt, schedules))
+        masks = mask_generator_from_config(cfg)
+        print(describe_run(cfg, plan, run.model, run.train_ds, run.val_ds, run.rt, schedules, describe_masks(masks)))
         save_schedule_plot({"lr": [s.lr for s in schedules], "weight decay": [s.wd for s in schedules],
                             "EMA momentum": [s.ema for s in schedules]}, os.path.join(run.run_dir, "schedules.png"))
-        save_mask_plot(run.train_ds[(0, 0)], cfg, os.path.join(run.run_dir, "mask.png"))
+        save_mask_plot(run.train_ds[(0, 0)], cfg, mask_stats(masks), os.path.join(run.run_dir, "mask.png"))
         print(f"dry run: nothing trained; schedule and mask pictures in {run.run_dir}/")
     return EXIT_OK
 
@@ -454,14 +470,14 @@ def train(cfg: Config, rt: Runtime) -> int:
     compile_model(run.model, run.local_batch, cfg, rt, run.log)
     # Wrapped after the restore: DDP starts every process from the same weights.
     run.ddp_model = DistributedDataParallel(run.model, broadcast_buffers=False) if rt.ddp else run.model
-    if cfg.probe_every_steps is not None and runs_probe(rt):
+    if cfg.probe_every_steps is not None and probes_in_this_process(rt):
         run.probe_set = prepare_probe_set(cfg, cfg.probe_labels)  # loaded once; features recomputed at each probe
     if run.val_batch:
         run.val_loader = make_loader(run.val_ds, run.val_batch, train=False, workers=cfg.workers, seed=cfg.seed,
                                      rank=rt.process_index, world_size=rt.process_count)
     mark_step(rt)  # XLA: materialise weights and optimizer state now, so update 1 compiles the graph update 2 reuses
     state, plan = run.state, run.plan
-    unread, speed = UnreadStats(rt), Throughput()
+    pending, speed = PendingDeviceStats(rt), Throughput()
     bar = tqdm(total=plan.total_steps, initial=state.step, disable=not (rt.is_master and sys.stderr.isatty()),
                unit="update", dynamic_ncols=True)
 
@@ -478,7 +494,7 @@ def train(cfg: Config, rt: Runtime) -> int:
             hp = hyperparameters_at(state.step, cfg, plan, state.lr_scale)
             update = train_update(run.ddp_model, run.optimizer, [to_device(b, rt) for b in micro_batches], hp, cfg, rt)
             mark_step(rt)
-            unread.add(update.stats, step=state.step, lr=hp.lr, files=[p for b in micro_batches for p in b["path"]])
+            pending.add(update.stats, step=state.step, lr=hp.lr, files=[p for b in micro_batches for p in b["path"]])
             state.step += 1
             speed.updates += 1
             bar.update(1)
@@ -487,11 +503,11 @@ def train(cfg: Config, rt: Runtime) -> int:
             is_val = run.val_loader is not None and (state.step % cfg.val_every_steps == 0 or is_last)
             is_ckpt = cfg.ckpt_dir is not None and (state.step % cfg.ckpt_every_steps == 0 or is_last)
             is_probe = run.probe_set is not None and (state.step % cfg.probe_every_steps == 0 or is_last)
-            if not (is_log or is_val or is_ckpt or is_probe or unread.due):
+            if not (is_log or is_val or is_ckpt or is_probe or pending.read_every_update):
                 continue
 
             # --- the host reads what the device did: every update on CPU/CUDA, only here on XLA ---
-            newest = count_skipped_updates(unread.read(), run)
+            newest = count_skipped_updates(pending.read(), run)
             if state.consecutive_nonfinite >= cfg.max_consecutive_nonfinite:
                 rollback(run, hp.lr)
                 bar.reset(total=plan.total_steps)
@@ -607,7 +623,7 @@ def finish(run: Run) -> None:
     """The end of the run: does the encoder beat a random one (summary_probe), training.png, the summary."""
     cfg, log = run.cfg, run.log
     versus_random = None
-    if cfg.summary_probe and runs_probe(run.rt):
+    if cfg.summary_probe and probes_in_this_process(run.rt):
         probe_set = run.probe_set or prepare_probe_set(cfg, cfg.probe_labels)
         versus_random = compare_with_random(run.model, cfg, probe_set, run.rt.device)
         log.event("summary_probe", run.state.step, **versus_random)

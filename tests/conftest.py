@@ -36,7 +36,7 @@ def _free_port() -> int:
 
 
 class GCSEmulator:
-    """A gcp-storage-emulator process on 127.0.0.1; STORAGE_EMULATOR_HOST points gcsfs (and data.py) at it."""
+    """A gcp-storage-emulator process on 127.0.0.1; STORAGE_EMULATOR_HOST points gcsfs (storage.py) at it."""
     bucket = "octjepa-test"
 
     def __init__(self, tmp_dir: Path):
@@ -58,7 +58,7 @@ class GCSEmulator:
 
     def upload(self, local_dir: str, prefix: str) -> str:
         """Copy a local folder (recursively) to gs://bucket/prefix; returns that URL."""
-        from data import gcs_filesystem
+        from storage import gcs_filesystem
         url = f"gs://{self.bucket}/{prefix}"
         fs = gcs_filesystem()
         for root, _, files in os.walk(local_dir):

@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
+import dicom  # noqa: E402
 import runtime  # noqa: E402
 import train  # noqa: E402
 
@@ -64,7 +65,7 @@ if rank == 1 and faults & {"bad_files", "no_data"}:
 
     def load_prepared(paths, cfg, sources=None):
         if "no_data" in faults or "heidelberg" in paths[0]:
-            raise data.UnusableFile("read_error", f"injected read error on process 1 for {paths[0]}")
+            raise dicom.UnusableFile("read_error", f"injected read error on process 1 for {paths[0]}")
         return real_load(paths, cfg, sources)
 
     data.load_prepared = load_prepared

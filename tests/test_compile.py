@@ -1,4 +1,4 @@
-"""compile: true (issue 16): the compiled update is the eager update; no graph breaks, no recompiles in steady
+"""compile: true: the compiled update is the eager update; no graph breaks, no recompiles in steady
 state or validation; checkpoints are unchanged (resume across compile on/off); DDP and grad_checkpointing."""
 import subprocess
 import sys

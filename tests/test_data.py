@@ -1,4 +1,5 @@
-"""data.py: every maker's OCT DICOM to static-shape normalized batches, bad files reported, gs://, cache (5, 11)."""
+"""dicom.py and data.py: every maker's OCT DICOM to static-shape normalized batches, bad files reported, gs://, cache
+(incidents 5, 11)."""
 import json
 import os
 import pickle
@@ -16,10 +17,11 @@ from pydicom.uid import (JPEG2000, ExplicitVRBigEndian, ExplicitVRLittleEndian, 
                          JPEG2000Lossless, JPEGBaseline8Bit, RLELossless)
 
 from config import ConfigError, load_config
-from data import (EpochSampler, NoUsableData, OCTDataset, UnusableFile, build_datasets, cache_path, collate,
-                  find_files, format_reason_table, load_prepared, load_training_volume, make_loader, read_index,
-                  read_volume, resample, scan_files, split_by_patient, write_index)
-from phantom import STYLES, quantize, synth_reflectivity, write_broken_corpus, write_decoys, write_oct, write_phantom
+from corpora import write_broken_corpus, write_decoys
+from data import (EpochSampler, NoUsableData, OCTDataset, build_datasets, cache_path, collate, load_prepared,
+                  load_val_sample, make_loader, resample, split_by_patient)
+from dicom import UnusableFile, find_files, format_reason_table, read_index, read_volume, scan_files, write_index
+from phantom import STYLES, quantize, synth_reflectivity, write_oct, write_phantom
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = (8, 64, 64)
@@ -161,9 +163,9 @@ def test_garbled_spacing_is_resized_or_skipped_as_configured(broken_dir, tmp_pat
     volume = read_volume(str(root / "broken" / "garbled_spacing.dcm"))
     assert volume.spacing is None and "garbled" in volume.spacing_issue
     resize = config(target_spacing=[0.2, 0.02, 0.05])
-    assert load_training_volume(str(root / "broken" / "garbled_spacing.dcm"), resize).shape == (1, 8, 32, 32)
+    assert load_val_sample(str(root / "broken" / "garbled_spacing.dcm"), resize).shape == (1, 8, 32, 32)
     with pytest.raises(UnusableFile) as caught:
-        load_training_volume(str(root / "broken" / "garbled_spacing.dcm"), replace(resize, missing_spacing="skip"))
+        load_val_sample(str(root / "broken" / "garbled_spacing.dcm"), replace(resize, missing_spacing="skip"))
     assert caught.value.reason == "bad_spacing"
 
 
@@ -252,7 +254,7 @@ def test_target_spacing_crops_large_and_pads_small_volumes_to_image_size(tmp_pat
     assert load_prepared([str(tmp_path / "big.dcm")], cfg).shape == (16, 128, 128)
     assert load_prepared([str(tmp_path / "small.dcm")], cfg).shape == (2, 16, 16)
     for name in ("big.dcm", "small.dcm"):
-        sample = load_training_volume(str(tmp_path / name), cfg)
+        sample = load_val_sample(str(tmp_path / name), cfg)
         assert sample.shape == (1, 8, 32, 32)
         assert abs(float(sample.mean())) < 1e-3 and abs(float(sample.std()) - 1) < 1e-3
 
@@ -274,7 +276,7 @@ def test_val_samples_are_fixed_center_crops_without_augmentation(phantom_dir):
     _, val = build_datasets(cfg)
     first, later = val[(0, 0)], val[(9, 0)]
     assert torch.equal(first["volume"], later["volume"]) and torch.equal(first["target_idx"], later["target_idx"])
-    assert torch.equal(first["volume"], load_training_volume(val.records[0]["paths"], cfg))
+    assert torch.equal(first["volume"], load_val_sample(val.records[0]["paths"], cfg))
 
 
 # --- datasets, sampler, loader ---

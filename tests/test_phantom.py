@@ -13,9 +13,9 @@ import pydicom
 import pytest
 from pydicom.encaps import generate_frames
 
-from data import JP2_SIGNATURE, unscramble_czm
-from phantom import (LABELS, MARKER, OPT_SOP, STYLES, draw_eye, phantom_set_complete, synth_reflectivity,
-                     write_phantom, write_phantom_set)
+from dicom import JP2_SIGNATURE, OPT_SOP, unscramble_czm
+from phantom import (LABELS, MARKER, STYLES, draw_eye, phantom_set_complete, synth_reflectivity, write_phantom,
+                     write_phantom_set)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -110,7 +110,7 @@ def test_killed_writer_leaves_no_set_that_looks_complete(tmp_path):
 
 
 def test_phantom_cli_writes_a_set_and_rejects_bad_sizes(tmp_path):
-    ok = subprocess.run([sys.executable, str(REPO / "data.py"), "phantoms", str(tmp_path / "x"), "--n", "3",
+    ok = subprocess.run([sys.executable, str(REPO / "phantom.py"), str(tmp_path / "x"), "--n", "3",
                          "--size", "8,64,64"], cwd=REPO, capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     assert phantom_set_complete(str(tmp_path / "x"), 3, (8, 64, 64))

@@ -1,4 +1,4 @@
-"""data.py on the shapes real OCT exports take (issue 13): Zeiss Cirrus, non-raster scans, broken series, garbled
+"""The reader (dicom.py) and data.py on the shapes real OCT exports take: Zeiss Cirrus, non-raster scans, broken series, garbled
 headers, stale indexes and caches; whatever a scan accepts is read without an exception."""
 import json
 import os
@@ -21,11 +21,11 @@ from pydicom.tag import Tag
 from pydicom.uid import JPEGBaseline8Bit
 
 from config import load_config
+from corpora import write_odd_cases
 from data import main as data_main
-from data import (REASONS, OCTDataset, UnusableFile, cache_path, crop_starts, find_files, index_records,
-                  load_prepared, prepare, read_index, read_volume, scan_files, to_sample, unscramble_czm)
-from phantom import (STYLES, _jp2_file, czm_scramble, quantize, synth_reflectivity, write_odd_cases, write_oct,
-                     write_phantom)
+from data import OCTDataset, cache_path, crop_starts, index_records, load_prepared, resample_and_clip, to_sample
+from dicom import REASONS, UnusableFile, find_files, read_index, read_volume, scan_files, unscramble_czm
+from phantom import STYLES, _jp2_file, czm_scramble, quantize, synth_reflectivity, write_oct, write_phantom
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.filterwarnings("ignore:End of file reached before delimiter", "ignore::UserWarning")
@@ -66,7 +66,7 @@ def test_each_odd_export_gets_the_same_verdict_from_scan_and_from_read(odd_dir, 
     if expected[name] is None:
         volume = read_volume(record["paths"])
         assert list(volume.voxels.shape) == record["shape"]
-        assert to_sample(prepare(volume, config()), config(), np.random.default_rng(0), True).shape == (1, 8, 32, 32)
+        assert to_sample(resample_and_clip(volume, config()), config(), np.random.default_rng(0), True).shape == (1, 8, 32, 32)
     else:
         assert expected[name] in REASONS
         with pytest.raises(UnusableFile) as error:
@@ -212,7 +212,8 @@ def test_a_full_disk_while_caching_serves_the_volume_uncached_and_leaves_no_tmp_
 import resource, signal, sys
 sys.path.insert(0, {str(REPO)!r})
 from config import load_config
-from data import OCTDataset, scan_files
+from data import OCTDataset
+from dicom import scan_files
 cfg = load_config([], image_size=[8, 32, 32], patch_size=[4, 8, 8], workers=0, cache_dir={str(cache)!r})
 dataset = OCTDataset(scan_files([{path!r}]), cfg, train=True)
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)

@@ -15,7 +15,7 @@ import torch
 import train
 from config import load_config, plan_run
 from data import split_by_patient
-from runtime import Runtime, list_checkpoints, runs_probe
+from runtime import Runtime, list_checkpoints, probes_in_this_process
 from train import ema_at, lr_at, main, wd_at
 from test_train import REPO, SMOKE, read_jsonl, read_wandb_offline_history, smoke_flags
 
@@ -175,8 +175,8 @@ def test_the_probe_runs_in_every_process_of_an_xla_pod_and_on_the_master_of_ddp(
     def rt(kind, index):
         return Runtime(torch.device("cpu"), kind, world_size=8, process_index=index, process_count=2,
                        local_replicas=4 if kind == "xla" else 1, multi_host=True)
-    assert runs_probe(rt("xla", 0)) and runs_probe(rt("xla", 1))  # an SPMD graph must run on every host
-    assert runs_probe(rt("cpu", 0)) and not runs_probe(rt("cpu", 1))
+    assert probes_in_this_process(rt("xla", 0)) and probes_in_this_process(rt("xla", 1))  # an SPMD graph must run on every host
+    assert probes_in_this_process(rt("cpu", 0)) and not probes_in_this_process(rt("cpu", 1))
 
 
 # --- 4, 5. DDP processes agree (real gloo processes under torchrun) ---

@@ -15,7 +15,8 @@ import torch
 import train
 from config import load_config, plan_run
 from runtime import Runtime, list_checkpoints, read_checkpoint
-from train import Hyperparameters, ema_at, lr_at, main, make_optimizer, train_update, wd_at
+from train import (Hyperparameters, ema_at, guarded_step, lr_at, main, make_optimizer, optimizer_step, train_update,
+                   wd_at)
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = str(REPO / "configs" / "smoke.yaml")
@@ -148,8 +149,6 @@ def test_poisoned_batch_is_skipped_and_changes_nothing(poison):
 
 def test_device_side_guard_keeps_weights_and_adam_state_exactly_when_told_to_skip():
     """The XLA path's NaN guard (no host sync) decides with torch.where; run here on CPU tensors."""
-    from runtime import guarded_step
-    from train import optimizer_step
     cfg, model, optimizer, batch, rt = tiny_update_setup()
     trained = [p for group in optimizer.param_groups for p in group["params"]]
     for apply in (True, False):
@@ -177,7 +176,7 @@ def test_device_side_guard_keeps_weights_and_adam_state_exactly_when_told_to_ski
         assert torch.equal(a, b)
 
 
-# --- collapse (issue 8) ---
+# --- collapse ---
 
 def test_a_collapsed_target_encoder_is_flagged_by_target_std_and_rankme(tmp_path):
     from probe import rankme
@@ -212,7 +211,7 @@ def test_collapse_warning_when_the_probe_loses_half_its_gain_over_chance(tmp_pat
     log = RunLog(str(tmp_path), cfg, active=True)
     for step, auroc in ((250, 0.77), (500, 0.78), (750, 0.82), (1000, 0.81), (1250, 0.80)):  # healthy: no warning
         log.metrics({"split": "probe", "step": step, "probe_auroc": auroc})
-    for step, auroc in ((1500, 0.64), (1750, 0.55)):  # what a partial collapse did to the probe (issue 12)
+    for step, auroc in ((1500, 0.64), (1750, 0.55)):  # what a partial collapse did to the probe (README, Does it learn)
         log.metrics({"split": "probe", "step": step, "probe_auroc": auroc})
     events = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "collapse_warning"]
     assert [(e["step"], e["metric"]) for e in events] == [(1500, "probe_auroc")]
@@ -404,12 +403,11 @@ def test_demo_run_completes_and_its_loss_falls(tmp_path):
     assert "done:" in result.stdout and "metrics" in result.stdout
 
 
-def read_wandb_offline_history(run_dir):
-    """History rows of an offline W&B run, read from its .wandb file (a LevelDB-style record log)."""
+def read_wandb_records(path):
+    """The protobuf records of a W&B transaction log (.wandb file: LevelDB-style 32 KiB blocks of fragments)."""
     import struct
     from wandb.proto import wandb_internal_pb2
-    (path,) = Path(run_dir).glob("wandb/offline-run-*/run-*.wandb")
-    buf, pos, pending, rows, block = path.read_bytes(), 7, b"", [], 32768  # 7-byte ':W&B' file header
+    buf, pos, pending, records, block = path.read_bytes(), 7, b"", [], 32768  # 7-byte ':W&B' file header
     while pos + 7 <= len(buf):
         if block - pos % block < 7:  # block trailer padding
             pos += block - pos % block
@@ -421,9 +419,24 @@ def read_wandb_offline_history(run_dir):
             record = wandb_internal_pb2.Record()
             record.ParseFromString(pending)
             pending = b""
-            if record.WhichOneof("record_type") == "history":
-                rows.append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in record.history.item})
-    return rows
+            records.append(record)
+    return records
+
+
+def read_wandb_offline_history(run_dir, timeout_s=120):
+    """History rows of an offline W&B run. wandb-core writes the file in its own process and may still be writing
+    when run.finish() has returned (seen on a loaded machine: the file still empty), so wait for its `exit` record."""
+    (path,) = Path(run_dir).glob("wandb/offline-run-*/run-*.wandb")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = read_wandb_records(path)
+        kinds = [r.WhichOneof("record_type") for r in records]
+        if "exit" in kinds or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert "exit" in kinds, f"{path}: no exit record {timeout_s} s after the run finished (records: {kinds})"
+    return [{(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item}
+            for r, kind in zip(records, kinds) if kind == "history"]
 
 
 @pytest.mark.slow
