@@ -100,7 +100,7 @@ class Config:
     val_batches: int = 4  # val batches per validation (fixed crops and masks)
     probe_every_steps: Optional[int] = None  # linear probe of the target encoder every N updates (probe.py); None = off
     probe_labels: Optional[str] = None  # labels.csv (path,label) for probe_every_steps; None = labelled phantoms
-    summary_probe: bool = True  # end of run: does the encoder beat a random one on a quick mean-pool probe (probe_labels)?
+    summary_probe: bool = True  # end of run: does the encoder beat a random one on quick mean-pool and depth-row probes?
     collapse_min_target_std: float = 0.05  # warn (events.jsonl, console) when target_std falls under this
     collapse_min_rankme: float = 2.0  # warn when val RankMe falls under this
     collapse_window_steps: int = 1000  # warn when either falls under half its best of this many updates (probe AUROC: half its gain over 0.5)

@@ -25,8 +25,9 @@ one classification task, `label`. A checkpoint brings its own model, preprocessi
 
 Read-outs of the frozen tokens [M, N, E] (READOUTS): mean_pool (their mean, a linear model), depth_rows (their mean
 per depth row of the token grid, concatenated: where along the A-scan a feature is survives), attentive (learned
-attention pooling, early-stopped on a fifth of the training volumes). Linear models are scikit-learn's (logistic
-regression or ridge on standardized features, the regularisation chosen by cross-validation on the training split).
+attention pooling on standardized tokens, a fixed budget of full-batch AdamW steps). Linear models are
+scikit-learn's (logistic regression or ridge on standardized features, the regularisation chosen by cross-validation
+on the training split).
 Metrics: classification: macro one-vs-rest AUROC and balanced accuracy; regression: concordance (the share of
 volume pairs put in the right order: 0.5 = chance, the AUROC of a continuous target) and R^2. Each probe seed is a
 new split (TEST_FRACTION held out) and a new probe initialisation; reported: mean and 95% t-interval over the
@@ -303,8 +304,8 @@ def train_steps(model: nn.Module, batch_loss, steps: int, lr: float, weight_deca
 def fit_attentive(tokens: torch.Tensor, targets: np.ndarray, train_idx: np.ndarray, task: Task, seed: int,
                   steps: int = 300, lr: float = 1e-2, weight_decay: float = 1e-2) -> AttentiveProbe:
     """An AttentiveProbe trained full-batch on the tokens [M, N, E] of train_idx for a fixed budget, the same for
-    every encoder. Standardizing the features raised the AUROC and halved its spread over probe seeds; early stopping
-    on a fifth of the training volumes lowered both (README, Does it learn)."""
+    every encoder. Standardizing the features raised the AUROC; early stopping on a fifth of the training volumes
+    lowered it and doubled its spread over probe seeds (README, Does it learn)."""
     torch.manual_seed(seed)
     probe = AttentiveProbe(tokens.shape[-1], output_dim(task, targets))
     probe.set_standardization(tokens[train_idx])
