@@ -1,6 +1,6 @@
 """OCT volumes -> training batches: patch masks, preprocessing, the decoded-volume cache, Dataset, sampler and
-loader, and the data command line. dicom.py reads the files (and says why one cannot be used); this module turns
-what it reads into batches of static shape.
+loader, and the data command line. dicom.py reads the files (and says why one cannot be used), index.py scans a
+source into an index; this module turns what they give into batches of static shape.
 
     python data.py scan SRC [--out index.jsonl] [--sop_classes any] [config flags]   # what is usable, and why not
     python data.py prepare SRC --cache DIR [config flags]      # decode + resample once into a local cache
@@ -37,9 +37,9 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from config import Config, ConfigError, ExitError, ScriptParser, load_config, script_main
-from dicom import (BENIGN_REASONS, TRANSIENT_REASONS, UnusableFile, Volume, format_reason_table, format_scan_report,
-                   index_source, list_sources, read_index, read_index_with_source, read_volume, reason_counts,
-                   source_identity, source_paths, update_index, write_index)
+from dicom import BENIGN_REASONS, TRANSIENT_REASONS, UnusableFile, Volume, read_volume, source_paths
+from index import (format_reason_table, format_scan_report, index_source, list_sources, read_index,
+                   read_index_with_source, reason_counts, source_identity, update_index, write_index)
 from phantom import ensure_phantom_set
 from storage import exists, write_atomic
 
@@ -518,7 +518,8 @@ def split_by_patient(records: Sequence[dict], val_fraction: float, seed: int) ->
 
 def build_datasets(cfg: Config) -> Tuple[OCTDataset, OCTDataset]:
     """(train, val) datasets of cfg's data, split by patient. Raises NoUsableData when no volume is usable or
-    the share of bad files passes cfg.max_bad_fraction (other objects such as reports are not bad files)."""
+    the share of bad files passes cfg.max_bad_fraction (other objects such as reports, copies and line scans are not
+    bad files: BENIGN_REASONS)."""
     if cfg.cache_dir is not None and cfg.cache_dir.startswith("gs://"):
         raise ConfigError("cache_dir: the decoded-volume cache must be a local folder (it is read at every step).")
     if cfg.data_root is None and cfg.manifest_path is None and cfg.cache_dir is None:
@@ -532,7 +533,7 @@ def build_datasets(cfg: Config) -> Tuple[OCTDataset, OCTDataset]:
     if not usable or len(bad) > cfg.max_bad_fraction * (len(usable) + len(bad)):
         source = cfg.data_root or cfg.manifest_path or cfg.phantom_dir
         raise NoUsableData(f"{len(usable)} usable volumes and {len(bad)} unusable files in {source} (max_bad_fraction "
-                           f"{cfg.max_bad_fraction}; {', '.join(BENIGN_REASONS)} are other objects, not counted):\n"
+                           f"{cfg.max_bad_fraction}; {', '.join(BENIGN_REASONS)} are not counted):\n"
                            f"{format_reason_table(reason_counts(records))}\n"
                            f"run `python data.py scan {source}` for the details of each file")
     if len(usable) < len(records):  # incident 11: every file that is not used is reported, by reason

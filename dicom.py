@@ -1,19 +1,19 @@
-"""OCT DICOM files -> index records and volumes: find the files of a source, read one file or one series into a
-Volume [D,H,W] with its spacing, scan a whole source into an index that says, for every file, why it can or cannot
-be trained on. data.py turns a Volume into training batches; `python data.py scan SRC` is this module's command.
+"""OCT DICOM files -> volumes: read each file, decide what a set of files is (`units`: volumes, or files rejected
+with a reason that says why they cannot be trained on) and read a volume [D,H,W] with its spacing. index.py scans a
+whole source into an index with the same decision; data.py turns a Volume into training batches.
 
-Reading a file: parse (pydicom; pixel data not decoded) -> Header (maker, size, bit depth, per-frame geometry,
-spacing tags, a hash of PatientID) -> decode every frame with pydicom's plugins (every transfer syntax they decode,
-never a rewritten syntax: incident 11) -> MONOCHROME1 and rescale -> order the B-scans into one stack (_layout).
-Only one stack of parallel, evenly spaced B-scans is a volume (a gap of 1.5 spacings is a missing B-scan); the
-B-scan spacing comes from the frame positions when they exist. Whatever is wrong with a file, the reader raises
-UnusableFile with a stable reason code (REASONS), never another exception; a file that scan_files accepts is one
-read_volume reads (scan decodes every frame too).
+Reading a file: parse (pydicom; pixel data not decoded) -> Header (maker, size, bit depth, per-frame geometry and
+rescale, spacing tags, a hash of PatientID) -> decode every frame with pydicom's plugins (every transfer syntax they
+decode: native little and big endian, deflated, RLE, JPEG, JPEG-LS, JPEG 2000, HTJ2K; never a rewritten syntax:
+incident 11) -> MONOCHROME1 and each frame's rescale. Per-frame functional groups are honoured per frame: a frame's
+own PlaneOrientation/PlanePosition/PixelValueTransformation/PixelMeasures, else the shared groups, else the top level.
 
-Finding files: a folder (recursive), a glob, a gs:// prefix or glob, or a manifest (a TSV/CSV with a `filepath`
-column); hidden files and sidecars are left out. The index (one JSON line per volume or rejected file) records what
-it was built from, and update_index scans again only new and changed files, read errors and the series a new file
-joins.
+What a set of files is (`units`, the one rule that `scan` and `read_volume` both follow): copies are set aside, a
+multi-frame file or the single-frame files of one series form a unit, a broken file rejects its series, and a unit
+is a volume only if it is one stack of parallel, evenly spaced B-scans (_layout; a gap of 1.5 spacings is a missing
+B-scan). The B-scan spacing comes from the frame positions when they exist. Whatever is wrong with a file, the reader
+raises UnusableFile with a stable reason code (REASONS), never another exception; a file that a scan accepts is one
+read_volume reads (the scan decodes every frame too).
 
 Maker quirks (what the reader does for each maker; everything else takes the standard's generic path):
 - Heidelberg Engineering (Spectralis): nothing maker-specific; multi-frame files whose spacing may sit in a frame's
@@ -27,29 +27,27 @@ Maker quirks (what the reader does for each maker; everything else takes the sta
   string with a comma and a NUL ("0.0039,0.0113\\x00") is parsed (_numbers); frames stored in reverse stack order
   are put in order by their positions or InStackPositionNumber (_layout).
 - One file per B-scan (e.g. Optovue): the files of a series are ordered by ImagePositionPatient, else
-  InStackPositionNumber, DimensionIndexValues or InstanceNumber (_layout); a copied file (same SOPInstanceUID) is
-  listed as `duplicate_instance` and the original is used.
+  InStackPositionNumber, DimensionIndexValues or InstanceNumber (_layout); without ImageOrientationPatient the stack
+  runs the way InStackPositionNumber or InstanceNumber increases, whatever order the files are listed in
+  (_stack_direction); a copied file (same SOPInstanceUID and voxels) is `duplicate_instance` and the original is used
+  (units). An SLO or fundus image exported into the series folder is another object, set aside.
 """
-import csv
-import glob
 import hashlib
 import io
-import json
 import math
 import os
 import re
+import zlib
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import pydicom
-from pydicom.errors import InvalidDicomError
-from tqdm import tqdm
+from pydicom.dataelem import RawDataElement
+from pydicom.errors import BytesLengthException, InvalidDicomError
 
-from config import ConfigError
-from storage import gcs_filesystem, read_bytes, write_atomic
+from storage import gcs_filesystem
 
 # ----------------------------------------------------------------------------------------------------------
 # Reading OCT DICOM
@@ -61,6 +59,7 @@ SPACING_RANGE_MM = (1e-4, 5.0)  # plausible OCT voxel sizes; a value outside is 
 SPACING_TOLERANCE = 0.1  # SliceThickness further than this share from the positions' gap is reported
 GAP_TOLERANCE = 0.2  # B-scan gaps within this share of their median are even; 1.5x or more is a missing B-scan
 ORIENTATION_TOLERANCE = 1e-3  # direction cosines closer than this are the same orientation
+PIXEL_SPACING_TOLERANCE = 1e-3  # PixelSpacing of two B-scans closer than this share is the same
 SIDECAR_EXTENSIONS = (".csv", ".tsv", ".json", ".jsonl", ".txt", ".md", ".yaml", ".yml", ".log")
 CZM_MANUFACTURER = "Carl Zeiss Meditec"
 JP2_SIGNATURE = b"\x00\x00\x00\x0cjP  \r\n\x87\n"  # the first box of a JP2 file
@@ -69,46 +68,57 @@ J2K_START = b"\xff\x4f\xff\x51"  # a JPEG 2000 codestream: SOC then SIZ
 # fills the rest with grey without an error).
 EOI_SYNTAXES = frozenset(pydicom.uid.JPEGTransferSyntaxes + pydicom.uid.JPEGLSTransferSyntaxes
                          + pydicom.uid.JPEG2000TransferSyntaxes)
+UID_PATTERN = re.compile(r"[0-9]+(\.[0-9]+)*")
+# What pydicom raises on an element whose bytes it cannot read (an unknown VR, a value of impossible length, a
+# sequence item cut off): the file is damaged, not its values garbled.
+ELEMENT_ERRORS = (NotImplementedError, BytesLengthException, OSError, EOFError)
 
 REASONS = {  # stable codes used in the scan index, events.jsonl and NoUsableData -> what they mean
     "empty_file": "the file has 0 bytes",
     "not_dicom": "not a DICOM file (no DICM prefix)",
     "truncated": "the file or one of its frames ends before its data does (interrupted copy or upload)",
     "empty_dataset": "pydicom read no data elements",
+    "corrupt": "the file's structure is damaged (an element pydicom cannot read, elements out of order): copy it again",
     "read_error": "the file could not be read (missing, permissions, network); checked again by the next run",
     "not_oct": "another object (en-face, fundus, analysis, report...); --sop_classes any accepts generic images",
     "not_image": "no pixel data and not an OCT object (report, analysis, DICOMDIR...)",
     "not_grayscale": "a colour image (more than one sample per pixel)",
-    "duplicate_instance": "a copy of another file (same SOPInstanceUID): the other one is used",
-    "no_pixel_data": "an OCT object without PixelData",
+    "duplicate_instance": "a copy of another file (same SOPInstanceUID and voxels): the other one is used",
+    "line_scan": "an OCT object of fewer than 4 B-scans (a line or cross scan): not a volume",
+    "shared_instance_uid": "files with one SOPInstanceUID but other voxels (a broken anonymizer): not used",
+    "no_pixel_data": "an OCT object without PixelData, or with an empty one",
     "bad_header": "tags missing, garbled or inconsistent (Rows, NumberOfFrames, orientation, rescale...)",
     "frame_count_mismatch": "the pixel data holds another number of frames than NumberOfFrames says",
     "undecodable": "the pixel data could not be decoded (corrupt stream, or obfuscated otherwise than Zeiss CZM)",
-    "not_raster": "not parallel, evenly spaced B-scans (radial or circle scan, uneven gaps, volumetric flag NO)",
+    "not_raster": "not parallel, evenly spaced B-scans of one pixel size (radial or circle scan, uneven gaps, "
+                  "volumetric flag NO)",
     "multiple_stacks": "more than one stack of B-scans in one volume (e.g. a horizontal and a vertical raster)",
     "duplicate_frames": "two B-scans at the same place or with the same stack position",
     "series_gap": "B-scans missing from the stack (a gap of 1.5 spacings or more, or a missing stack number)",
     "no_stack_order": "one file per B-scan, without positions, InStackPositionNumber or InstanceNumber to order them",
-    "too_small": f"fewer voxels than {list(MIN_SHAPE)} [D,H,W]",
+    "too_small": f"fewer voxels than {list(MIN_SHAPE)} [D,H,W] (and not a line scan)",
     "bad_spacing": "voxel spacing missing or garbled, and missing_spacing is skip",
     "blank": "constant intensity: nothing to learn from",
+    "several_volumes": "read_volume was given more than one volume (e.g. two eyes in one folder): scan lists each",
 }
-# Other objects and copies: listed, not bad files.
-BENIGN_REASONS = ("not_dicom", "not_oct", "not_image", "not_grayscale", "duplicate_instance")
+# Other objects, copies and line scans: listed, not bad files (max_bad_fraction does not count them).
+BENIGN_REASONS = ("not_dicom", "not_oct", "not_image", "not_grayscale", "duplicate_instance", "line_scan")
 TRANSIENT_REASONS = ("read_error",)  # may pass on another try: a reused index checks these files again
 
 
 class UnusableFile(Exception):
-    """An input that cannot be trained on: `reason` is a stable code of REASONS, `detail` says more; `series` is
-    the file's SeriesInstanceUID when it was read that far (a bad file makes its whole series bad)."""
+    """An input that cannot be trained on: `reason` is a stable code of REASONS, `detail` says more; `series` and
+    `sop_class` are the file's SeriesInstanceUID and SOPClassUID when it was read that far (a bad file makes its whole
+    series bad)."""
 
-    def __init__(self, reason: str, detail: str = "", manufacturer: str = "", model: str = "", series: str = ""):
+    def __init__(self, reason: str, detail: str = "", manufacturer: str = "", model: str = "", series: str = "",
+                 sop_class: str = ""):
         super().__init__(f"{reason}: {detail}")
         self.reason, self.detail, self.manufacturer, self.model = reason, detail, manufacturer, model
-        self.series = series
+        self.series, self.sop_class = series, sop_class
 
     def __reduce__(self):  # keep the fields across processes (DataLoader workers, prepare pool)
-        return UnusableFile, (self.reason, self.detail, self.manufacturer, self.model, self.series)
+        return UnusableFile, (self.reason, self.detail, self.manufacturer, self.model, self.series, self.sop_class)
 
 
 @dataclass
@@ -144,25 +154,30 @@ class Header:
     cols: int
     bits: int
     transfer_syntax: str
+    sop_class: str
     sop_uid: str
     series: str  # SeriesInstanceUID, else the path
     patient: str  # see _patient_key
-    slope: float
-    intercept: float
+    rescale: np.ndarray  # [F,2] (RescaleSlope, RescaleIntercept) of each frame, or [1,2] for all of them
     geometry: List[Frame]  # one per per-frame group (frames of a valid file); empty for a file without them
     raster_flag: Optional[str]  # OphthalmicVolumetricPropertiesFlag: YES, NO or None
     pixel_spacing: Optional[Tuple[float, float]]  # (dy, dx) mm
     slice_spacing: Optional[Tuple[str, float]]  # (tag name, mm) of SpacingBetweenSlices or SliceThickness
     spacing_error: Optional[str]  # why the spacing tags could not be parsed
+    digest: str = ""  # of the decoded voxels: a copy has the same, a broken anonymizer's other image another
 
 
 def _ends_cleanly(ds: pydicom.Dataset, f, size: int) -> bool:
     """False when the file `f` stops inside an element: pydicom then silently drops or shortens it, and returns an
     empty dataset for a JPEG 2000 file cut inside its pixel data (with only a warning, not an error). Bytes after
-    the last element are padding (some writers add it), unless they start a next element cut inside its header."""
+    the last element are padding (some writers add it) when they are zeros or no next element's tag, else a next
+    element cut inside its header. A deflated dataset was checked whole by zlib (its element positions count in the
+    inflated stream, not in the file)."""
     if len(ds) == 0:
         meta_length = ds.file_meta.get("FileMetaInformationGroupLength")
-        return meta_length is None or 132 + 12 + meta_length == size  # only a meta header: empty, not cut
+        return size >= 144 if meta_length is None else 132 + 12 + meta_length == size  # a meta header only: empty
+    if ds.file_meta.get("TransferSyntaxUID") == pydicom.uid.DeflatedExplicitVRLittleEndian:
+        return True
     last_tag = max(ds.keys())
     last = ds.get_item(last_tag)
     if last is None or not getattr(last, "is_raw", False) or last.length == 0xFFFFFFFF:
@@ -172,10 +187,24 @@ def _ends_cleanly(ds: pydicom.Dataset, f, size: int) -> bool:
         return end == size
     f.seek(end)
     rest = f.read(4)
+    if not rest.strip(b"\x00"):
+        return True
     order = "little" if ds.file_meta.get("TransferSyntaxUID", pydicom.uid.ExplicitVRLittleEndian) != \
         pydicom.uid.ExplicitVRBigEndian else "big"
     next_tag = (int.from_bytes(rest[:2], order) << 16) | int.from_bytes(rest[2:4], order)
-    return len(rest) < 4 or not last_tag < next_tag < 0xFFFE0000
+    return len(rest) == 4 and not last_tag < next_tag < 0xFFFE0000
+
+
+def _out_of_order(ds: pydicom.Dataset) -> Optional[str]:
+    """Where the top-level elements stop ascending by tag in the file (the standard keeps them ascending): a damaged
+    tag or length made pydicom read other bytes as elements. None when they ascend. Zero padding that pydicom read
+    as elements (0000,0000) is left out."""
+    placed = sorted((e.value_tell if isinstance(e, RawDataElement) else e.file_tell or 0, e.tag)
+                    for e in ds.elements() if e.tag != 0)
+    for (_, before), (at, tag) in zip(placed, placed[1:]):
+        if tag <= before:
+            return f"element {tag} at byte {at} follows {before}"
+    return None
 
 
 def _parse(path: str) -> pydicom.Dataset:
@@ -199,10 +228,16 @@ def _parse(path: str) -> pydicom.Dataset:
             raise UnusableFile("not_dicom", str(e).split(".")[0]) from None
         except EOFError as e:
             raise UnusableFile("truncated", f"{size} bytes: {e}") from None
-        except OSError as e:  # the storage failed while reading: may pass next time
-            raise UnusableFile("read_error", f"{type(e).__name__}: {e}") from None
+        except zlib.error as e:  # a deflated dataset: its stream cut short, or damaged
+            raise UnusableFile("truncated" if "truncated" in str(e) else "corrupt", f"deflated data: {e}") from None
+        except OSError as e:
+            if e.errno is not None:  # the storage failed while reading: may pass next time
+                raise UnusableFile("read_error", f"{type(e).__name__}: {e}") from None
+            # pydicom's own (no errno): a sequence item whose header the end of the file cut
+            raise UnusableFile("truncated", f"{size} bytes: {e}") from None
         except Exception as e:  # the parser met garbage: the same next time
-            raise UnusableFile("bad_header", f"pydicom cannot parse it: {type(e).__name__}: {e}") from None
+            reason = "truncated" if f.tell() >= size else "corrupt"  # it failed at the end of the file: cut there
+            raise UnusableFile(reason, f"pydicom cannot parse it: {type(e).__name__}: {e}") from None
     if cut:
         what = "pydicom returned an empty dataset" if len(ds) == 0 else f"{len(ds)} elements read"
         raise UnusableFile("truncated", f"{size} bytes, {what}")
@@ -211,8 +246,25 @@ def _parse(path: str) -> pydicom.Dataset:
     return ds
 
 
+def _text(ds: pydicom.Dataset, name: str) -> str:
+    """A string tag's value; '' when absent or unreadable (a damaged element fails where the reader needs it)."""
+    try:
+        return str(ds.get(name, "") or "")
+    except Exception:
+        return ""
+
+
 def _maker(ds: pydicom.Dataset) -> Tuple[str, str]:
-    return str(ds.get("Manufacturer", "") or ""), str(ds.get("ManufacturerModelName", "") or "")
+    return _text(ds, "Manufacturer"), _text(ds, "ManufacturerModelName")
+
+
+def _sop_class(ds: pydicom.Dataset) -> str:
+    return _text(ds, "SOPClassUID") or str(ds.file_meta.get("MediaStorageSOPClassUID", "") or "")
+
+
+def _identity(ds: pydicom.Dataset) -> Tuple[str, str, str, str]:
+    """(manufacturer, model, SeriesInstanceUID, SOP class) of a file, as far as they can be read."""
+    return (*_maker(ds), _text(ds, "SeriesInstanceUID"), _sop_class(ds))
 
 
 def _groups(ds: pydicom.Dataset, name: str) -> List[pydicom.Dataset]:
@@ -319,48 +371,89 @@ def _patient_key(ds: pydicom.Dataset, path: str) -> str:
     return hashlib.sha256(patient.encode()).hexdigest()[:16] if patient else f"file:{path}"
 
 
-def _spacing_tags(ds: pydicom.Dataset):
+def _spacing_tags(ds: pydicom.Dataset, items: Sequence[pydicom.Dataset]):
     """(pixel spacing (dy, dx), (tag, B-scan spacing), error): the first value found (a frame's groups, shared groups,
-    top level) is used; a garbled one is reported, never silently replaced by a value found later."""
+    top level) is used; a garbled one is reported, never silently replaced by a value found later. The other frames'
+    own PixelSpacing (in their PixelMeasuresSequence) must agree with it (_check_pixel_spacing)."""
     places = _places(ds, "PixelMeasuresSequence")
     try:
         pixel = _vector(_first_numbers(places, "PixelSpacing"), 2)
         found = _first_numbers(places, "SpacingBetweenSlices", "SliceThickness")
         slice_spacing = None if found is None else (found[0], float(_vector(found, 1)[0]))
+        own = [_vector(_first_numbers(_groups(item, "PixelMeasuresSequence")[:1], "PixelSpacing"), 2)
+               for item in items[1:] if "PixelMeasuresSequence" in item]
     except ValueError as e:
         return None, None, f"garbled: {e}"
+    _check_pixel_spacing([pixel, *own])
     return None if pixel is None else (float(pixel[0]), float(pixel[1])), slice_spacing, None
+
+
+def _check_pixel_spacing(values: Sequence[Optional[Sequence[float]]]) -> None:
+    """The B-scans of a volume share one PixelSpacing (B-scans without one are left out)."""
+    known = np.array([v for v in values if v is not None], dtype=np.float64).reshape(-1, 2)  # [N,2]
+    if (np.abs(known - known[:1]) > PIXEL_SPACING_TOLERANCE * np.abs(known[:1])).any():
+        raise UnusableFile("not_raster", f"PixelSpacing differs between B-scans: "
+                                         f"{sorted({tuple(v) for v in known.tolist()})[:4]} mm")
+
+
+def _rescale(ds: pydicom.Dataset, items: Sequence[pydicom.Dataset]) -> np.ndarray:
+    """(RescaleSlope, RescaleIntercept) of every frame [F,2], or one row [1,2] when no frame has its own: a frame's
+    own PixelValueTransformationSequence (float-to-integer converters write one per frame), else the shared one, else
+    the top level."""
+    own = items if any("PixelValueTransformationSequence" in item for item in items) else [None]
+    rescale = np.array([(_scalar(places, "RescaleSlope", 1.0), _scalar(places, "RescaleIntercept", 0.0))
+                        for places in (_places(ds, "PixelValueTransformationSequence", item) for item in own)])
+    if (rescale[:, 0] == 0).any():
+        raise ValueError(f"RescaleSlope 0 (frame {int(np.argmin(np.abs(rescale[:, 0])))})")
+    return rescale
+
+
+def _check_sop_class(ds: pydicom.Dataset, sop: str) -> None:
+    """A SOPClassUID that is no UID, or that disagrees with the file meta's about an OCT object, is a damaged header
+    (not another object)."""
+    meta = str(ds.file_meta.get("MediaStorageSOPClassUID", "") or "")
+    if sop and not UID_PATTERN.fullmatch(sop):
+        raise UnusableFile("corrupt", f"SOPClassUID {sop[:80]!r} is not a UID: the header is damaged")
+    if OPT_SOP in (sop, meta) and meta and sop != meta:
+        raise UnusableFile("bad_header", f"SOPClassUID {sop} disagrees with the file meta's MediaStorageSOPClassUID "
+                                         f"{meta}")
 
 
 def _header(ds: pydicom.Dataset, path: str, sop_classes: str) -> Header:
     """The Header of an image that `sop_classes` accepts. Raises UnusableFile; ValueError/TypeError on garbled tags."""
-    sop = str(ds.get("SOPClassUID", "") or ds.file_meta.get("MediaStorageSOPClassUID", ""))
+    sop = _sop_class(ds)
+    _check_sop_class(ds, sop)
     sop_name = pydicom.uid.UID(sop).name if sop else "no SOPClassUID"
     if sop_classes == "oct" and sop != OPT_SOP:
         raise UnusableFile("not_oct", sop_name)
     if "PixelData" not in ds:
+        damage = _out_of_order(ds)
+        if damage:
+            raise UnusableFile("corrupt", f"no PixelData, and the elements are out of order ({damage})")
         raise UnusableFile("no_pixel_data" if sop == OPT_SOP else "not_image", sop_name)
+    if not ds.get_item("PixelData").value:
+        raise UnusableFile("no_pixel_data" if sop == OPT_SOP else "not_image", f"{sop_name}: PixelData is empty")
     if int(ds.get("SamplesPerPixel", 1) or 1) != 1:
         raise UnusableFile("not_grayscale", f"SamplesPerPixel {ds.SamplesPerPixel}")
-    rows, cols, bits = ds.get("Rows"), ds.get("Columns"), ds.get("BitsAllocated")
-    if not rows or not cols or bits not in (8, 16):
-        raise UnusableFile("bad_header", f"Rows {rows}, Columns {cols}, BitsAllocated {bits}")
+    rows, cols, bits, photometric = (ds.get(name) for name in ("Rows", "Columns", "BitsAllocated",
+                                                               "PhotometricInterpretation"))
+    if photometric == "PALETTE COLOR":
+        raise UnusableFile("not_grayscale", "PhotometricInterpretation PALETTE COLOR")
+    if not rows or not cols or bits not in (8, 16) or photometric not in ("MONOCHROME1", "MONOCHROME2"):
+        raise UnusableFile("bad_header", f"Rows {rows}, Columns {cols}, BitsAllocated {bits}, "
+                                         f"PhotometricInterpretation {photometric}")
     frames = _count(_numbers(ds, "NumberOfFrames"), "NumberOfFrames", 1)
-    transform = _places(ds, "PixelValueTransformationSequence")
-    slope, intercept = _scalar(transform, "RescaleSlope", 1.0), _scalar(transform, "RescaleIntercept", 0.0)
-    if slope == 0:
-        raise ValueError("RescaleSlope 0")
-    items = _groups(ds, "PerFrameFunctionalGroupsSequence")
+    items = _groups(ds, "PerFrameFunctionalGroupsSequence")[:1 if frames == 1 else None]
     if frames == 1:
         geometry = [_frame(ds, items[0] if items else None, single=True)]
     else:
         geometry = [_frame(ds, item, single=False) for item in items]
     flag = ds.get("OphthalmicVolumetricPropertiesFlag")
-    pixel_spacing, slice_spacing, spacing_error = _spacing_tags(ds)
+    pixel_spacing, slice_spacing, spacing_error = _spacing_tags(ds, items)
     manufacturer, model = _maker(ds)
     return Header(path, manufacturer, model, frames, int(rows), int(cols), int(bits),
-                  ds.file_meta.TransferSyntaxUID.name, str(ds.get("SOPInstanceUID", "") or ""),
-                  str(ds.get("SeriesInstanceUID", "") or path), _patient_key(ds, path), slope, intercept, geometry,
+                  ds.file_meta.TransferSyntaxUID.name, sop, str(ds.get("SOPInstanceUID", "") or ""),
+                  str(ds.get("SeriesInstanceUID", "") or path), _patient_key(ds, path), _rescale(ds, items), geometry,
                   None if flag is None else str(flag).upper(), pixel_spacing, slice_spacing, spacing_error)
 
 
@@ -442,36 +535,56 @@ def _decode_encapsulated(ds: pydicom.Dataset, h: Header) -> np.ndarray:
 
 
 def _pixels(ds: pydicom.Dataset, h: Header) -> np.ndarray:
-    """All frames [F,H,W] in file order, after MONOCHROME1 inversion and rescale."""
+    """All frames [F,H,W] in file order, after MONOCHROME1 inversion and each frame's rescale."""
     if ds.file_meta.TransferSyntaxUID.is_encapsulated:
         voxels = _decode_encapsulated(ds, h)
     else:
         _check_native_size(ds, h)
         voxels = _decode_as_stored(ds, h)
+    if h.geometry and len(h.geometry) != h.frames:
+        raise UnusableFile("bad_header", f"{len(h.geometry)} per-frame groups for {h.frames} frames")
+    voxels = voxels.astype(voxels.dtype.newbyteorder("="), copy=False)  # pydicom leaves signed big-endian data as is
     if ds.get("PhotometricInterpretation") == "MONOCHROME1":  # stored with black as the maximum
         voxels = (2 ** int(ds.get("BitsStored", h.bits)) - 1 - voxels if voxels.dtype.kind == "u"
                   else ~voxels).astype(voxels.dtype)
-    if (h.slope, h.intercept) != (1.0, 0.0):
-        voxels = voxels.astype(np.float32) * np.float32(h.slope) + np.float32(h.intercept)
+    rescale = h.rescale.astype(np.float32)[:, :, None]  # [F,2,1]: (slope, intercept) of each frame
+    if (rescale != np.array([[[1], [0]]])).any():
+        voxels = voxels.astype(np.float32) * rescale[:, :1] + rescale[:, 1:]
     return voxels
 
 
 def _read_file(path: str, sop_classes: str) -> Tuple[Header, np.ndarray]:
     """(header, all frames [F,H,W] in file order) of one file. Any failure is an UnusableFile with a reason:
-    garbled tags that break the reader are `bad_header`, never an exception of another kind."""
+    garbled tags that break the reader are `bad_header`, elements pydicom cannot read `corrupt`, never an exception
+    of another kind."""
     ds = _parse(path)
-    manufacturer, model = _maker(ds)
-    series = str(ds.get("SeriesInstanceUID", "") or "")
     try:
         header = _header(ds, path, sop_classes)
         pixels = _pixels(ds, header)
-        if header.geometry and len(header.geometry) != header.frames:
-            raise UnusableFile("bad_header", f"{len(header.geometry)} per-frame groups for {header.frames} frames")
+        header.digest = hashlib.blake2b(np.ascontiguousarray(pixels), digest_size=16).hexdigest()
         return header, pixels
     except UnusableFile as e:
-        raise UnusableFile(e.reason, e.detail, manufacturer, model, series) from None
+        raise UnusableFile(e.reason, e.detail, *_identity(ds)) from None
+    except ELEMENT_ERRORS as e:
+        raise UnusableFile("corrupt", f"pydicom cannot read an element: {type(e).__name__}: {e}",
+                           *_identity(ds)) from None
     except Exception as e:  # garbled values that the checks above did not name
-        raise UnusableFile("bad_header", f"{type(e).__name__}: {e}", manufacturer, model, series) from None
+        raise UnusableFile("bad_header", f"{type(e).__name__}: {e}", *_identity(ds)) from None
+
+
+def _stack_direction(positions: np.ndarray, frames: Sequence[Frame]) -> np.ndarray:
+    """The stack normal [3] of B-scans without ImageOrientationPatient, whatever order they were listed in: the main
+    axis of their positions [F,3], pointing the way InStackPositionNumber (else InstanceNumber) increases along it,
+    else towards the positive end of the patient axis (x, y or z) it follows most."""
+    centred = positions - positions.mean(axis=0)
+    axis = np.linalg.svd(centred, full_matrices=False)[2][0]  # [3] unit vector, of either sign
+    along = centred @ axis  # [F]
+    for numbers in ([f.in_stack for f in frames], [f.instance for f in frames]):
+        if None not in numbers:
+            trend = float(along @ (np.array(numbers, dtype=np.float64) - np.mean(numbers)))
+            if trend != 0:
+                return axis if trend > 0 else -axis
+    return axis if axis[np.argmax(np.abs(axis))] > 0 else -axis
 
 
 def _order_by_position(frames: Sequence[Frame]) -> Tuple[np.ndarray, float]:
@@ -482,8 +595,7 @@ def _order_by_position(frames: Sequence[Frame]) -> Tuple[np.ndarray, float]:
     if orientation is not None:
         normal = np.cross(orientation[:3], orientation[3:])
     else:
-        normal = positions[-1] - positions[0]
-        normal = normal / max(float(np.linalg.norm(normal)), 1e-12)
+        normal = _stack_direction(positions, frames)
     along = positions @ normal  # [F] mm
     order = np.argsort(along, kind="stable")
     gaps = np.diff(along[order])  # [F-1]
@@ -542,19 +654,23 @@ def _layout(headers: Sequence[Header]) -> Tuple[List[Tuple[int, int]], Optional[
     """How one multi-frame file, or the single-frame files of one series, form a volume:
     ((file, frame) pairs in stack order, spacing (dz, dy, dx) mm or None, spacing note, shape [D,H,W]).
 
-    Only one stack of parallel, evenly spaced B-scans is a volume; raises UnusableFile otherwise.
+    Only one stack of parallel, evenly spaced B-scans of one size and pixel spacing is a volume (fewer than 4 B-scans
+    of an OCT object are a line scan); raises UnusableFile otherwise.
     """
     first = headers[0]
     if len(headers) > 1 and any((h.frames, h.rows, h.cols, h.bits) != (1, first.rows, first.cols, first.bits)
                                 for h in headers):
         raise UnusableFile("bad_header", "a series needs single-frame files of one size and bit depth: "
                                          f"{sorted({(h.frames, h.rows, h.cols, h.bits) for h in headers})}")
-    if any(h.raster_flag == "NO" for h in headers):
-        raise UnusableFile("not_raster", "OphthalmicVolumetricPropertiesFlag NO")
     pairs = [(i, k) for i, h in enumerate(headers) for k in range(h.frames)]
     shape = [len(pairs), first.rows, first.cols]
     if any(n < m for n, m in zip(shape, MIN_SHAPE)):
+        if first.sop_class == OPT_SOP and all(n >= m for n, m in zip(shape[1:], MIN_SHAPE[1:])):
+            raise UnusableFile("line_scan", f"{shape[0]} B-scan(s) of {shape[1]}x{shape[2]}: not a volume")
         raise UnusableFile("too_small", f"shape {shape} < {list(MIN_SHAPE)}")
+    if any(h.raster_flag == "NO" for h in headers):
+        raise UnusableFile("not_raster", "OphthalmicVolumetricPropertiesFlag NO")
+    _check_pixel_spacing([h.pixel_spacing for h in headers])
     frames = [f for h in headers for f in h.geometry]
     gap = None
     if len(frames) == len(pairs):
@@ -588,71 +704,160 @@ def _spacing(h: Header, gap: Optional[float]) -> Tuple[Optional[Tuple[float, flo
     return spacing, None
 
 
-def source_paths(source: Union[str, Sequence[str]]) -> List[str]:
-    """The files of a read_volume source: a path or gs:// URL, the candidate files under a local folder (find_files),
-    or a list of paths."""
-    if isinstance(source, str):
-        return find_files(source) if os.path.isdir(source) else [source]
-    return list(source)
+# ----------------------------------------------------------------------------------------------------------
+# What a set of files is: the one rule that scan (index.py) and read_volume follow
+# ----------------------------------------------------------------------------------------------------------
+
+@dataclass
+class Unit:
+    """One verdict of `units`: a volume (error None) or files rejected together with one reason."""
+    paths: List[str]  # a volume's files in stack order, a rejected unit's in path order
+    error: Optional[UnusableFile] = None
+    header: Optional[Header] = None  # a volume's first file
+    frames: List[Tuple[str, int]] = field(default_factory=list)  # a volume's B-scans in stack order: (path, frame)
+    spacing: Optional[Tuple[float, float, float]] = None  # (dz, dy, dx) mm
+    note: Optional[str] = None  # Volume.spacing_issue
+    shape: Optional[List[int]] = None  # [D,H,W]
 
 
-def _unique_instances(headers: Sequence[Header]) -> Tuple[List[Header], List[Tuple[Header, Header]]]:
-    """(headers without copies, [(copy, original)]): files with the SOPInstanceUID of an earlier file are copies."""
-    seen, unique, copies = {}, [], []
+def units(results: Dict[str, Union[Header, UnusableFile]]) -> List[Unit]:
+    """What a set of files is, given each file's Header or the UnusableFile that reading it raised: volumes and
+    rejected files, every file in exactly one Unit, sorted by first path, whatever order the files came in.
+    scan_files and read_volume both decide by it, so they cannot disagree. The rule, in order:
+    1. A file that cannot be read is rejected with its reason.
+    2. Of the files with one SOPInstanceUID the first (by path) is used, and the others are copies
+       (duplicate_instance) when their voxels are the same; when they differ, a broken anonymizer gave one UID to
+       different images (shared_instance_uid rejects their units).
+    3. A multi-frame file is a unit; single-frame files form one unit per (SeriesInstanceUID, SOP class), so an SLO
+       image of the series is not one of its B-scans.
+    4. A file rejected for a reason not in BENIGN_REASONS whose series has single-frame files rejects that series'
+       unit with its reason and joins it (the first by path gives the reason): a stack is never used without one of
+       its files.
+    5. A unit is a volume when _layout makes one stack of parallel, evenly spaced B-scans of one size and pixel
+       spacing of it; fewer than 4 B-scans of an OCT object are a line scan (line_scan, not a bad file).
+    """
+    ordered = sorted(results.items())
+    failed = {path: r for path, r in ordered if isinstance(r, UnusableFile)}
+    headers, copies, shared = _instances([r for _, r in ordered if isinstance(r, Header)])
+    found = [Unit([copy.path], _error(copy, "duplicate_instance", f"same SOPInstanceUID and voxels as {original.path}"))
+             for copy, original in copies]
+    groups, broken = {}, {}  # unit key -> headers; unit key -> paths of the series' rejected files
     for h in headers:
-        if h.sop_uid and h.sop_uid in seen:
-            copies.append((h, seen[h.sop_uid]))
+        groups.setdefault((h.path,) if h.frames > 1 else (h.series, h.sop_class), []).append(h)
+    for path, e in failed.items():
+        if e.reason not in BENIGN_REASONS and (e.series, e.sop_class) in groups:
+            broken.setdefault((e.series, e.sop_class), []).append(path)
         else:
-            seen.setdefault(h.sop_uid or h.path, h)
-            unique.append(h)
-    return unique, copies
+            found.append(Unit([path], e))
+    for key, members in groups.items():
+        paths, bad = sorted(h.path for h in members), broken.get(key, [])
+        sharing = [h for h in members if h.path in shared]
+        if sharing:
+            found.append(Unit(sorted(paths + bad), _error(sharing[0], "shared_instance_uid", (
+                f"{len(sharing)} files have SOPInstanceUID {sharing[0].sop_uid} with other voxels than other files"))))
+        elif bad:
+            first = failed[bad[0]]
+            more = f" and {len(bad) - 1} more of its files" if len(bad) > 1 else ""
+            found.append(Unit(sorted(paths + bad), UnusableFile(
+                first.reason, f"{bad[0]}{more} of this series: {first.detail}", first.manufacturer, first.model,
+                first.series, first.sop_class)))
+        else:
+            found.append(_assess(members))
+    return sorted(found, key=lambda u: u.paths[0])
+
+
+def _error(h: Header, reason: str, detail: str) -> UnusableFile:
+    return UnusableFile(reason, detail, h.manufacturer, h.model, h.series, h.sop_class)
+
+
+def _instances(headers: Sequence[Header]) -> Tuple[List[Header], List[Tuple[Header, Header]], set]:
+    """(headers without copies, [(copy, original)], paths of the files whose SOPInstanceUID other files with other
+    voxels have), in the order given: the first file of a SOPInstanceUID is the original."""
+    by_uid = {}
+    for h in headers:
+        by_uid.setdefault(h.sop_uid or h.path, []).append(h)
+    kept, copies, shared = [], [], set()
+    for same in by_uid.values():
+        if len({h.digest for h in same}) > 1:
+            kept += same
+            shared |= {h.path for h in same}
+        else:
+            kept.append(same[0])
+            copies += [(copy, same[0]) for copy in same[1:]]
+    return sorted(kept, key=lambda h: h.path), copies, shared
+
+
+def _assess(headers: Sequence[Header]) -> Unit:
+    """A volume of one multi-frame file or the single-frame files of one series, or their rejection (_layout)."""
+    first = headers[0]
+    try:
+        pairs, spacing, note, shape = _layout(headers)
+    except UnusableFile as e:
+        return Unit(sorted(h.path for h in headers), _error(first, e.reason, e.detail))
+    except Exception as e:  # a combination of tags that the checks did not name
+        return Unit(sorted(h.path for h in headers), _error(first, "bad_header", f"{type(e).__name__}: {e}"))
+    frames = [(headers[i].path, k) for i, k in pairs]
+    return Unit(list(dict.fromkeys(path for path, _ in frames)), None, headers[pairs[0][0]], frames, spacing, note,
+                shape)
+
+
+def source_paths(source: Union[str, Sequence[str]]) -> List[str]:
+    """The files of a read_volume source: a path or gs:// URL, the candidate files under a local folder
+    (folder_files), or a list of paths."""
+    if isinstance(source, str):
+        return folder_files(source) if os.path.isdir(source) else [source]
+    return list(source)
 
 
 def read_volume(source: Union[str, Sequence[str]], sop_classes: str = "oct") -> Volume:
     """The OCT volume of a path, a gs:// URL, or a series (a list of paths or a local folder, one file per B-scan).
+    The files are judged by `units`, as a scan judges them: other objects beside the volume (an SLO image, a report,
+    a copy) are left out, and the files of more than one volume (two eyes in one folder) are `several_volumes`.
 
     Raises UnusableFile with a stable reason code when the input cannot be used, whatever is wrong with it.
     """
-    files = [_read_file(p, sop_classes) for p in source_paths(source)]
-    pixels = {id(h): frames for h, frames in files}  # frames [F,H,W] of each file
-    headers, _ = _unique_instances([h for h, _ in files])
-    first = headers[0]
-    try:
-        pairs, spacing, note, _ = _layout(headers)
-        voxels = np.stack([pixels[id(headers[i])][k] for i, k in pairs])  # [D,H,W]
-    except UnusableFile as e:
-        raise UnusableFile(e.reason, e.detail, first.manufacturer, first.model, first.series) from None
-    except Exception as e:  # a combination of tags that the checks did not name
-        raise UnusableFile("bad_header", f"{type(e).__name__}: {e}", first.manufacturer, first.model) from None
-    return Volume(voxels, spacing, first.manufacturer, first.model, first.path, note)
+    results, pixels = {}, {}  # path -> Header or UnusableFile; path -> frames [F,H,W]
+    for path in source_paths(source):
+        try:
+            results[path], pixels[path] = _read_file(path, sop_classes)
+        except UnusableFile as e:
+            results[path] = e
+    found = units(results)
+    volumes = [u for u in found if u.error is None]
+    if len(volumes) != 1:
+        raise _why_not_one(found, volumes, source)
+    volume = volumes[0]
+    voxels = np.stack([pixels[path][k] for path, k in volume.frames])  # [D,H,W]
+    return Volume(voxels, volume.spacing, volume.header.manufacturer, volume.header.model, volume.paths[0],
+                  volume.note)
+
+
+def _why_not_one(found: Sequence[Unit], volumes: Sequence[Unit], source) -> UnusableFile:
+    """Why a read_volume source is not one volume: several, or the rejection of its largest bad unit (else of its
+    largest other object)."""
+    if volumes:
+        first = volumes[0].header
+        return UnusableFile("several_volumes", f"{len(volumes)} volumes, the first files "
+                                               f"{', '.join(v.paths[0] for v in volumes[:3])}: read one at a time",
+                            first.manufacturer, first.model)
+    if not found:
+        return UnusableFile("read_error", f"no files in {source}")
+    return min(found, key=lambda u: (u.error.reason in BENIGN_REASONS, -len(u.paths), u.paths[0])).error
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Finding files and scanning them
+# The files of a local folder (index.py finds those of any source: globs, gs://, manifests)
 # ----------------------------------------------------------------------------------------------------------
 
-def _is_candidate(path: str) -> bool:
+def is_candidate(path: str) -> bool:
+    """A file that may be DICOM: not hidden, not a sidecar (csv, json, txt...), not a DICOMDIR."""
     name = path.rstrip("/").rsplit("/", 1)[-1]
     return not name.startswith(".") and not name.lower().endswith(SIDECAR_EXTENSIONS) and name != "DICOMDIR"
 
 
-def _manifest_paths(manifest_path: str, root: Optional[str]) -> List[str]:
-    """The `filepath` column of a TSV/CSV manifest; relative paths are relative to root (else the manifest's folder)."""
-    text = read_bytes(manifest_path).decode("utf-8-sig")
-    first_line = text.split("\n", 1)[0]
-    rows = list(csv.DictReader(io.StringIO(text), delimiter="\t" if "\t" in first_line else ","))
-    if not rows or "filepath" not in rows[0]:
-        raise ConfigError(f"manifest_path: {manifest_path} needs a header with a `filepath` column "
-                          f"(found {first_line[:200]!r}).")
-    if root is None:
-        root = os.path.dirname(manifest_path) or "."
-    return [p if p.startswith("gs://") or os.path.isabs(p) else f"{root.rstrip('/')}/{p}"
-            for p in (r["filepath"].strip() for r in rows) if p]
-
-
-def _walk(folder: str) -> List[str]:
-    """Every file under a local folder, following symlinked sub-folders like a glob does (each real folder once,
-    so a link back up is no loop); hidden folders (.git, writers' temp folders) are left out."""
+def folder_files(folder: str) -> List[str]:
+    """The candidate files under a local folder, sorted: every file, following symlinked sub-folders like a glob does
+    (each real folder once, so a link back up is no loop); hidden folders (.git, writers' temp folders) are left out."""
     paths, seen = [], set()
     for parent, subfolders, files in os.walk(folder, followlinks=True):
         real = os.path.realpath(parent)
@@ -662,54 +867,7 @@ def _walk(folder: str) -> List[str]:
         seen.add(real)
         subfolders[:] = [f for f in subfolders if not f.startswith(".")]
         paths += [os.path.join(parent, f) for f in files]
-    return paths
-
-
-def list_sources(data_root: Optional[str], manifest_path: Optional[str] = None) -> Dict[str, str]:
-    """{path: identity} of every candidate file of a source, sorted by path: the manifest's `filepath` column when
-    given, else data_root as a folder (recursive), a glob or a single file, local or gs://. Hidden files and
-    sidecars (csv, json, txt...) are left out. The identity (source_identity) of a gs:// folder's objects comes with
-    the listing; gs:// paths of a manifest are not looked up one by one ('': a new manifest is what counts)."""
-    if manifest_path is not None:
-        paths = set(_manifest_paths(manifest_path, data_root))
-        return {p: "" if p.startswith("gs://") else source_identity(p) for p in sorted(paths)}
-    if data_root is None:
-        raise ConfigError("data_root: give a folder, glob or gs:// prefix of DICOM files (or a manifest_path).")
-    is_glob = any(c in data_root for c in "*?[")
-    if data_root.startswith("gs://"):
-        fs = gcs_filesystem()
-        found = fs.glob(data_root, detail=True) if is_glob else fs.find(data_root, detail=True)
-        listing = {"gs://" + name: _gcs_version(info) for name, info in found.items() if info.get("type") == "file"}
-    elif is_glob:
-        listing = {p: source_identity(p) for p in glob.glob(data_root, recursive=True) if os.path.isfile(p)}
-    elif os.path.isdir(data_root):
-        listing = {p: source_identity(p) for p in _walk(data_root)}
-    elif os.path.isfile(data_root):
-        listing = {data_root: source_identity(data_root)}
-    else:
-        raise ConfigError(f"data_root: {data_root!r} is not a folder, glob or file.")
-    return {p: listing[p] for p in sorted(listing) if _is_candidate(p)}
-
-
-def find_files(data_root: Optional[str], manifest_path: Optional[str] = None) -> List[str]:
-    """Every candidate file of a source, sorted (see list_sources)."""
-    return list(list_sources(data_root, manifest_path))
-
-
-def _gcs_version(info: dict) -> str:
-    version = info.get("generation") or info.get("etag") or info.get("md5Hash") or info.get("updated")
-    return f"{info.get('size')}:{version}"
-
-
-def source_identity(path: str) -> str:
-    """What changes when a file is written again: size and mtime (local), generation or etag (gs://); '' if gone."""
-    try:
-        if path.startswith("gs://"):
-            return _gcs_version(gcs_filesystem().info(path))
-        stat = os.stat(path)
-        return f"{stat.st_size}:{stat.st_mtime_ns}"
-    except Exception:  # gone or unreadable: the scan says why
-        return ""
+    return sorted(p for p in paths if is_candidate(p))
 
 
 def inspect_file(path: str, sop_classes: str = "oct") -> Header:
@@ -717,161 +875,3 @@ def inspect_file(path: str, sop_classes: str = "oct") -> Header:
     accepts is one the loader reads. Raises UnusableFile."""
     header, _ = _read_file(path, sop_classes)
     return header
-
-
-def _reject(paths: Sequence[str], error: UnusableFile, identities: Dict[str, str]) -> dict:
-    return {"paths": list(paths), "sources": [identities.get(p, "") for p in paths], "ok": False,
-            "reason": error.reason, "detail": error.detail, "manufacturer": error.manufacturer, "model": error.model,
-            "series": error.series or None, "shape": None, "spacing": None}
-
-
-def _volume_record(headers: List[Header], identities: Dict[str, str]) -> dict:
-    """The index record of one volume: a multi-frame file, or single-frame files of one series in stack order."""
-    first = headers[0]
-    try:
-        pairs, spacing, note, shape = _layout(headers)
-    except UnusableFile as e:
-        return _reject([h.path for h in headers], UnusableFile(e.reason, e.detail, first.manufacturer, first.model,
-                                                               first.series), identities)
-    paths = list(dict.fromkeys(headers[i].path for i, _ in pairs))  # files in stack order
-    return {"paths": paths, "sources": [identities.get(p, "") for p in paths], "ok": True, "reason": None,
-            "detail": None, "manufacturer": first.manufacturer, "model": first.model, "series": first.series,
-            "shape": shape, "spacing": list(spacing) if spacing else None, "spacing_issue": note,
-            "patient": first.patient, "transfer_syntax": first.transfer_syntax, "bits": first.bits}
-
-
-def scan_files(files: Sequence[str], sop_classes: str = "oct", progress: bool = False, threads: int = 8,
-               identities: Optional[Dict[str, str]] = None) -> List[dict]:
-    """Index records: one per volume (a multi-frame file, or the single-frame files of one series) and one
-    per rejected file, so every file appears exactly once. A record has paths, sources (source_identity of each),
-    ok, reason (None when ok), detail, manufacturer, model, series, shape [D,H,W], spacing [dz,dy,dx] or None,
-    spacing_issue, patient. Copies of a file (same SOPInstanceUID) are listed as duplicate_instance; a bad file of
-    a series makes the whole series bad. `identities` ({path: source_identity}, e.g. from list_sources) saves
-    looking them up.
-    """
-    def inspect(path):
-        identity = identities[path] if identities is not None and path in identities else source_identity(path)
-        try:
-            return identity, inspect_file(path, sop_classes)
-        except UnusableFile as e:
-            return identity, e
-
-    with ThreadPoolExecutor(threads) as pool:  # fetching (gs://) and file reads overlap
-        results = list(tqdm(pool.map(inspect, files), total=len(files), unit="file", desc="scan",
-                            disable=None if progress else True))  # None: a bar on a terminal only
-    identities = {path: identity for path, (identity, _) in zip(files, results)}
-    failed = {path: r for path, (_, r) in zip(files, results) if isinstance(r, UnusableFile)}
-    headers, copies = _unique_instances([r for _, r in results if isinstance(r, Header)])
-    records = [_reject([path], e, identities) for path, e in failed.items()]
-    records += [_reject([copy.path], UnusableFile("duplicate_instance", f"same SOPInstanceUID as {original.path}",
-                                                  copy.manufacturer, copy.model, copy.series), identities)
-                for copy, original in copies]
-    bad_member = {e.series: (path, e) for path, e in failed.items() if e.series and e.reason not in BENIGN_REASONS}
-    series = {}
-    for h in headers:
-        if h.frames > 1:
-            records.append(_volume_record([h], identities))
-        else:
-            series.setdefault((h.series, h.rows, h.cols), []).append(h)
-    for (uid, _, _), members in series.items():
-        if uid in bad_member:
-            path, e = bad_member[uid]
-            error = UnusableFile(e.reason, f"{path} of this series: {e.detail}", e.manufacturer, e.model, uid)
-            records.append(_reject([h.path for h in members], error, identities))
-        else:
-            records.append(_volume_record(members, identities))
-    return sorted(records, key=lambda r: r["paths"][0])
-
-
-def write_index(records: Sequence[dict], path: str, built_from: Optional[dict] = None) -> None:
-    """JSON lines, one record each after a first line saying what the index was built from, written so that
-    readers never see a partial index."""
-    write_atomic(path, "".join(json.dumps(r) + "\n" for r in [{"built_from": built_from}, *records]).encode())
-
-
-def read_index_with_source(path: str) -> Tuple[Optional[dict], List[dict]]:
-    """(what the index was built from, or None for an index without that line; records)."""
-    lines = [json.loads(line) for line in read_bytes(path).decode().splitlines() if line.strip()]
-    if lines and "built_from" in lines[0]:
-        return lines[0]["built_from"], lines[1:]
-    return None, lines
-
-
-def read_index(path: str) -> List[dict]:
-    """The records of an index written by write_index / `python data.py scan --out`."""
-    return read_index_with_source(path)[1]
-
-
-def _unchanged(record: dict, identities: Dict[str, str]) -> bool:
-    """The record's files are all still listed, unchanged, and its verdict was not a passing failure."""
-    sources = record.get("sources") or []
-    return (record["reason"] not in TRANSIENT_REASONS and len(sources) == len(record["paths"])
-            and all(p in identities and identities[p] == s for p, s in zip(record["paths"], sources)))
-
-
-def index_source(data_root: Optional[str], manifest_path: Optional[str], sop_classes: str,
-                 identities: Dict[str, str]) -> dict:
-    """What an index is built from: the source, the sop_classes setting and a hash of the listing (every file's
-    path and identity)."""
-    listing = "\n".join(f"{p}\t{identities[p]}" for p in sorted(identities))
-    return {"data_root": data_root, "manifest_path": manifest_path, "sop_classes": sop_classes,
-            "listing": hashlib.sha256(listing.encode()).hexdigest()[:32]}
-
-
-def update_index(records: Sequence[dict], identities: Dict[str, str], sop_classes: str,
-                 progress: bool = False) -> List[dict]:
-    """The records of the files in `identities` ({path: source_identity}): records whose files are unchanged are
-    kept; new and changed files, passing failures (read errors) and the series that a new file joins are scanned
-    again."""
-    keep = [r for r in records if _unchanged(r, identities)]
-    known = {p for r in keep for p in r["paths"]}
-    fresh = scan_files([p for p in sorted(identities) if p not in known], sop_classes, progress,
-                       identities=identities)
-    joined = {r["series"] for r in fresh if r.get("series")} & {r.get("series") for r in keep}
-    if joined:  # a new B-scan of an indexed series, or a copy of an indexed file: its series is scanned again
-        again = [p for r in keep + fresh if r.get("series") in joined for p in r["paths"]]
-        keep = [r for r in keep if r.get("series") not in joined]
-        fresh = [r for r in fresh if r.get("series") not in joined] + scan_files(sorted(again), sop_classes,
-                                                                                  identities=identities)
-    return sorted(keep + fresh, key=lambda r: r["paths"][0])
-
-
-def format_reason_table(counts: Dict[str, int]) -> str:
-    """A table of unusable files by reason: count and what the reason means."""
-    width = max([len("reason"), *map(len, counts)])
-    lines = [f"{'reason':<{width}}  {'files':>6}  meaning"]
-    for reason, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
-        lines.append(f"{reason:<{width}}  {n:>6}  {REASONS.get(reason, '')}")
-    return "\n".join(lines)
-
-
-def reason_counts(records: Sequence[dict]) -> Dict[str, int]:
-    """{reason: number of rejected records}."""
-    return Counter(r["reason"] for r in records if not r["ok"])
-
-
-def format_scan_report(records: Sequence[dict]) -> str:
-    """Per manufacturer and model: files, accepted volumes, volumes without spacing or whose spacing tags disagree
-    with their positions, rejects by reason, shape and spacing medians."""
-    groups = {}
-    for r in records:
-        groups.setdefault((r["manufacturer"] or "(unknown)", r["model"] or ""), []).append(r)
-    header = (f"{'manufacturer':<24} {'model':<20} {'files':>6} {'volumes':>7} {'no spacing':>10} {'disagree':>8}  "
-              f"{'median shape D,H,W':<19} {'median spacing dz,dy,dx mm':<27} rejected")
-    lines = [header]
-    for (maker, model), rs in sorted(groups.items()):
-        ok = [r for r in rs if r["ok"]]
-        shape = ",".join(str(int(v)) for v in np.median([r["shape"] for r in ok], axis=0)) if ok else "-"
-        spaced = [r["spacing"] for r in ok if r["spacing"]]
-        disagree = sum(1 for r in ok if r["spacing"] and r.get("spacing_issue"))
-        spacing = ",".join(f"{v:.4f}" for v in np.median(spaced, axis=0)) if spaced else "-"
-        rejects = ", ".join(f"{k} {v}" for k, v in sorted(reason_counts(rs).items())) or "-"
-        lines.append(f"{maker[:24]:<24} {model[:20]:<20} {sum(len(r['paths']) for r in rs):>6} {len(ok):>7} "
-                     f"{len(ok) - len(spaced):>10} {disagree:>8}  {shape:<19} {spacing:<27} {rejects}")
-    n_files = sum(len(r["paths"]) for r in records)
-    n_ok = sum(r["ok"] for r in records)
-    lines.append(f"\n{n_files} files: {n_ok} usable volumes, {len(records) - n_ok} rejected")
-    counts = reason_counts(records)
-    if counts:
-        lines.append(format_reason_table(counts))
-    return "\n".join(lines)

@@ -28,7 +28,8 @@ import runtime
 import train
 from config import Config, ConfigError, ScriptParser, load_config, plan_run, script_main
 from data import NoUsableData, OCTDataset, build_datasets, collate, mask_generator_from_config
-from dicom import BENIGN_REASONS, find_files, format_reason_table, reason_counts, scan_files
+from dicom import BENIGN_REASONS
+from index import find_files, format_reason_table, reason_counts, scan_files
 from model import JEPAOutput, VJEPA3D
 
 EXIT_OK, EXIT_FAILED = 0, 1
@@ -201,8 +202,8 @@ def check_real_data(setup: Setup) -> Check:
     return Check(usable > 0 and bad <= setup.cfg.max_bad_fraction * (usable + bad),
                  f"{usable} usable volumes, {bad} bad files in {sampled_files(records)} of {found} files",
                  f"some usable, bad <= {setup.cfg.max_bad_fraction:.0%}",
-                 f"too many files cannot be used (see the table below; {', '.join(BENIGN_REASONS)} are other objects "
-                 f"and not counted as bad); run `python data.py scan {source}` for every file", table)
+                 f"too many files cannot be used (see the table below; {', '.join(BENIGN_REASONS)} are not "
+                 f"counted as bad); run `python data.py scan {source}` for every file", table)
 
 
 def check_inputs(setup: Setup, per_maker: int = 4) -> Check:

@@ -2,7 +2,9 @@
 writer (phantom.py). write_decoys: other objects that share OCT folders (en-face, fundus, analysis, report, OCT as
 secondary capture); write_broken_corpus: broken files a reader must report, not crash on (incident 11);
 write_odd_cases: the shapes real exports take that are not clean raster volumes (two stacks, radial scans, broken
-series, garbled headers...). Each returns the reason the reader must give for every file it wrote.
+series, garbled headers...). Each returns the reason the reader must give for every file it wrote. write_photo: an
+SLO/fundus image that an export puts into a series folder; jpeg_lossless: the one encoder the tests need that no
+installed library has.
 """
 import io
 import os
@@ -70,6 +72,42 @@ def write_decoys(directory: str, shape: Sequence[int] = DEFAULT_SIZE) -> Dict[st
               patient_id="DECOY-2", uid_seed="decoy-sc", sop_class=SOP_CLASSES["secondary_capture"])
     expected["oct_as_secondary_capture.dcm"] = {"oct": "not_oct", "any": None}
     return expected
+
+
+def write_photo(path: str, image: np.ndarray, series_uid: str, patient_id: str = "PHANTOM-000",
+                uid_seed: str = "photo") -> None:
+    """An 8-bit Ophthalmic Photography image [H,W] (an SLO or fundus picture) in the series `series_uid`."""
+    style = STYLES["heidelberg"]
+    ds = _base_dataset(SOP_CLASSES["en_face"], uid_for("photo", uid_seed), ExplicitVRLittleEndian, patient_id,
+                       style.manufacturer, style.model, series_uid)
+    _set_pixels(ds, image[None].astype(np.uint8), ExplicitVRLittleEndian)
+    del ds.NumberOfFrames
+    _save(ds, path)
+
+
+def jpeg_lossless(frame: np.ndarray) -> bytes:
+    """One frame [H,W] (uint8/uint16) as a JPEG lossless codestream (process 14, first-order prediction, selection
+    value 1: the JPEGLosslessSV1 syntax) with one table of 5-bit Huffman codes. pydicom encodes RLE and (with
+    pylibjpeg-openjpeg) JPEG 2000, but no installed library encodes JPEG lossless."""
+    rows, cols = frame.shape
+    bits = frame.dtype.itemsize * 8
+    x = frame.astype(np.int64)
+    prediction = np.empty_like(x)
+    prediction[:, 1:] = x[:, :-1]  # the sample to the left...
+    prediction[1:, 0] = x[:-1, 0]  # ...the one above at the start of a row...
+    prediction[0, 0] = 1 << (bits - 1)  # ...half the range for the first one
+    diff = (x - prediction).ravel() % 65536  # differences are modulo 2^16 (ITU T.81, H.1.2.1)
+    diff = np.where(diff >= 32768, diff - 65536, diff)
+    size = np.where(diff == -32768, 16, np.ceil(np.log2(np.abs(diff) + 1)).astype(int))  # the category SSSS
+    extra = np.where(diff < 0, diff + (1 << size) - 1, diff)  # SSSS low bits after the code; none for 16
+    code = "".join(f"{s:05b}" + (f"{e:0{s}b}" if 0 < s < 16 else "") for s, e in zip(size.tolist(), extra.tolist()))
+    code += "1" * (-len(code) % 8)
+    data = int(code, 2).to_bytes(len(code) // 8, "big").replace(b"\xff", b"\xff\x00")  # byte stuffing
+    huffman = bytes([0, 0, 0, 0, 17] + [0] * 11) + bytes(range(17))  # 17 categories, all 5-bit codes
+    return (b"\xff\xd8" + b"\xff\xc3" + (11).to_bytes(2, "big") + bytes([bits]) + rows.to_bytes(2, "big")
+            + cols.to_bytes(2, "big") + bytes([1, 1, 0x11, 0])
+            + b"\xff\xc4" + (3 + len(huffman)).to_bytes(2, "big") + b"\x00" + huffman
+            + b"\xff\xda" + (8).to_bytes(2, "big") + bytes([1, 1, 0, 1, 0, 0]) + data + b"\xff\xd9")
 
 
 def write_broken_corpus(directory: str, shape: Sequence[int] = (8, 64, 64)) -> Dict[str, str]:

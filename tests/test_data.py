@@ -13,14 +13,18 @@ import numpy as np
 import pydicom
 import pytest
 import torch
-from pydicom.uid import (JPEG2000, ExplicitVRBigEndian, ExplicitVRLittleEndian, ImplicitVRLittleEndian,
-                         JPEG2000Lossless, JPEGBaseline8Bit, RLELossless)
+from pydicom.data import get_testdata_file
+from pydicom.encaps import encapsulate, generate_frames
+from pydicom.uid import (JPEG2000, DeflatedExplicitVRLittleEndian, ExplicitVRBigEndian, ExplicitVRLittleEndian,
+                         ImplicitVRLittleEndian, JPEG2000Lossless, JPEGBaseline8Bit, JPEGLosslessSV1, JPEGLSLossless,
+                         RLELossless)
 
 from config import ConfigError, load_config
-from corpora import write_broken_corpus, write_decoys
+from corpora import jpeg_lossless, write_broken_corpus, write_decoys
 from data import (EpochSampler, NoUsableData, OCTDataset, build_datasets, cache_path, collate, load_prepared,
                   load_val_sample, make_loader, resample, split_by_patient)
-from dicom import UnusableFile, find_files, format_reason_table, read_index, read_volume, scan_files, write_index
+from dicom import UnusableFile, read_volume
+from index import find_files, format_reason_table, read_index, scan_files, write_index
 from phantom import STYLES, quantize, synth_reflectivity, write_oct, write_phantom
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,9 +70,12 @@ def test_each_makers_phantom_reads_back_to_the_written_voxels_and_spacing(tmp_pa
 
 
 @pytest.mark.parametrize("syntax", [ExplicitVRLittleEndian, ImplicitVRLittleEndian, ExplicitVRBigEndian,
-                                    JPEG2000Lossless, JPEG2000, JPEGBaseline8Bit, RLELossless],
+                                    DeflatedExplicitVRLittleEndian, JPEG2000Lossless, JPEG2000, JPEGBaseline8Bit,
+                                    RLELossless],
                          ids=lambda s: s.name)
 def test_every_transfer_syntax_is_really_decoded(tmp_path, syntax):
+    """Each syntax that pydicom (RLE, deflate, native) or its plugins (pylibjpeg-openjpeg: JPEG 2000) encode here;
+    Pillow writes JPEG baseline."""
     bits = 8 if syntax == JPEGBaseline8Bit else 16
     voxels = quantize(synth_reflectivity(SMALL, np.random.default_rng(1)), bits)
     write_oct(str(tmp_path / "v.dcm"), voxels, (0.1, 0.004, 0.012), STYLES["heidelberg"], transfer_syntax=syntax)
@@ -78,6 +85,29 @@ def test_every_transfer_syntax_is_really_decoded(tmp_path, syntax):
         assert np.abs(got.astype(float) - voxels).mean() < 0.02 * np.iinfo(voxels.dtype).max
     else:
         np.testing.assert_array_equal(got, voxels)
+
+
+@pytest.mark.parametrize("syntax", [JPEGLSLossless, JPEGLosslessSV1], ids=lambda s: s.name)
+def test_syntaxes_that_nothing_here_encodes_are_decoded_from_real_codestreams(tmp_path, syntax):
+    """JPEG-LS: the frame of pydicom's own JPEG-LS test file (a CharLS codestream; no JPEG-LS encoder is installed),
+    against the same image stored uncompressed. JPEG lossless: tests/corpora.py's encoder, against its input. (HTJ2K:
+    pylibjpeg-openjpeg decodes it, but nothing here encodes it and pydicom ships no HTJ2K file.)"""
+    if syntax == JPEGLSLossless:
+        reference = pydicom.dcmread(get_testdata_file("MR_small.dcm")).pixel_array  # [64,64] int16
+        encoded = pydicom.dcmread(get_testdata_file("MR_small_jpeg_ls_lossless.dcm")).PixelData
+        frame = next(generate_frames(encoded, number_of_frames=1))
+        voxels, frames = np.stack([reference] * 4), [frame] * 4  # [4,64,64]
+    else:
+        voxels = quantize(synth_reflectivity((4, 64, 64), np.random.default_rng(1)), 16)
+        frames = [jpeg_lossless(v) for v in voxels]
+    write_oct(str(tmp_path / "v.dcm"), voxels.astype(np.uint16), (0.1, 0.004, 0.012), STYLES["heidelberg"])
+    ds = pydicom.dcmread(tmp_path / "v.dcm")
+    ds.PixelData, ds.PixelRepresentation = encapsulate(frames), int(voxels.dtype.kind == "i")
+    ds["PixelData"].VR, ds.file_meta.TransferSyntaxUID = "OB", syntax
+    ds.save_as(tmp_path / "v.dcm")
+    got = read_volume(str(tmp_path / "v.dcm")).voxels
+    assert got.dtype == voxels.dtype
+    np.testing.assert_array_equal(got, voxels)
 
 
 def test_monochrome1_is_inverted_and_rescale_applied(tmp_path):

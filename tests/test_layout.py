@@ -7,9 +7,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 MODULES = {p.stem: p for p in REPO.glob("*.py")}
 SCREEN = 80  # lines
-MODULE_LINES = 900  # the largest module, dicom.py (the whole reader, its scan and index), is under this
+MODULE_LINES = 900  # the largest module, dicom.py (the whole reader), is under this
 CHECKLISTS = {"config.py:validate"}  # flat lists of independent rules or cases
-READER = {"dicom", "data"}  # data.py imports dicom.py
+READER = {"dicom", "index", "data"}  # index.py imports dicom.py, data.py both
 
 
 def all_imports(path: Path) -> set:

@@ -1,5 +1,6 @@
 """The reader (dicom.py) and data.py on the shapes real OCT exports take: Zeiss Cirrus, non-raster scans, broken series, garbled
-headers, stale indexes and caches; whatever a scan accepts is read without an exception."""
+headers, per-frame functional groups, line scans, damaged files, stale indexes and caches; whatever a scan accepts is
+read without an exception."""
 import json
 import os
 import shutil
@@ -13,6 +14,7 @@ from collections import Counter
 import numpy as np
 import pydicom
 import pytest
+from pydicom.data import get_testdata_file
 from pydicom.datadict import dictionary_VR
 from pydicom.dataelem import RawDataElement
 from pydicom.dataset import Dataset
@@ -21,11 +23,13 @@ from pydicom.tag import Tag
 from pydicom.uid import JPEGBaseline8Bit
 
 from config import load_config
-from corpora import write_odd_cases
+from corpora import _patch, write_odd_cases
 from data import main as data_main
-from data import OCTDataset, cache_path, crop_starts, index_records, load_prepared, resample_and_clip, to_sample
-from dicom import REASONS, UnusableFile, find_files, read_index, read_volume, scan_files, unscramble_czm
-from phantom import STYLES, _jp2_file, czm_scramble, quantize, synth_reflectivity, write_oct, write_phantom
+from data import (OCTDataset, build_datasets, cache_path, crop_starts, index_records, load_prepared, resample_and_clip,
+                  to_sample)
+from dicom import REASONS, UnusableFile, read_volume, unscramble_czm
+from index import find_files, read_index, scan_files
+from phantom import STYLES, _item, _jp2_file, czm_scramble, quantize, synth_reflectivity, write_oct, write_phantom
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.filterwarnings("ignore:End of file reached before delimiter", "ignore::UserWarning")
@@ -213,7 +217,7 @@ import resource, signal, sys
 sys.path.insert(0, {str(REPO)!r})
 from config import load_config
 from data import OCTDataset
-from dicom import scan_files
+from index import scan_files
 cfg = load_config([], image_size=[8, 32, 32], patch_size=[4, 8, 8], workers=0, cache_dir={str(cache)!r})
 dataset = OCTDataset(scan_files([{path!r}]), cfg, train=True)
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -370,6 +374,143 @@ def test_the_readme_lists_every_reason_with_its_meaning():
     readme = (REPO / "README.md").read_text()
     for reason, meaning in REASONS.items():
         assert f"| `{reason}` | {meaning}" in readme, reason
+
+
+# --- stack order, per-frame groups, line scans, damaged files ---
+
+@pytest.mark.parametrize("keys", ["InstanceNumber", "none"])
+def test_a_series_without_orientation_reads_the_same_whatever_order_its_files_are_listed_in(tmp_path, keys):
+    voxels, spacing, paths = write_phantom(str(tmp_path / "s"), "optovue_series", shape=(8, 64, 64))
+    for path in paths:  # paths: in stack order; positions and InstanceNumber both ascend
+        ds = pydicom.dcmread(path)
+        del ds.ImageOrientationPatient
+        if keys == "none":  # then the stack runs towards +y, the patient axis the positions follow
+            del ds.InstanceNumber
+        ds.save_as(path)
+    for listing in (paths, paths[::-1], sorted(paths), sorted(paths, reverse=True)):
+        volume = read_volume(listing)
+        np.testing.assert_array_equal(volume.voxels, voxels)  # never mirrored: a left eye stays a left eye
+        assert volume.spacing == pytest.approx(spacing)
+        assert scan_files(listing)[0]["paths"] == paths
+
+
+def _per_frame(path, group, values):
+    """Give frame k of a multi-frame file its own functional group `group` with the tags of values[k]."""
+    ds = pydicom.dcmread(path)
+    for item, tags in zip(ds.PerFrameFunctionalGroupsSequence, values):
+        setattr(item, group, DicomSequence([_item(**tags)]))
+    ds.save_as(path)
+
+
+def test_each_frame_gets_the_rescale_of_its_own_functional_group(tmp_path):
+    voxels = quantize(synth_reflectivity((8, 64, 64), np.random.default_rng(6)), 16)
+    path = str(tmp_path / "v.dcm")
+    write_oct(path, voxels, (0.1, 0.004, 0.012), STYLES["heidelberg"])
+    slope, intercept = 0.5 + 0.25 * np.arange(8), -100.0 + 10 * np.arange(8)  # a float-to-integer converter's
+    _per_frame(path, "PixelValueTransformationSequence", [
+        {"RescaleSlope": s, "RescaleIntercept": i, "RescaleType": "US"} for s, i in zip(slope, intercept)])
+    got = read_volume(path).voxels
+    np.testing.assert_array_equal(got, voxels * slope[:, None, None] + intercept[:, None, None])
+
+
+def test_each_frames_own_pixel_spacing_is_read_and_must_agree(tmp_path):
+    voxels = quantize(synth_reflectivity((8, 64, 64), np.random.default_rng(7)), 8)
+    path = str(tmp_path / "v.dcm")
+    write_oct(path, voxels, (0.1, 0.004, 0.012), replace(STYLES["heidelberg"], spacing_tags="per_frame"))
+    assert read_volume(path).spacing == pytest.approx((0.1, 0.004, 0.012))  # from the frames' own groups
+    _per_frame(path, "PixelMeasuresSequence", [{"PixelSpacing": [0.004, 0.012 if k != 5 else 0.024]}
+                                               for k in range(8)])
+    assert scan_files([path])[0]["reason"] == "not_raster"  # one B-scan twice as wide: not one volume
+    with pytest.raises(UnusableFile) as error:
+        read_volume(path)
+    assert error.value.reason == "not_raster" and "PixelSpacing" in error.value.detail
+
+
+def test_line_scans_are_listed_but_do_not_count_against_max_bad_fraction(tmp_path):
+    rng = np.random.default_rng(8)
+    for k in range(4):
+        write_phantom(str(tmp_path / "data" / f"v{k}.dcm"), "heidelberg", shape=(8, 64, 64), seed=k,
+                      patient_id=f"P{k}")
+    for k in range(2):  # a single B-scan, and a cross of two
+        write_oct(str(tmp_path / "data" / f"line{k}.dcm"), quantize(synth_reflectivity((k + 1, 64, 64), rng), 8),
+                  (0.1, 0.004, 0.012), STYLES["heidelberg"], uid_seed=f"line{k}", patient_id=f"L{k}")
+    records = scan_files(find_files(str(tmp_path / "data")))
+    assert Counter(r["reason"] for r in records) == {None: 4, "line_scan": 2}
+    train, val = build_datasets(config(data_root=str(tmp_path / "data"), max_bad_fraction=0.2))  # no exit 3
+    assert len(train) + len(val) == 4
+
+
+def _damage(path: Path, how: str) -> None:
+    """Damage a valid multi-frame file the ways broken copies and exporters do."""
+    data = path.read_bytes()
+    ds = pydicom.dcmread(path)
+    groups_end = (ds.get_item("PerFrameFunctionalGroupsSequence").value_tell
+                  + ds.get_item("PerFrameFunctionalGroupsSequence").length)
+    if how == "cut_in_a_sequence_of_undefined_length":
+        ds["PerFrameFunctionalGroupsSequence"].is_undefined_length = True
+        ds.save_as(path)
+        data = path.read_bytes()
+        path.write_bytes(data[:data.index(b"\xe0\x7f\x10\x00") - 200])
+    elif how == "cut_inside_the_next_elements_tag":
+        path.write_bytes(data[:groups_end + 2])
+    elif how == "pixel_data_tag_damaged":  # (7FE0,0010) OW became (0018,0050) OW: out of order, no PixelData
+        _patch(str(path), b"\xe0\x7f\x10\x00OW", b"\x18\x00\x50\x00OW")
+    elif how == "empty_pixel_data":
+        ds.PixelData = b""
+        ds.save_as(path)
+    elif how == "rows_vr_damaged":
+        _patch(str(path), b"\x28\x00\x10\x00US", b"\x28\x00\x10\x00U\x17")
+    elif how == "sop_class_damaged":  # the dataset's SOPClassUID, not the file meta's
+        _set_raw(ds, "SOPClassUID", b"1.2.840.10008.5.1.4.1.1.7\x83.1.5.4")
+        ds.save_as(path)
+
+
+@pytest.mark.parametrize("how, reason", [
+    ("cut_in_a_sequence_of_undefined_length", "truncated"),  # was read_error: checked again every run
+    ("cut_inside_the_next_elements_tag", "truncated"),  # was no_pixel_data
+    ("pixel_data_tag_damaged", "corrupt"),  # was no_pixel_data
+    ("empty_pixel_data", "no_pixel_data"),  # was bad_header "TypeError: object of type 'NoneType' has no len()"
+    ("rows_vr_damaged", "corrupt"),  # was a NotImplementedError out of scan_files
+    ("sop_class_damaged", "corrupt")])  # was not_oct: another object, not a bad file
+def test_a_damaged_file_gets_a_reason_that_says_what_happened(tmp_path, how, reason):
+    path = tmp_path / "v.dcm"
+    write_phantom(str(path), "heidelberg", shape=(8, 64, 64))
+    _damage(path, how)
+    (record,) = scan_files([str(path)])
+    assert record["reason"] == reason and "NoneType" not in record["detail"], record["detail"]
+    with pytest.raises(UnusableFile) as error:
+        read_volume(str(path))
+    assert error.value.reason == reason
+
+
+def test_a_damaged_element_that_the_reader_does_not_need_leaves_the_volume_usable(tmp_path):
+    path = tmp_path / "v.dcm"
+    voxels, _, _ = write_phantom(str(path), "heidelberg", shape=(8, 64, 64))
+    _patch(str(path), b"\x08\x00\x70\x00LO", b"\x08\x00\x70\x00L\x17")  # Manufacturer's VR
+    (record,) = scan_files([str(path)])  # was a NotImplementedError out of scan_files
+    assert record["ok"] and record["manufacturer"] == ""
+    np.testing.assert_array_equal(read_volume(str(path)).voxels, voxels)
+
+
+def test_one_image_encoded_in_other_transfer_syntaxes_is_one_image_and_its_copies(tmp_path):
+    names = ["MR_small.dcm", "MR_small_RLE.dcm", "MR_small_bigendian.dcm", "MR_small_implicit.dcm",
+             "MR_small_jp2klossless.dcm", "MR_small_jpeg_ls_lossless.dcm"]  # pydicom's own: one SOPInstanceUID
+    paths = [shutil.copy(get_testdata_file(name), tmp_path / name) for name in names]
+    records = scan_files([str(p) for p in paths], sop_classes="any")
+    assert Counter(r["reason"] for r in records) == {"too_small": 1, "duplicate_instance": 5}  # one 2D image
+
+
+def test_a_series_whose_files_share_one_sop_instance_uid_is_a_broken_anonymizer_not_copies(tmp_path):
+    _, _, paths = write_phantom(str(tmp_path / "s"), "optovue_series", shape=(12, 64, 64))
+    for path in paths:
+        ds = pydicom.dcmread(path)
+        ds.SOPInstanceUID = ds.file_meta.MediaStorageSOPInstanceUID = "1.2.3.4"
+        ds.save_as(path)
+    records = scan_files(find_files(str(tmp_path / "s")))
+    assert [(r["reason"], len(r["paths"])) for r in records] == [("shared_instance_uid", 12)]
+    with pytest.raises(UnusableFile) as error:
+        read_volume(str(tmp_path / "s"))
+    assert error.value.reason == "shared_instance_uid"
 
 
 @pytest.mark.slow
