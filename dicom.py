@@ -130,6 +130,10 @@ class Volume:
     model: str
     source: str  # path or URL (the first file of a series)
     spacing_issue: Optional[str] = None  # why spacing is None, or how the spacing tags disagree with positions
+    patient: str = ""  # see _patient_key: the unit of patient-level splits
+    study: str = ""  # StudyInstanceUID
+    series: str = ""  # SeriesInstanceUID, else the path
+    laterality: str = ""  # R or L (ImageLaterality, else Laterality); '' when neither is there
 
 
 @dataclass
@@ -158,6 +162,8 @@ class Header:
     sop_uid: str
     series: str  # SeriesInstanceUID, else the path
     patient: str  # see _patient_key
+    study: str  # StudyInstanceUID
+    laterality: str  # R or L (ImageLaterality, else Laterality); '' when neither is there
     rescale: np.ndarray  # [F,2] (RescaleSlope, RescaleIntercept) of each frame, or [1,2] for all of them
     geometry: List[Frame]  # one per per-frame group (frames of a valid file); empty for a file without them
     raster_flag: Optional[str]  # OphthalmicVolumetricPropertiesFlag: YES, NO or None
@@ -453,7 +459,10 @@ def _header(ds: pydicom.Dataset, path: str, sop_classes: str) -> Header:
     manufacturer, model = _maker(ds)
     return Header(path, manufacturer, model, frames, int(rows), int(cols), int(bits),
                   ds.file_meta.TransferSyntaxUID.name, sop, str(ds.get("SOPInstanceUID", "") or ""),
-                  str(ds.get("SeriesInstanceUID", "") or path), _patient_key(ds, path), _rescale(ds, items), geometry,
+                  str(ds.get("SeriesInstanceUID", "") or path), _patient_key(ds, path),
+                  str(ds.get("StudyInstanceUID", "") or ""),
+                  str(ds.get("ImageLaterality", "") or ds.get("Laterality", "") or "").strip().upper(),
+                  _rescale(ds, items), geometry,
                   None if flag is None else str(flag).upper(), pixel_spacing, slice_spacing, spacing_error)
 
 
@@ -826,10 +835,10 @@ def read_volume(source: Union[str, Sequence[str]], sop_classes: str = "oct") -> 
     volumes = [u for u in found if u.error is None]
     if len(volumes) != 1:
         raise _why_not_one(found, volumes, source)
-    volume = volumes[0]
+    volume, first = volumes[0], volumes[0].header
     voxels = np.stack([pixels[path][k] for path, k in volume.frames])  # [D,H,W]
-    return Volume(voxels, volume.spacing, volume.header.manufacturer, volume.header.model, volume.paths[0],
-                  volume.note)
+    return Volume(voxels, volume.spacing, first.manufacturer, first.model, volume.paths[0], volume.note, first.patient,
+                  first.study, first.series, first.laterality)
 
 
 def _why_not_one(found: Sequence[Unit], volumes: Sequence[Unit], source) -> UnusableFile:

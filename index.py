@@ -99,7 +99,7 @@ def scan_files(files: Sequence[str], sop_classes: str = "oct", progress: bool = 
     """Index records, one per dicom.units verdict (a volume: a multi-frame file or the single-frame files of one
     series; or files rejected together), so every file appears exactly once. A record has paths, sources
     (source_identity of each), ok, reason (None when ok), detail, manufacturer, model, series, shape [D,H,W], spacing
-    [dz,dy,dx] or None, spacing_issue, patient. `identities` ({path: source_identity}, e.g. from list_sources) saves
+    [dz,dy,dx] or None, spacing_issue, patient, study, laterality. `identities` ({path: source_identity}, e.g. from list_sources) saves
     looking them up.
     """
     def inspect(path):
@@ -128,7 +128,7 @@ def _record(unit: Unit, identities: Dict[str, str]) -> dict:
     return {"paths": unit.paths, "sources": sources, "ok": True, "reason": None, "detail": None,
             "manufacturer": h.manufacturer, "model": h.model, "series": h.series, "shape": unit.shape,
             "spacing": list(unit.spacing) if unit.spacing else None, "spacing_issue": unit.note, "patient": h.patient,
-            "transfer_syntax": h.transfer_syntax, "bits": h.bits}
+            "study": h.study, "laterality": h.laterality, "transfer_syntax": h.transfer_syntax, "bits": h.bits}
 
 
 def write_index(records: Sequence[dict], path: str, built_from: Optional[dict] = None) -> None:

@@ -9,16 +9,25 @@
 
 The context encoder never sees the target tokens and the target encoder moves only through
 update_target(momentum) (incident 12).
+
+An exported encoder (`python encoder.py export`: config.json + encoder.safetensors) loads without train.py or the
+checkpoint: load_encoder(DIR) -> PretrainedEncoder, volume [B,1,D,H,W] -> tokens [B,N,E] or a pooled embedding.
 """
 import copy
+import hashlib
+import json
 import math
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
+import safetensors.torch
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from config import Config, ConfigError, load_config
+from storage import read_bytes, write_atomic
 
 
 @dataclass
@@ -88,6 +97,14 @@ class Block(nn.Module):
     def forward(self, x):
         x = x + self.attn(self.norm1(x))
         return x + self.mlp(self.norm2(x))
+
+
+def check_volume(volume: torch.Tensor, image_size: Sequence[int]) -> None:
+    """Raise ValueError naming the expected and actual shape unless volume is a float [B,1,*image_size] (incident 6)."""
+    if volume.dim() != 5 or volume.shape[1] != 1 or list(volume.shape[2:]) != list(image_size):
+        raise ValueError(f"volume: expected shape {['B', 1, *image_size]}, got {list(volume.shape)}")
+    if not volume.is_floating_point():
+        raise ValueError(f"volume: expected a floating dtype, got {volume.dtype}")
 
 
 def run_blocks(blocks: nn.ModuleList, x: torch.Tensor, grad_checkpointing: bool) -> torch.Tensor:
@@ -192,11 +209,7 @@ class VJEPA3D(nn.Module):
 
     def check_inputs(self, volume: torch.Tensor, context_idx: torch.Tensor, target_idx: torch.Tensor) -> None:
         """Raise ValueError naming expected and actual shapes before any compute (incident 6)."""
-        expected_volume = ["B", 1] + self.image_size
-        if volume.dim() != 5 or volume.shape[1] != 1 or list(volume.shape[2:]) != self.image_size:
-            raise ValueError(f"volume: expected shape {expected_volume}, got {list(volume.shape)}")
-        if not volume.is_floating_point():
-            raise ValueError(f"volume: expected a floating dtype, got {volume.dtype}")
+        check_volume(volume, self.image_size)
         B = volume.shape[0]
         for name, idx in (("context_idx", context_idx), ("target_idx", target_idx)):
             if idx.dim() not in (2, 3) or idx.shape[0] != B:
@@ -329,3 +342,189 @@ def activation_bytes_per_sample(cfg) -> float:
     per_block = 1 if cfg.grad_checkpointing else 9 + 2 * cfg.mlp_ratio  # values per token and width
     values = (n_context * cfg.embed_dim * cfg.depth + (n_context + n_target) * cfg.pred_embed_dim * cfg.pred_depth)
     return values * per_block * bytes_per_value + math.prod(cfg.image_size) * 4
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The exported encoder: config.json (architecture, preprocessing contract, provenance) + encoder.safetensors
+# ----------------------------------------------------------------------------------------------------------
+
+EXPORT_FORMAT = "octjepa-encoder"
+EXPORT_VERSION = 1  # bump when config.json or the weights' layout changes meaning; newer exports are refused
+CONFIG_FILE, WEIGHTS_FILE = "config.json", "encoder.safetensors"
+ARCHITECTURE_FIELDS = ("image_size", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio")
+PREPROCESSING_FIELDS = ("image_size", "target_spacing", "missing_spacing", "clip_percentiles", "sop_classes")
+AUGMENTATION_FIELDS = ("flip_prob", "intensity_jitter")  # training-time only: fine-tuning uses them
+PREPROCESSING_STEPS = (  # what data.load_val_sample does with the fields above; documentation in config.json
+    "read the DICOM volume [D,H,W] (frames, rows = depth, columns)",
+    "resample to target_spacing mm (none: resize to image_size), anti-aliased",
+    "clip to the volume's own clip_percentiles and map onto the full range of its storage type",
+    "crop or zero-pad to image_size: centred, and axially centred on the retina (intensity-weighted mean row)",
+    "normalize: zero mean and unit standard deviation over the cropped volume",
+)
+POOLS = ("mean", "axial")
+
+
+class ExportError(ConfigError):
+    """An encoder export that cannot be loaded as it is: the message names the file, key or field."""
+    prefix = "encoder export error: "
+
+
+def export_config(cfg: Config, source: dict) -> dict:
+    """The config.json of an export of an encoder trained with cfg (save_encoder adds the weights' checksum):
+    architecture, the preprocessing contract, training-time augmentation and `source` (where the weights came from:
+    checkpoint, update, the run's plan and config)."""
+    return {"format": EXPORT_FORMAT, "format_version": EXPORT_VERSION,
+            "architecture": {k: getattr(cfg, k) for k in ARCHITECTURE_FIELDS},
+            "preprocessing": {**{k: getattr(cfg, k) for k in PREPROCESSING_FIELDS}, "steps": list(PREPROCESSING_STEPS)},
+            "augmentation": {k: getattr(cfg, k) for k in AUGMENTATION_FIELDS},
+            "source": source}
+
+
+def export_settings(config: dict, where: str = CONFIG_FILE) -> Config:
+    """A Config holding an export's architecture, preprocessing and augmentation (the rest at defaults), for
+    data.load_val_sample and fine-tuning. Raises ExportError naming the field that is missing or wrong."""
+    if config.get("format") != EXPORT_FORMAT:
+        raise ExportError(f"{where}: format is {config.get('format')!r}, expected {EXPORT_FORMAT!r}; export a "
+                          f"checkpoint with `python encoder.py export --ckpt CKPT --out DIR`.")
+    version = config.get("format_version")
+    if not isinstance(version, int) or not 1 <= version <= EXPORT_VERSION:
+        raise ExportError(f"{where}: format_version {version!r} is not one this octjepa reads (1 to {EXPORT_VERSION});"
+                          f" load it with the octjepa version that wrote it.")
+    fields = {}
+    for section, names in (("architecture", ARCHITECTURE_FIELDS), ("preprocessing", PREPROCESSING_FIELDS),
+                           ("augmentation", AUGMENTATION_FIELDS)):
+        values = config.get(section)
+        if not isinstance(values, dict):
+            raise ExportError(f"{where}: no '{section}' section.")
+        extra = set(values) - set(names) - ({"steps"} if section == "preprocessing" else set())
+        missing = [n for n in names if n not in values]
+        if missing or extra:
+            raise ExportError(f"{where}: {section}." + (f"{missing[0]} is missing" if missing else
+                                                        f"{sorted(extra)[0]} is not a field of this format"))
+        if "image_size" in names and "image_size" in fields and values["image_size"] != fields["image_size"]:
+            raise ExportError(f"{where}: {section}.image_size {values['image_size']} differs from "
+                              f"architecture.image_size {fields['image_size']}.")
+        fields.update({n: values[n] for n in names})
+    try:
+        return load_config([], **fields)
+    except ConfigError as e:
+        raise ExportError(f"{where}: {e}") from None
+
+
+def pool_tokens(tokens: torch.Tensor, grid: Sequence[int], pool: str = "mean") -> torch.Tensor:
+    """A volume embedding of tokens [B,N,E] on a (gd,gh,gw) grid. 'mean': the mean token [B,E]. 'axial': the mean of
+    each axial (depth) row of tokens over B-scans and lateral positions, concatenated [B, gh*E]: what lies at which
+    depth survives the pooling."""
+    if pool == "mean":
+        return tokens.mean(1)
+    if pool == "axial":
+        B, _, E = tokens.shape
+        return tokens.view(B, *grid, E).mean(dim=(1, 3)).flatten(1)  # [B,gd,gh,gw,E] -> [B,gh,E] -> [B,gh*E]
+    raise ValueError(f"pool: expected one of {', '.join(POOLS)}, got {pool!r}")
+
+
+class PretrainedEncoder(Encoder):
+    """An exported encoder: model.Encoder with its export's settings. forward: volume [B,1,D,H,W], preprocessed as
+    `settings` says (data.load_val_sample(path, encoder.settings)), -> tokens [B,N,E]; embed: -> [B,E]
+    (pool 'mean') or [B, gh*E] ('axial'). Its state_dict keys are those of encoder.safetensors."""
+
+    def __init__(self, config: dict, where: str = CONFIG_FILE):
+        s = export_settings(config, where)
+        super().__init__(s.image_size, s.patch_size, s.embed_dim, s.depth, s.num_heads, s.mlp_ratio)
+        self.settings, self.config = s, config
+        self.image_size = list(s.image_size)
+        self.embed_dim = s.embed_dim
+
+    def forward(self, volume: torch.Tensor, keep_idx: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """volume [B,1,D,H,W] -> tokens [B,N,E] (or [B*M,K,E] for keep_idx, as Encoder.forward); the shape is
+        checked."""
+        check_volume(volume, self.image_size)
+        return super().forward(volume, keep_idx)
+
+    def embed(self, volume: torch.Tensor, pool: str = "mean") -> torch.Tensor:
+        """The pooled embedding of a volume [B,1,D,H,W] (pool_tokens)."""
+        return pool_tokens(self(volume), self.grid, pool)
+
+    def embedding_size(self, pool: str = "mean") -> int:
+        """The width of embed(volume, pool): E for 'mean', gh*E for 'axial'."""
+        return self.embed_dim * (self.grid[1] if pool == "axial" else 1)
+
+    @torch.no_grad()
+    def encode(self, volume: torch.Tensor) -> torch.Tensor:
+        """Frozen tokens [B,N,E] without gradients, as VJEPA3D.encode gives them (probe.encode_volumes uses either)."""
+        return self(volume)
+
+
+def random_encoder(config: dict, seed: int) -> PretrainedEncoder:
+    """A random init of an export's architecture: the target encoder of a VJEPA3D built after torch.manual_seed(seed),
+    as pretraining starts and as probe.load_model('random') builds it (the same weights, given the export's training
+    config: the predictor's size moves the random stream). The floor to beat; the global RNG is left as it was."""
+    source = config.get("source") or {}
+    config = {**{k: v for k, v in config.items() if k != "weights"}, "source": {"encoder": "random init", "seed": seed}}
+    encoder = PretrainedEncoder(config)
+    try:
+        cfg = load_config([], **source["training_config"])
+    except (KeyError, TypeError, ConfigError):  # no training config (e.g. a fine-tuned export): the predictor's default
+        cfg = encoder.settings
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        encoder.load_state_dict(VJEPA3D.from_config(cfg).encoder_state_dict())
+    return encoder.eval()
+
+
+def _sha256(payload: bytes) -> str:
+    return hashlib.sha256(payload).hexdigest()
+
+
+def save_encoder(state: dict, config: dict, directory: str) -> None:
+    """Write an export to a local or gs:// folder: encoder.safetensors (the Encoder state `state`), then config.json
+    with the weights' sha256, each atomically (config.json last: an export without it is incomplete)."""
+    weights = safetensors.torch.save({k: v.detach().cpu().contiguous() for k, v in state.items()},
+                                     metadata={"format": EXPORT_FORMAT, "format_version": str(EXPORT_VERSION)})
+    config = {**config, "weights": {"file": WEIGHTS_FILE, "sha256": _sha256(weights)}}
+    write_atomic(f"{directory.rstrip('/')}/{WEIGHTS_FILE}", weights)
+    write_atomic(f"{directory.rstrip('/')}/{CONFIG_FILE}", (json.dumps(config, indent=2) + "\n").encode())
+
+
+def read_export_config(directory: str) -> dict:
+    """The config.json of an export; ExportError when it is missing or not JSON."""
+    path = f"{directory.rstrip('/')}/{CONFIG_FILE}"
+    try:
+        return json.loads(read_bytes(path))
+    except FileNotFoundError:
+        raise ExportError(f"{path} not found; export a checkpoint with `python encoder.py export --ckpt CKPT --out "
+                          f"{directory}`.") from None
+    except json.JSONDecodeError as e:
+        raise ExportError(f"{path} is not valid JSON ({e}).") from None
+
+
+def load_encoder(directory: str) -> PretrainedEncoder:
+    """The encoder exported to `directory` (local or gs://), in eval mode on the CPU. The weights must match
+    config.json exactly: their sha256, every key, shape and dtype (strict). Raises ExportError naming the file, key or
+    field otherwise."""
+    config = read_export_config(directory)
+    encoder = PretrainedEncoder(config, f"{directory.rstrip('/')}/{CONFIG_FILE}")
+    weights = config.get("weights") or {}
+    path = f"{directory.rstrip('/')}/{WEIGHTS_FILE}"
+    try:
+        payload = read_bytes(path)
+    except FileNotFoundError:
+        raise ExportError(f"{path} not found (config.json without its weights: copy the whole export folder).") \
+            from None
+    if _sha256(payload) != weights.get("sha256"):
+        raise ExportError(f"{path}: its sha256 {_sha256(payload)[:16]}... differs from {CONFIG_FILE} "
+                          f"weights.sha256 {str(weights.get('sha256'))[:16]}...: the weights were changed or belong to "
+                          f"another export.")
+    tensors = safetensors.torch.load(payload)
+    expected = encoder.state_dict()
+    missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        problem = f"key {missing[0]} is missing" if missing else f"unexpected key {unexpected[0]}"
+        raise ExportError(f"{path}: {problem} for the architecture in {CONFIG_FILE} ({encoder.settings.depth} blocks "
+                          f"of width {encoder.settings.embed_dim}).")
+    for key, tensor in tensors.items():
+        if tensor.shape != expected[key].shape or tensor.dtype != expected[key].dtype:
+            raise ExportError(f"{path}: key {key} is {tensor.dtype} {list(tensor.shape)}, the architecture in "
+                              f"{CONFIG_FILE} needs {expected[key].dtype} {list(expected[key].shape)}.")
+    encoder.load_state_dict(tensors, strict=True)
+    return encoder.eval()

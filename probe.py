@@ -260,9 +260,17 @@ class AttentiveProbe(torch.nn.Module):
     def forward(self, tokens):
         return self.classify(self.normalize(tokens))
 
+    def attention(self, tokens):
+        """Each head's pooling weights [M, N, heads] over tokens [M, N, E] (they sum to 1 over N): where it looks."""
+        return self.pooling_weights(self.normalize(tokens))
+
+    def pooling_weights(self, normed):
+        """Pooling weights [M, N, heads] of normalized tokens [M, N, E]."""
+        return torch.softmax(self.scores(normed), dim=1)
+
     def classify(self, normed):
         """Outputs [M, out_dim] of layer-normed tokens [M, N, E]."""
-        weights = torch.softmax(self.scores(normed), dim=1)  # [M, N, heads]
+        weights = self.pooling_weights(normed)  # [M, N, heads]
         return self.head(torch.einsum("mnh,mne->mhe", weights, normed).flatten(1))
 
 
@@ -314,22 +322,33 @@ def fit_attentive(tokens: torch.Tensor, targets: np.ndarray, train_idx: np.ndarr
     return train_steps(probe, lambda: task_loss(task, probe.classify(normed), y), steps, lr, weight_decay)
 
 
+def split_scores(tokens: torch.Tensor, targets: np.ndarray, train_idx: np.ndarray, test_idx: np.ndarray, seed: int,
+                 readouts: Sequence[str] = ("mean_pool", "attentive"), grid: Optional[Sequence[int]] = None,
+                 task: Task = Task("label")) -> Dict[str, dict]:
+    """{readout: held-out scores (scores_of) on test_idx} of each read-out trained on train_idx, initialised from
+    `seed`. tokens: [M, N, E] frozen features of M labelled volumes (token grid `grid`, needed for depth_rows);
+    targets: [M] class ids or numbers. The one place that says how a read-out is scored: readout_scores and
+    finetune.py call it."""
+    scores = {}
+    for readout in readouts:
+        if readout == "attentive":
+            probe = fit_attentive(tokens, targets, train_idx, task, seed)
+            with torch.no_grad():
+                y = training_targets(task, targets, train_idx).numpy()
+                scores[readout] = scores_of(task, task_outputs(task, probe(tokens[test_idx])), y[test_idx])
+        else:
+            scores[readout] = linear_probe(pool_tokens(tokens, grid, readout), targets, train_idx, test_idx, task)
+    return scores
+
+
 def readout_scores(tokens: torch.Tensor, grid: Sequence[int], targets: np.ndarray, task: Task, seeds: Sequence[int],
                    readouts: Sequence[str] = READOUTS) -> Dict[str, Dict[str, dict]]:
     """{readout: {metric: interval over seeds}} of one encoder's frozen tokens [M, N, E] (token grid `grid`) on a
     task with per-volume targets [M] (class ids or numbers)."""
-    features = {r: pool_tokens(tokens, grid, r) for r in readouts if r != "attentive"}
     runs: Dict[str, List[dict]] = {r: [] for r in readouts}
     for seed in seeds:
         train, test = task_split(targets, task, seed)
-        for readout in readouts:
-            if readout == "attentive":
-                probe = fit_attentive(tokens, targets, train, task, seed)
-                with torch.no_grad():
-                    y = training_targets(task, targets, train).numpy()
-                    scores = scores_of(task, task_outputs(task, probe(tokens[test])), y[test])
-            else:
-                scores = linear_probe(features[readout], targets, train, test, task)
+        for readout, scores in split_scores(tokens, targets, train, test, seed, readouts, grid, task).items():
             runs[readout].append(scores)
     return {r: intervals(s) for r, s in runs.items()}
 
@@ -611,6 +630,21 @@ def load_model(ckpt: str, cfg: Config) -> Tuple[VJEPA3D, Config]:
     if ckpt == "random":
         torch.manual_seed(cfg.seed)
         return VJEPA3D.from_config(cfg), cfg
+    model, ckpt_cfg, _ = read_model_checkpoint(ckpt)
+    return model, ckpt_cfg
+
+
+def resolve_checkpoint(ckpt: str) -> str:
+    """A run's checkpoints folder -> its newest step checkpoint (a not-found path when it has none); any other path
+    as it is."""
+    if os.path.isdir(ckpt):
+        return (list_checkpoints(ckpt) or [os.path.join(ckpt, "step_*.pt")])[0]
+    return ckpt
+
+
+def read_model_checkpoint(ckpt: str) -> Tuple[VJEPA3D, Config, dict]:
+    """(model, its config, the whole checkpoint) of a train.py checkpoint file (local or gs://). Raises ConfigError,
+    naming the fix, for a missing or incompatible checkpoint."""
     fix = "pass a checkpoint written by train.py (OUT_DIR/RUN_NAME/checkpoints/best.pt or step_*.pt) or --ckpt random"
     try:
         state = read_checkpoint(ckpt)
@@ -625,9 +659,9 @@ def load_model(ckpt: str, cfg: Config) -> Tuple[VJEPA3D, Config]:
         model = VJEPA3D.from_config(ckpt_cfg)
         model.load_state_dict(state["model"])
     except (ConfigError, RuntimeError, TypeError) as e:
-        raise ConfigError(f"ckpt: {ckpt} does not fit this version of config.py/model.py ({e}); probe it with the "
+        raise ConfigError(f"ckpt: {ckpt} does not fit this version of config.py/model.py ({e}); read it with the "
                           f"octjepa version that wrote it.") from None
-    return model, ckpt_cfg
+    return model, ckpt_cfg, state
 
 
 def probe_device(cfg: Config) -> torch.device:
@@ -683,9 +717,7 @@ def main(argv: List[str]) -> int:
         parser.error(f"--readouts takes a comma-separated list of {', '.join(READOUTS)}, got {args.readouts!r}")
     if args.vs_random and args.ckpt == "random":
         parser.error("--vs_random compares a checkpoint with a random init; give --ckpt PATH")
-    ckpt = args.ckpt
-    if os.path.isdir(ckpt):  # a run's checkpoints folder: its last step checkpoint
-        ckpt = (list_checkpoints(ckpt) or [os.path.join(ckpt, "step_*.pt")])[0]
+    ckpt = resolve_checkpoint(args.ckpt)
     given = given_flags(rest)
     if args.ckpt != "random":
         other = sorted(given - set(CKPT_FIELDS))

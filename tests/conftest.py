@@ -1,4 +1,5 @@
-"""Shared fixtures: a phantom DICOM set written once per session, and a real local GCS emulator."""
+"""Shared fixtures: phantom DICOM sets written once per session, a real training checkpoint and its exported
+encoder, and a real local GCS emulator."""
 import os
 import socket
 import subprocess
@@ -27,6 +28,26 @@ def smoke_phantoms(tmp_path_factory) -> str:
     phantom_dir = str(tmp_path_factory.mktemp("smoke_phantoms"))
     build_datasets(load_config(["--config", str(REPO / "configs" / "smoke.yaml"), "--phantom_dir", phantom_dir]))
     return phantom_dir
+
+
+@pytest.fixture(scope="session")
+def trained_checkpoint(tmp_path_factory, smoke_phantoms) -> str:
+    """The last checkpoint of a real 4-update training run of the smoke config."""
+    import train
+    tmp = tmp_path_factory.mktemp("encoder_run")
+    assert train.main(["--config", str(REPO / "configs" / "smoke.yaml"), "--phantom_dir", smoke_phantoms,
+                       "--out_dir", str(tmp / "runs"), "--run_name", "r", "--max_steps", "4",
+                       "--ckpt_every_steps", "4"]) == 0
+    return str(tmp / "runs" / "r" / "checkpoints" / "step_0000004.pt")
+
+
+@pytest.fixture(scope="session")
+def export_dir(tmp_path_factory, trained_checkpoint) -> str:
+    """That run's encoder, exported by `encoder.py export` from its checkpoints folder."""
+    import encoder
+    out = str(tmp_path_factory.mktemp("export") / "encoder")
+    assert encoder.main(["export", "--ckpt", os.path.dirname(trained_checkpoint), "--out", out]) == 0
+    return out
 
 
 def _free_port() -> int:

@@ -95,7 +95,8 @@ def test_a_scripts_bad_option_exits_2_like_a_bad_config_flag_naming_the_closest_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["train.py", "data.py", "phantom.py", "probe.py", "sanity.py", "bench.py"])
+@pytest.mark.parametrize("script", ["train.py", "data.py", "phantom.py", "probe.py", "sanity.py", "bench.py",
+                                    "encoder.py", "finetune.py"])
 def test_every_script_explains_itself_and_the_config_flags_with_help(script):
     result = subprocess.run([sys.executable, str(REPO / script), "--help"], cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0 and result.stdout.startswith("usage: ")

@@ -67,6 +67,10 @@ def test_writing_a_checkpoint_or_a_log_line_does_not_load_the_dicom_reader():
         assert not loaded_with(name) & READER, (name, sorted(loaded_with(name)))
 
 
+def test_loading_an_exported_encoder_loads_neither_the_training_loop_nor_the_reader():
+    assert not loaded_with("model") & (READER | {"train", "runtime", "probe"}), sorted(loaded_with("model"))
+
+
 def test_storage_is_low_it_loads_neither_torch_nor_the_reader():
     loaded = loaded_with("storage")
     third_party = set().union(*(all_imports(MODULES[m]) for m in loaded))

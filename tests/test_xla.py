@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import encoder
 from test_train import read_jsonl, smoke_flags, train_lines
 from runtime import list_checkpoints
 
@@ -129,3 +130,24 @@ def test_bf16_autocast_on_xla_gives_the_fp32_loss(tmp_path, smoke_phantoms, cach
     run_train(xla_python, flags_for(tmp_path / "bf16", smoke_phantoms, cache_dir, *common, "--use_bf16", "true"))
     fp32, bf16 = train_lines(tmp_path / "fp32" / "runs" / "r"), train_lines(tmp_path / "bf16" / "runs" / "r")
     np.testing.assert_allclose([r["loss"] for r in bf16], [r["loss"] for r in fp32], rtol=1e-2)
+
+
+def test_an_exported_encoder_embeds_on_xla_as_on_cpu(tmp_path, export_dir, phantom_dir, xla_python):
+    """load_encoder and the forward pass on the XLA device (4 devices: the batch is sharded) against the CPU of the
+    torch_xla venv and the CPU of this one (another torch version)."""
+    def embed(name, python, device, devices=1):
+        out = tmp_path / f"{name}.npz"
+        flags = ["embed", "--encoder", export_dir, "--data_root", phantom_dir, "--out", str(out), "--device", device,
+                 "--workers", "0", "--batch_size", "4"]
+        if python:
+            run_train(python, flags, devices, script="encoder.py")
+        else:
+            assert encoder.main(flags) == 0
+        with np.load(out) as z:
+            return z["embedding"], list(z["path"])
+    xla, paths = embed("xla", xla_python, "xla", devices=4)
+    cpu, cpu_paths = embed("xla_venv_cpu", xla_python, "cpu")
+    here, _ = embed("cpu", None, "cpu")  # in this process
+    assert paths == cpu_paths and xla.shape == (10, 48)
+    np.testing.assert_allclose(xla, cpu, atol=1e-5)
+    np.testing.assert_allclose(xla, here, atol=1e-5)

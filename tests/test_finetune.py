@@ -1,0 +1,147 @@
+"""finetune.py: a researcher fine-tunes an exported encoder on labelled volumes with patient-level folds, and gets
+probe.py's numbers back when asking for probe.py's splits."""
+import csv
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+
+import finetune
+import probe
+from model import load_encoder, random_encoder
+from probe import AttentiveProbe
+from test_probe import one_thread  # noqa: F401 (autouse: tiny models, one thread)
+
+
+def write_labels(path: Path, phantoms: str, header, row) -> str:
+    """A labels CSV over the phantom files of a folder: `row(i, name)` gives each file's values after the path."""
+    names = sorted(n for n in os.listdir(phantoms) if n.endswith(".dcm"))
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows([header] + [[os.path.join(phantoms, n), *row(i, n)] for i, n in enumerate(names)])
+    return str(path)
+
+
+@pytest.fixture
+def binary_labels(tmp_path, smoke_phantoms) -> str:
+    """16 volumes of 8 patients (2 each); a patient's volumes share its label, 4 patients per label."""
+    return write_labels(tmp_path / "labels.csv", smoke_phantoms, ["path", "label", "patient"],
+                        lambda i, _: ["ab"[(i // 2) % 2], f"p{i // 2}"])
+
+
+def run(argv) -> dict:
+    assert finetune.main(argv) == 0
+    out = argv[argv.index("--out") + 1]
+    return json.loads(Path(out, "report.json").read_text())
+
+
+@pytest.mark.slow
+def test_frozen_probes_reproduce_probe_py_on_its_splits(trained_checkpoint, export_dir, binary_labels, tmp_path):
+    assert probe.main(["--ckpt", trained_checkpoint, "--labels", binary_labels, "--seeds", "3", "--vs_random",
+                       "--readouts", "mean_pool,attentive", "--no_reference",
+                       "--json", str(tmp_path / "probe.json")]) == 0
+    expected = json.loads((tmp_path / "probe.json").read_text())["tasks"]["label"]["encoders"]
+    report = run(["--encoder", export_dir, "--labels", binary_labels, "--splits", "probe", "--repeats", "3",
+                  "--modes", "frozen", "--vs_random", "--out", str(tmp_path / "ft")])
+    encoder, random = report["arms"]["encoder"], report["arms"]["random init"]
+    for name in ("mean_pool", "attentive"):
+        for metric in ("auroc", "balanced_accuracy"):
+            assert encoder[name][metric]["values"] == expected["pretrained"][name][metric]["values"]
+            assert random[name][metric]["values"] == expected["random"][name][metric]["values"]
+            differences = [a - b for a, b in zip(encoder[name][metric]["values"], random[name][metric]["values"])]
+            assert report["pretrained_minus_random"][name][metric]["values"] == pytest.approx(differences)
+
+
+def test_patient_folds_keep_each_patient_on_one_side_and_every_class_in_each_test_fold():
+    rng = np.random.default_rng(0)
+    patients = np.repeat(np.arange(30), rng.integers(1, 5, size=30)).astype(str)  # 1 to 4 volumes per patient
+    targets = np.array([int(p) % 3 for p in patients])
+    data = finetune.LabelledSet([], targets, ["a", "b", "c"], "multiclass", patients, [""] * len(patients), {})
+    folds = finetune.patient_folds(data, 5, seed=0)
+    assert sorted(np.concatenate([test for _, test in folds])) == list(range(len(patients)))
+    for train, test in folds:
+        assert not set(patients[train]) & set(patients[test])
+        assert set(targets[test]) == {0, 1, 2}
+        fit, val = finetune.validation_split(data, train, 0.2, seed=0)
+        assert sorted(np.concatenate([fit, val])) == sorted(train) and not set(patients[fit]) & set(patients[val])
+    assert [list(t) for _, t in folds] != [list(t) for _, t in finetune.patient_folds(data, 5, seed=1)]
+
+
+def test_layer_wise_lr_decay_gives_deeper_layers_larger_steps_and_spares_norms_and_biases(export_dir):
+    encoder = load_encoder(export_dir)
+    model = finetune.Classifier(encoder, [AttentiveProbe(encoder.embed_dim, 3)], multilabel=False)
+    groups = finetune.layer_decay_groups(model, finetune.FullSettings(layer_decay=0.5, weight_decay=0.05))
+    scale = {id(p): g["lr_scale"] for g in groups for p in g["params"]}
+    decay = {id(p): g["weight_decay"] for g in groups for p in g["params"]}
+    named = dict(model.named_parameters())
+    assert sorted(scale) == sorted(id(p) for p in named.values())  # every parameter, once
+    assert scale[id(named["encoder.patch_embed.weight"])] == 0.5 ** 3  # 2 blocks: embedding, blocks, head
+    assert scale[id(named["encoder.blocks.0.attn.qkv.weight"])] == 0.5 ** 2
+    assert scale[id(named["encoder.blocks.1.attn.qkv.weight"])] == 0.5
+    assert scale[id(named["encoder.norm.weight"])] == scale[id(named["heads.0.head.weight"])] == 1.0
+    assert decay[id(named["encoder.blocks.1.mlp.fc1.weight"])] == 0.05
+    assert decay[id(named["encoder.blocks.1.mlp.fc1.bias"])] == decay[id(named["encoder.norm.weight"])] == 0.0
+
+
+@pytest.mark.slow
+def test_full_finetuning_keeps_each_folds_best_model_which_loads_and_scores_as_reported(export_dir, binary_labels,
+                                                                                       tmp_path):
+    out = tmp_path / "ft"
+    report = run(["--encoder", export_dir, "--labels", binary_labels, "--modes", "full", "--folds", "2",
+                  "--epochs", "4", "--patience", "1", "--batch_size", "4", "--out", str(out)])
+    folds = report["arms"]["encoder"]["full"]["folds"]
+    assert [(f["repeat"], f["fold"]) for f in folds] == [(0, 0), (0, 1)]
+    patients = {row["path"]: row["patient"] for row in csv.DictReader(open(binary_labels))}
+    for f in folds:
+        assert f["best_epoch"] <= f["epochs"] <= min(4, f["best_epoch"] + 1)  # stopped 1 epoch after its best, or at 4
+        assert [h["epoch"] for h in f["history"]] == list(range(f["epochs"] + 1))  # epoch 0: the probe heads alone
+        saved = json.loads((out / "full" / f"r0_f{f['fold']}" / "fold.json").read_text())
+        parts = [{patients[p] for p in saved[f"{part}_paths"]} for part in ("train", "val", "test")]
+        assert not (parts[0] & parts[1] or parts[0] & parts[2] or parts[1] & parts[2])
+    directory = out / "full" / "r0_f1"
+    encoder = load_encoder(str(directory))
+    model = finetune.Classifier(encoder, [AttentiveProbe(encoder.embed_dim, 2)], multilabel=False)
+    model.heads.load_state_dict(safetensors.torch.load_file(directory / "heads.safetensors"))
+    data = finetune.load_labelled_set(binary_labels, model.encoder.settings)
+    saved = json.loads((directory / "fold.json").read_text())
+    test = np.array([data.paths.index(p) for p in saved["test_paths"]])
+    val = np.array([data.paths.index(p) for p in saved["val_paths"]])
+    probs, _ = finetune.predict(model, data, test, model.encoder.settings, 4, "cpu")
+    assert finetune.task_scores(probs, data.targets[test], "binary")["auroc"] == pytest.approx(folds[1]["auroc"])
+    assert finetune.predict(model, data, val, model.encoder.settings, 4, "cpu")[1] == pytest.approx(saved["val_loss"])
+
+
+@pytest.mark.slow
+def test_multi_label_csv_is_read_with_a_column_per_class_and_scored_per_class(export_dir, smoke_phantoms, tmp_path):
+    labels = write_labels(tmp_path / "multi.csv", smoke_phantoms, ["path", "drusen", "fluid", "patient"],
+                          lambda i, _: [(i // 2) % 2, (i // 4) % 2, f"p{i // 2}"])
+    report = run(["--encoder", export_dir, "--labels", labels, "--folds", "2", "--epochs", "2", "--batch_size", "4",
+                  "--out", str(tmp_path / "ft")])
+    assert report["task"] == "multilabel" and report["classes"] == ["drusen", "fluid"]
+    for mode in ("mean_pool", "attentive", "full"):
+        for fold in report["arms"]["encoder"][mode]["folds"]:
+            assert 0.0 <= fold["auroc"] <= 1.0 and 0.0 <= fold["balanced_accuracy"] <= 1.0
+
+
+def test_bad_labels_and_too_many_folds_stop_with_a_message_naming_the_fix(export_dir, smoke_phantoms, binary_labels,
+                                                                          tmp_path, capsys):
+    flags = ["--encoder", export_dir, "--out", str(tmp_path / "ft"), "--modes", "frozen"]
+    two = write_labels(tmp_path / "two.csv", smoke_phantoms, ["path", "drusen"], lambda i, _: [i % 3])
+    assert finetune.main(flags + ["--labels", two]) == 2
+    assert "the class columns (drusen) must hold 1 or 0" in capsys.readouterr().err
+    assert finetune.main(flags + ["--labels", binary_labels, "--folds", "9"]) == 2
+    assert "9 folds need at least 9 patients and a class" in capsys.readouterr().err
+    assert finetune.main(flags + ["--labels", binary_labels, "--embed_dim", "8"]) == 2
+    assert "the config flags that finetune.py takes: --device, --seed" in capsys.readouterr().err
+
+
+def test_random_init_is_the_architecture_initialised_as_pretraining_starts(export_dir):
+    encoder = load_encoder(export_dir)
+    a, b = random_encoder(encoder.config, seed=0), random_encoder(encoder.config, seed=0)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert not torch.equal(a.norm.weight, encoder.norm.weight) or not torch.equal(a.blocks[0].attn.qkv.weight,
+                                                                                  encoder.blocks[0].attn.qkv.weight)
+    assert a.config["source"] == {"encoder": "random init", "seed": 0} and "weights" not in a.config
