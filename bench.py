@@ -37,6 +37,7 @@ import torch
 from pydicom.uid import JPEG2000, ExplicitVRLittleEndian, JPEG2000Lossless, JPEGBaseline8Bit, RLELossless
 
 import runtime
+import schedules
 import train
 from config import ScriptParser, given_flags, load_config, script_main
 from data import OCTDataset, load_prepared, make_loader, mask_generator_from_config
@@ -226,7 +227,7 @@ def time_updates(cfg, rt: runtime.Runtime, batch: dict, warmup: int, repeats: in
     interleaved so that a change in the machine's load hits both alike; plus the load averages around the timing."""
     rss_before = peak_rss_bytes()
     variants = {name: {} for name in (["eager"] if rt.kind == "xla" else ["eager", "compiled"])}
-    hp = train.Hyperparameters(cfg.base_lr, cfg.weight_decay, cfg.ema_base)
+    hp = schedules.Hyperparameters(cfg.base_lr, cfg.weight_decay, cfg.ema_base)
     for name, v in variants.items():
         torch.manual_seed(cfg.seed)
         model = VJEPA3D.from_config(cfg).to(rt.device)

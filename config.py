@@ -5,6 +5,11 @@ Every field is a flag: `--base_lr 1e-4`, `--base_lr=1e-4`, lists as `--image_siz
 `none`/`null` (any case) for an optional field, a bare `--dry_run` for a bool.
 Problems raise ConfigError naming the field and the fix; every script's main (script_main) turns that into exit 2.
 The end of this file is the command line that every script shares: ScriptParser, script_main, ExitError.
+
+Exit codes of every script (README "Run outputs"): 0 done; 2 ConfigError; 3 data.NoUsableData; 4 train.Diverged;
+74 StorageFailed (checkpoint storage stayed unwritable or unreadable after retries); 75 Preempted (SIGTERM/SIGINT:
+stopped after a checkpoint; run the same command with --resume auto). 74 and 75 are sysexits' EX_IOERR and
+EX_TEMPFAIL, which job schedulers read as "I/O error" and "temporary failure: try again".
 """
 import argparse
 import dataclasses
@@ -32,6 +37,18 @@ class ConfigError(ExitError, ValueError):
     """A configuration problem: the message names the field and how to fix it."""
     exit_code = 2
     prefix = "config error: "
+
+
+class StorageFailed(ExitError):
+    """Checkpoint storage stayed unwritable (or a checkpoint unreadable) after retrying for ckpt_retry_minutes."""
+    exit_code = 74  # sysexits EX_IOERR
+    prefix = "checkpoint storage failed: "
+
+
+class Preempted(ExitError):
+    """SIGTERM or SIGINT stopped the run at an update boundary, after a checkpoint of that update: resume me."""
+    exit_code = 75  # sysexits EX_TEMPFAIL: a temporary failure, the same command (with --resume auto) continues
+    prefix = "preempted: "
 
 
 @dataclass
@@ -97,7 +114,7 @@ class Config:
     # --- logging, validation, checkpoints ---
     log_every_steps: int = 10  # metrics line every N updates (on XLA also how often the host reads the device)
     val_every_steps: int = 100  # validation (loss, target_std, RankMe) every N updates and at the end
-    val_batches: int = 4  # val batches per validation (fixed crops and masks)
+    val_batches: int = 4  # validation uses the first val_batches x global_batch_size val volumes (fixed crops and masks, the same on any number of processes)
     probe_every_steps: Optional[int] = None  # linear probe of the target encoder every N updates (probe.py); None = off
     probe_labels: Optional[str] = None  # labels.csv (path,label) for probe_every_steps; None = labelled phantoms
     summary_probe: bool = True  # end of run: does the encoder beat a random one on quick mean-pool and depth-row probes?
@@ -106,9 +123,12 @@ class Config:
     collapse_window_steps: int = 1000  # warn when either falls under half its best of this many updates (probe AUROC: half its gain over 0.5)
     ckpt_dir: Optional[str] = "auto"  # auto = out_dir/run_name/checkpoints; None = no checkpoints
     ckpt_every_steps: int = 100  # checkpoint every N updates and at the end
+    ckpt_every_minutes: Optional[float] = None  # also checkpoint when this long passed since the last one (process 0's clock); None = off
+    ckpt_retry_minutes: float = 5.0  # a failing checkpoint write is retried with backoff this long, then skipped; a second failure in a row stops with exit 74
     keep_last: int = 2  # step checkpoints kept (best.pt is kept besides)
     resume: Optional[str] = None  # None | auto (latest in ckpt_dir, if any) | path to a checkpoint
     extend: bool = False  # with resume: allow more updates than the checkpoint's plan; schedules continue smoothly
+    extend_schedule: str = "stretch"  # stretch (the rest of the schedules spread over the longer run) | rewarm (a new warmup to base_lr and cosine, EMA from ema_base, over the added updates)
     ckpt_dir_shared: bool = False  # multi-node DDP with a local ckpt_dir: every node sees it (NFS); checked at start
     wandb: str = "disabled"  # auto | online | offline | disabled
     wandb_project: str = "octjepa"  # W&B project
@@ -143,6 +163,7 @@ CHOICES = {
     "ema_schedule": ("cosine", "linear"),
     "wandb": ("auto", "online", "offline", "disabled"),
     "device": ("auto", "cpu", "cuda", "xla"),
+    "extend_schedule": ("stretch", "rewarm"),
 }
 LIST_LENGTHS = {"image_size": 3, "patch_size": 3, "target_spacing": 3, "clip_percentiles": 2,
                 "adam_betas": 2}
@@ -393,6 +414,15 @@ def validate(cfg: Config) -> None:
     if cfg.extend and cfg.resume is None:
         raise ConfigError("extend: lengthens a run that is resumed; add --resume auto (or a checkpoint path), "
                           "or drop --extend to start a new run.")
+    if cfg.run_name is not None and (not cfg.run_name.strip() or cfg.run_name.strip(".") == ""
+                                     or any(c in cfg.run_name for c in "/\\")):
+        raise ConfigError(f"run_name: {cfg.run_name!r} is not a folder name inside out_dir ({cfg.out_dir}); use a "
+                          f"plain name without '/', '\\' or '..' (e.g. pod1), and --out_dir to choose the folder.")
+    if cfg.ckpt_every_minutes is not None and not cfg.ckpt_every_minutes > 0:
+        raise ConfigError(f"ckpt_every_minutes: {cfg.ckpt_every_minutes} must be positive, or none to checkpoint by "
+                          f"update count only.")
+    if not cfg.ckpt_retry_minutes >= 0:
+        raise ConfigError(f"ckpt_retry_minutes: {cfg.ckpt_retry_minutes} must be >= 0 (0: one try, no retry).")
 
 
 @dataclass
@@ -405,8 +435,9 @@ class RunPlan:
     steps_per_epoch: int
     total_steps: int
     warmup_steps: int
-    # [at_step, old_total, new_total] of each --extend, oldest first: the schedules stretch what was left of them
-    extensions: List[List[int]] = field(default_factory=list)
+    # [at_step, old_total, new_total] of each --extend, oldest first, + "rewarm" for --extend_schedule rewarm
+    # (schedules.schedule_segment: the schedules stretch what was left of them, or start a new segment at at_step)
+    extensions: List[list] = field(default_factory=list)
 
     @property
     def planned_steps(self) -> int:

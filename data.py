@@ -25,6 +25,7 @@ import io
 import json
 import math
 import os
+import signal
 import sys
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
@@ -467,7 +468,25 @@ def make_loader(dataset: OCTDataset, batch_size: int, train: bool, workers: int,
     sampler = EpochSampler(len(dataset), rank, world_size, seed, epoch, shuffle=train, start=start, epochs=epochs,
                            per_epoch=per_epoch)
     return torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
-                                       collate_fn=collate, drop_last=True)
+                                       collate_fn=collate, drop_last=True, worker_init_fn=leave_stop_signals_to_main)
+
+
+def make_val_loader(dataset: OCTDataset, volumes: int, batch_size: int, workers: int, rank: int = 0,
+                    process_count: int = 1) -> torch.utils.data.DataLoader:
+    """The first `volumes` volumes of a validation split, volume i read by process i % process_count, in order, in
+    batches of up to batch_size (the last one may be smaller): the same volumes, crops and masks on any number of
+    processes."""
+    keys = [(0, i) for i in range(rank, volumes, process_count)]
+    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=keys, num_workers=workers,
+                                       collate_fn=collate, worker_init_fn=leave_stop_signals_to_main)
+
+
+def leave_stop_signals_to_main(worker_id: int) -> None:
+    """A DataLoader worker ignores SIGINT and SIGTERM. Ctrl-C reaches every process of the terminal, and torchrun
+    signals a worker's whole process group: the training process finishes its update, checkpoints, then ends its
+    workers itself (a worker that died first would end the run with "DataLoader worker exited unexpectedly")."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def index_records(cfg: Config) -> List[dict]:

@@ -57,7 +57,7 @@ from index import format_reason_table
 from model import PretrainedEncoder, load_encoder, random_encoder, save_encoder
 from probe import (TEST_FRACTION, AttentiveProbe, Task, classification_scores, encode_volumes, fit_attentive, interval,
                    probe_device, split_scores, stratified_split)
-from train import cosine_ramp
+from schedules import cosine_ramp
 
 CLI_FIELDS = ("device", "seed")
 MODES = ("frozen", "full")

@@ -1,11 +1,14 @@
 """What a run writes besides checkpoints: metrics.jsonl, events.jsonl, console lines, W&B, the collapse
 warnings, the end-of-run summary and the pictures (schedules.png and mask.png of the dry run, training.png).
 Only the master process writes (incident 10: one run, not one per worker)."""
+import errno
 import json
 import math
 import os
+import secrets
 import sys
 import time
+from collections import deque
 from dataclasses import asdict
 from typing import Dict, List, Optional
 
@@ -28,7 +31,7 @@ class RunLog:
         self.cfg = cfg
         self.wandb_run = None
         self.history: List[dict] = []
-        self.collapsing: set = set()  # (split, metric) pairs warned about and not recovered since
+        self.collapse = CollapseWatch(cfg)
         if active:
             os.makedirs(run_dir, exist_ok=True)
             self.wandb_run = start_wandb(cfg, run_dir)
@@ -43,26 +46,35 @@ class RunLog:
         if self.wandb_run is not None:  # no step=: W&B drops a log whose step goes back, as after a rollback
             self.wandb_run.log({"update": record["step"], **{f"{record['split']}/{k}": v for k, v in record.items()
                                                              if k not in ("split", "step") and v is not None}})
-        warnings = collapse_warnings(self.history, self.cfg)
-        for w in warnings:
-            if (w["split"], w["metric"]) not in self.collapsing:
-                self.event("collapse_warning", record["step"], **w)
-                self.print(f"WARNING step {record['step']}: {w['split']} {w['metric']} {w['reason']}: the "
-                           f"representations may be collapsing (check the EMA schedule, the LR, the masks)")
-        self.collapsing = {(w["split"], w["metric"]) for w in warnings}
+        for w in self.collapse.add(record):
+            self.event("collapse_warning", record["step"], **w)
+            self.print(f"WARNING step {record['step']}: {w['split']} {w['metric']} {w['reason']}: the "
+                       f"representations may be collapsing (check the EMA schedule, the LR, the masks)")
 
     def drop_metrics_after(self, step: int) -> None:
-        """Drop the metrics lines after update `step`: a resume or a rollback logs those updates again."""
+        """Keep the metrics lines up to update `step` (none for 0): a resume, a rollback or a start from scratch logs
+        the later updates again. A line that does not parse (cut short by a full disk or a kill mid-write) is dropped
+        with a warning."""
         path = os.path.join(self.run_dir, "metrics.jsonl")
         if not self.active or not os.path.exists(path):
             return
-        with open(path) as f:
-            lines = f.readlines()
-        keep = [line for line in lines if json.loads(line)["step"] <= step]
+        with open(path, "rb") as f:
+            lines = f.read().splitlines(keepends=True)
+        records = []
+        for number, line in enumerate(lines, 1):
+            try:
+                records.append((json.loads(line), line))
+            except ValueError:
+                self.event("metrics_line_dropped", step, line=number, text=line[:200].decode(errors="replace"))
+                self.print(f"WARNING {path}: line {number} is not a whole JSON line (a write cut short): dropped")
+        keep = [(record, line) for record, line in records if record["step"] <= step]
         if len(keep) < len(lines):
-            write_atomic(path, "".join(keep).encode())
+            write_atomic(path, b"".join(line if line.endswith(b"\n") else line + b"\n" for _, line in keep))
             self.event("metrics_truncated", step, dropped_lines=len(lines) - len(keep))
-        self.history = [json.loads(line) for line in keep]
+        self.history = [record for record, _ in keep]
+        self.collapse = CollapseWatch(self.cfg)
+        for record in self.history:
+            self.collapse.add(record)
 
     def event(self, kind: str, step: int, **fields) -> None:
         """Append one line to events.jsonl (skips, rollbacks, unreadable files, resumes...)."""
@@ -107,28 +119,44 @@ class Throughput:
                 "data_time_s": self.data_time / self.updates}
 
 
-def collapse_warnings(history: List[dict], cfg: Config) -> List[dict]:
-    """Collapse signs in the newest metrics record: target_std or RankMe under its floor, or under half of its
-    highest value of the last collapse_window_steps updates; the probe AUROC (probe_every_steps) back below half
-    of its best gain over chance (0.5) of that window. A falling loss proves nothing while they fall."""
-    new = history[-1]
-    floors = {"target_std": cfg.collapse_min_target_std, "rankme": cfg.collapse_min_rankme, "probe_auroc": None}
-    found = []
-    for metric, floor in floors.items():
-        value = new.get(metric)
-        if value is None:
-            continue
-        window = [r[metric] for r in history[:-1] if r["split"] == new["split"] and r.get(metric) is not None
-                  and new["step"] - r["step"] <= cfg.collapse_window_steps]
-        chance = 0.5 if metric == "probe_auroc" else 0.0  # a drop is measured by what was gained over this
-        if floor is not None and value < floor:
-            reason = f"is {value:.4g}, under the floor {floor:g}"
-        elif window and value - chance < 0.5 * (max(window) - chance):
-            reason = f"fell from {max(window):.4g} to {value:.4g} within {cfg.collapse_window_steps} updates"
-        else:
-            continue
-        found.append({"split": new["split"], "metric": metric, "value": value, "reason": reason})
-    return found
+class CollapseWatch:
+    """Collapse signs in each new metrics record: target_std or RankMe under its floor, or under half of its highest
+    value of the last collapse_window_steps updates; the probe AUROC (probe_every_steps) back below half of its best
+    gain over chance (0.5) of that window. A falling loss proves nothing while they fall. Each sign is reported once,
+    until it goes away. Only the window is kept: a record costs the same at update 100 and at update 100,000."""
+    FLOORS = {"target_std": "collapse_min_target_std", "rankme": "collapse_min_rankme", "probe_auroc": None}
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.windows: Dict[tuple, deque] = {}  # (split, metric) -> (step, value) of the window, oldest first
+        self.reported: set = set()  # (split, metric) pairs warned about and not recovered since
+
+    def add(self, record: dict) -> List[dict]:
+        """Take one metrics record; returns the new warnings ({split, metric, value, reason})."""
+        found = []
+        for metric, floor_field in self.FLOORS.items():
+            value = record.get(metric)
+            if value is None:
+                continue
+            key = (record["split"], metric)
+            window = self.windows.setdefault(key, deque())
+            while window and record["step"] - window[0][0] > self.cfg.collapse_window_steps:
+                window.popleft()
+            floor = getattr(self.cfg, floor_field) if floor_field else None
+            chance = 0.5 if metric == "probe_auroc" else 0.0  # a drop is measured by what was gained over this
+            best = max((v for _, v in window), default=None)
+            window.append((record["step"], value))
+            if floor is not None and value < floor:
+                reason = f"is {value:.4g}, under the floor {floor:g}"
+            elif best is not None and value - chance < 0.5 * (best - chance):
+                reason = f"fell from {best:.4g} to {value:.4g} within {self.cfg.collapse_window_steps} updates"
+            else:
+                self.reported.discard(key)
+                continue
+            if key not in self.reported:
+                found.append({"split": record["split"], "metric": metric, "value": value, "reason": reason})
+            self.reported.add(key)
+        return found
 
 
 def json_number(v):
@@ -141,12 +169,20 @@ def json_number(v):
 
 
 def _append_jsonl(path: str, record: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    """One line, appended with one write: a kill leaves whole lines (or, on a full disk, a last line cut short that
+    the next resume drops), never two lines mixed."""
+    line = (json.dumps(record) + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        if os.write(fd, line) != len(line):
+            raise OSError(errno.ENOSPC, f"{path}: only part of a line was written (disk full?)")
+    finally:
+        os.close(fd)
 
 
 def start_wandb(cfg: Config, run_dir: str):
-    """A W&B run, or None. auto = online when WANDB_API_KEY is set, else offline; never waits on a network."""
+    """A W&B run, or None: the run folder's own W&B run, resumed when it exists (wandb_id in the folder). auto =
+    online when WANDB_API_KEY is set, else offline; never waits on a network."""
     mode = cfg.wandb
     if mode == "auto":
         mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
@@ -154,15 +190,21 @@ def start_wandb(cfg: Config, run_dir: str):
         return None
     import wandb
     settings = wandb.Settings(init_timeout=30, silent=True)
+    # One W&B run per run folder, however often it is resumed: its id is kept beside metrics.jsonl.
+    id_path = os.path.join(run_dir, "wandb_id")
+    if not os.path.exists(id_path):
+        write_atomic(id_path, secrets.token_hex(6).encode())  # W&B ids: [a-z0-9]
+    with open(id_path) as f:
+        run_id = f.read().strip()
+    same_run = dict(project=cfg.wandb_project, name=os.path.basename(run_dir), dir=run_dir, config=asdict(cfg),
+                    settings=settings, id=run_id, resume="allow")
     try:
-        run = wandb.init(project=cfg.wandb_project, entity=cfg.wandb_entity, name=os.path.basename(run_dir),
-                         dir=run_dir, mode=mode, config=asdict(cfg), settings=settings)
+        run = wandb.init(entity=cfg.wandb_entity, mode=mode, **same_run)
     except Exception as e:  # an unreachable server must not stop the run: log offline instead
         if mode != "online":
             raise
         print(f"wandb online failed ({e}); logging offline to {run_dir}/wandb", file=sys.stderr)
-        run = wandb.init(project=cfg.wandb_project, name=os.path.basename(run_dir), dir=run_dir,
-                         mode="offline", config=asdict(cfg), settings=settings)
+        run = wandb.init(mode="offline", **same_run)
     run.define_metric("update")
     run.define_metric("*", step_metric="update")  # charts use the optimizer update as x-axis
     return run
@@ -170,7 +212,7 @@ def start_wandb(cfg: Config, run_dir: str):
 
 def describe_run(cfg: Config, plan: RunPlan, model, train_ds, val_ds, rt, schedules: list, masks: str) -> str:
     """The dry run's preflight report: sizes, tokens, FLOPs, memory, the masks (`masks`: data.describe_masks's
-    lines) and the schedules (train.Hyperparameters of every update) at milestones."""
+    lines) and the schedules (schedules.Hyperparameters of every update) at milestones."""
     n_context, n_target = cfg.token_counts()
     flops = training_flops_per_sample(cfg)
     act = activation_bytes_per_sample(cfg)

@@ -1,11 +1,13 @@
-"""Where the training update runs and what survives it: devices, processes, SPMD/DDP setup, host<->device
-transfers, XLA counters, and checkpoints (files on local disk or gs:// through storage.py, their content, resume and
+"""Where the training update runs and what survives it: devices, processes, SPMD/DDP setup, the signals that stop
+a run, the collectives every process (DDP rank or XLA host) decides with, host<->device transfers, XLA counters,
+and checkpoints (files on local disk or gs:// through storage.py, their content, the timeline a resume continues,
 restore).
 
 train.py runs the loop on these; probe.py and bench.py use them without importing the loop. Nothing here knows
 the model or the loss.
 """
 import atexit
+import contextlib
 import gc
 import hashlib
 import io
@@ -13,16 +15,19 @@ import json
 import os
 import random
 import re
+import signal
+import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, replace
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 import torch
 
-from config import Config, ConfigError, RunPlan, plan_run
-from storage import glob_paths, read_bytes, remove, write_atomic
+from config import Config, ConfigError, ExitError, RunPlan, StorageFailed, plan_run
+from storage import (copy_atomic, exists, glob_paths, is_transient, open_atomic, read_bytes, remove, remove_stale_tmp,
+                     rename, retry, storage_errors, write_atomic)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -34,12 +39,13 @@ class Runtime:
     """The devices and processes of this run, as setup_runtime found them."""
     device: torch.device
     kind: str  # cpu | cuda | xla
-    world_size: int  # data-parallel replicas (DDP processes, or XLA devices)
-    process_index: int
-    process_count: int
+    world_size: int  # data-parallel replicas (DDP processes, or the XLA devices of every host)
+    process_index: int  # DDP rank, or XLA host
+    process_count: int  # DDP processes, or XLA hosts (one process each)
     local_replicas: int  # replicas fed by this process (XLA SPMD: its devices; DDP: 1)
     mesh: object = None  # XLA SPMD: 1-D device mesh with the axis 'data'
     multi_host: bool = False  # processes on more than one machine (they share no local disk)
+    group: object = None  # the gloo process group of the collectives below; None: the default group (or none)
 
     @property
     def is_master(self) -> bool:
@@ -61,12 +67,15 @@ def setup_runtime(cfg: Config) -> Runtime:
     rank = int(os.environ.get("RANK", "0"))
     if kind == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    group = None
     if world > 1:
         torch.distributed.init_process_group("nccl" if kind == "cuda" else "gloo")
         atexit.register(leave_process_group)
+        if kind == "cuda":  # NCCL carries the gradients; the host-side collectives need no GPU
+            group = torch.distributed.new_group(backend="gloo")
     device = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # torchrun: processes on this machine
-    return Runtime(device, kind, world, rank, world, 1, multi_host=local_world < world)
+    return Runtime(device, kind, world, rank, world, 1, multi_host=local_world < world, group=group)
 
 
 def device_kind(cfg: Config, xla: bool = True) -> str:
@@ -103,22 +112,96 @@ def _xla_configured() -> bool:
 
 def _setup_xla() -> Runtime:
     """SPMD data parallel: this process drives all of its host's devices; one 1-D 'data' mesh spans every device
-    of every host (one CPU device, CPU_NUM_DEVICES CPU devices, a TPU VM or all hosts of a pod)."""
+    of every host (one CPU device, CPU_NUM_DEVICES CPU devices, a TPU VM or all hosts of a pod). With several hosts
+    a gloo process group joins them (one process each) for the collectives below: host 0's address comes from the
+    TPU metadata (torch_xla's xla:// rendezvous), or from MASTER_ADDR/MASTER_PORT.
+
+    The host index and count are PJRT's (xr.process_index(), xr.process_count()). PJRT's CPU client spans one
+    process, so hosts simulated on one machine (tests/test_xla.py: one process per host, each with its own CPU
+    device) are named as torchrun names processes: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT."""
     try:
         import torch_xla
         import torch_xla.distributed.spmd as xs
+        import torch_xla.distributed.xla_backend  # noqa: F401  (registers the xla:// rendezvous)
         import torch_xla.runtime as xr
     except ImportError as e:
         raise ConfigError(f"device: xla needs torch_xla ({e}); install requirements-xla.txt or use --device cpu.")
     xr.use_spmd()  # before any XLA tensor exists
-    devices = xr.global_runtime_device_count()
+    host, hosts, rendezvous = xr.process_index(), xr.process_count(), "xla://"
+    if hosts == 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        host, hosts, rendezvous = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://"
+    if hosts > 1:
+        torch.distributed.init_process_group("gloo", init_method=rendezvous)
+        atexit.register(leave_process_group)
+    devices, local = xr.global_runtime_device_count(), xr.addressable_runtime_device_count()
     mesh = xs.Mesh(np.arange(devices), (devices,), ("data",))
-    return Runtime(torch_xla.device(), "xla", devices, xr.process_index(), xr.process_count(),
-                   xr.addressable_runtime_device_count(), mesh, multi_host=xr.process_count() > 1)
+    return Runtime(torch_xla.device(), "xla", local * hosts, host, hosts, local, mesh, multi_host=hosts > 1)
+
+
+class StopSignals:
+    """SIGTERM (a preemption: Kubernetes, a spot or preemptible VM, torchrun passing its own on) and SIGINT (Ctrl-C)
+    turned into a request to stop at the next update boundary, while the `with` block runs; the handlers before it
+    come back after it. The first signal prints a line and sets `received`; a second one stops the process at once
+    (the default action), losing the updates since the last checkpoint."""
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.received: Optional[str] = None
+        self.previous = {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():  # Python delivers signals to the main thread only
+            self.previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signal.Signals(signum).name
+        for sig in self.SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)
+        os.write(2, f"\n{self.received}: the run stops after this update with a checkpoint; send it again to stop "
+                    f"at once (losing the updates since the last checkpoint)\n".encode())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Collectives across processes, the same for DDP ranks and XLA hosts (host-side values, over a gloo group): what
+# one process saw (a signal, a file it could not read, a failed read) every process acts on, and none is left
+# waiting in a collective for one that stopped. XLA SPMD device arrays are global already.
+# ----------------------------------------------------------------------------------------------------------
+
+def gather_objects(obj, rt: Runtime) -> list:
+    """[obj of process 0, obj of process 1, ...] in every process."""
+    if rt.process_count == 1:
+        return [obj]
+    out = [None] * rt.process_count
+    torch.distributed.all_gather_object(out, obj, group=rt.group)
+    return out
+
+
+def broadcast_from_master(obj, rt: Runtime):
+    """The master's obj, in every process."""
+    if rt.process_count == 1:
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0, group=rt.group)
+    return box[0]
+
+
+def any_process(flags: List[bool], rt: Runtime) -> List[bool]:
+    """Each flag OR-ed over every process, in one small all-reduce."""
+    if rt.process_count == 1:
+        return list(flags)
+    values = torch.tensor(flags, dtype=torch.int32)
+    torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX, group=rt.group)
+    return [bool(v) for v in values.tolist()]
 
 
 def reduce_mean(value: torch.Tensor, rt: Runtime) -> torch.Tensor:
-    """Mean of a tensor over DDP processes (XLA SPMD tensors are already global)."""
+    """Mean of a device tensor over DDP processes, on the device (XLA SPMD arrays are global already: returned as
+    they are)."""
     if rt.ddp:
         value = value.clone()
         torch.distributed.all_reduce(value)
@@ -126,36 +209,18 @@ def reduce_mean(value: torch.Tensor, rt: Runtime) -> torch.Tensor:
     return value
 
 
-def gather_objects(obj, rt: Runtime) -> list:
-    """[obj of process 0, obj of process 1, ...] in every DDP process; [obj] elsewhere."""
-    if not rt.ddp:
-        return [obj]
-    out = [None] * rt.world_size
-    torch.distributed.all_gather_object(out, obj)
-    return out
-
-
-def broadcast_from_master(obj, rt: Runtime):
-    """The master's obj, in every DDP process (obj itself elsewhere)."""
-    if not rt.ddp:
-        return obj
-    box = [obj]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def master_decides(rt: Runtime, fn, *args):
-    """fn(*args), run by the master only in a DDP run; every process returns its result, or raises its ConfigError
-    (so that no rank can decide differently, and none waits for a rank that stopped)."""
+    """fn(*args), run by the master only; every process returns its result, or raises the ExitError it raised (so
+    that no process can decide differently, and none waits for one that stopped)."""
     result = error = None
-    if rt.is_master or not rt.ddp:
+    if rt.is_master:
         try:
             result = fn(*args)
-        except ConfigError as e:
-            error = str(e)
+        except ExitError as e:
+            error = e
     result, error = broadcast_from_master((result, error), rt)
     if error is not None:
-        raise ConfigError(error)
+        raise error
     return result
 
 
@@ -166,11 +231,11 @@ def probes_in_this_process(rt: Runtime) -> bool:
 
 
 def check_ranks_agree(value, what: str, rt: Runtime) -> None:
-    """Stop every DDP process when they hold different `value`s (they would train on different data or weights)."""
+    """Stop every process when they hold different `value`s (they would train on different data or weights)."""
     values = gather_objects(value, rt)
     if any(v != values[0] for v in values):
         raise RuntimeError(f"the {len(values)} processes disagree about {what}: "
-                           + ", ".join(f"rank {r}: {v}" for r, v in enumerate(values)))
+                           + ", ".join(f"process {r}: {v}" for r, v in enumerate(values)))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -243,9 +308,10 @@ def mark_step(rt: Runtime) -> None:
 
 
 def to_cpu(obj):
-    """Copy a (nested) state to CPU tensors, so a checkpoint from CUDA or XLA loads anywhere."""
+    """A (nested) state as CPU tensors, so a checkpoint from CUDA or XLA loads anywhere. CPU tensors are not copied:
+    a checkpoint is written before the next update changes them."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu().clone()
+        return obj.detach().cpu()
     if isinstance(obj, dict):
         return {k: to_cpu(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -257,36 +323,32 @@ def to_cpu(obj):
 # Checkpoints: files, content, the plan a resume continues, the run folder
 # ----------------------------------------------------------------------------------------------------------
 
+def step_of(path: str) -> int:
+    """The update number in a step checkpoint's name (step_0000050.pt -> 50)."""
+    return int(re.search(r"step_(\d+)\.pt$", path).group(1))
+
+
 def list_checkpoints(ckpt_dir: str) -> List[str]:
-    """Step checkpoints in ckpt_dir, newest first (temp files of interrupted writes are ignored)."""
+    """Step checkpoints in ckpt_dir, newest first (temp files of interrupted writes and set-aside files ignored)."""
     paths = [p for p in glob_paths(ckpt_dir.rstrip("/") + "/step_*.pt") if re.search(r"step_\d+\.pt$", p)]
-    return sorted(paths, key=lambda p: int(re.search(r"step_(\d+)\.pt$", p).group(1)), reverse=True)
+    return sorted(paths, key=step_of, reverse=True)
 
 
-def read_checkpoint(path: str, tries: int = 1) -> dict:
-    """Load a checkpoint (local or gs://) to CPU tensors (weights_only: no code runs on load); a failed read (a
-    transient storage error) is tried up to `tries` times in all."""
-    for attempt in range(tries):
-        try:
-            payload = read_bytes(path)
-            break
-        except Exception:
-            if attempt == tries - 1:
-                raise
-            time.sleep(2 ** attempt)
-    return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+class UnreadableCheckpoint(Exception):
+    """A checkpoint whose content does not load: cut short, damaged, or not an octjepa checkpoint."""
 
 
-def newest_readable_checkpoint(ckpt_dir: str) -> Tuple[Optional[str], Optional[dict], List[Tuple[str, str]]]:
-    """(path, checkpoint) of the newest step checkpoint that loads, or (None, None); plus (path, error) of each
-    newer one that did not (a damaged file must not stop a resume: it falls back to the one before)."""
-    unreadable = []
-    for path in list_checkpoints(ckpt_dir):
-        try:
-            return path, read_checkpoint(path, tries=2), unreadable
-        except Exception as e:
-            unreadable.append((path, repr(e)))
-    return None, None, unreadable
+def read_checkpoint(path: str, retry_seconds: float = 0.0) -> dict:
+    """Load a checkpoint (local or gs://) to CPU tensors (weights_only: no code runs on load). A transient storage
+    error is retried for retry_seconds, then raised; content that does not load raises UnreadableCheckpoint."""
+    payload = retry(read_bytes, path, seconds=retry_seconds)
+    try:
+        ckpt = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise UnreadableCheckpoint(f"{path}: {e!r}"[:500]) from None
+    if not isinstance(ckpt, dict) or "model" not in ckpt:
+        raise UnreadableCheckpoint(f"{path}: not an octjepa checkpoint (no 'model')")
+    return ckpt
 
 
 def checkpoint_path(ckpt_dir: str, step: int) -> str:
@@ -294,16 +356,46 @@ def checkpoint_path(ckpt_dir: str, step: int) -> str:
     return f"{ckpt_dir.rstrip('/')}/step_{step:07d}.pt"
 
 
-def save_checkpoint(path: str, state: dict, keep_last: int, best: bool) -> None:
-    """Write the checkpoint atomically (and best.pt beside it), then drop older step files beyond keep_last."""
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
+def save_checkpoint(path: str, state: dict, keep_last: int, best: bool, retry_seconds: float = 0.0,
+                    on_error: Optional[Callable[[Exception, float], None]] = None) -> None:
+    """Stream the checkpoint into its file or object atomically (and copy it to best.pt beside it), retrying a
+    transient storage error for retry_seconds (on_error is told of each); then delete the step checkpoints older than
+    it beyond keep_last. Never it, nor a newer one: the newest checkpoint is always the one just written."""
     ckpt_dir = path.rsplit("/", 1)[0]
-    write_atomic(path, buffer.getbuffer())
+    retry(_write_checkpoint, path, state, seconds=retry_seconds, on_error=on_error)
     if best:
-        write_atomic(f"{ckpt_dir}/best.pt", buffer.getbuffer())
-    for old in list_checkpoints(ckpt_dir)[keep_last:]:
-        remove(old)
+        retry(copy_atomic, path, f"{ckpt_dir}/best.pt", seconds=retry_seconds, on_error=on_error)
+    older = [p for p in list_checkpoints(ckpt_dir) if step_of(p) < step_of(path)]
+    with contextlib.suppress(*storage_errors()):  # a file left over is deleted by the next checkpoint's pass
+        for old in older[keep_last - 1:]:
+            remove(old)
+
+
+def checkpoint_everywhere(path: str, model: torch.nn.Module, optimizer, state, plan: dict, cfg: Config, rt: Runtime,
+                          best: bool, on_error: Optional[Callable[[Exception, float], None]] = None) -> Optional[str]:
+    """Checkpoint the current update (`state`: train.TrainState; `plan`: the plan record) to `path`, with
+    save_checkpoint's retries for ckpt_retry_minutes. The master builds the state and writes it (on XLA every host
+    takes part in fetching it: a sharded array needs them all); then every process learns how that went, so none
+    rolls back to a file not written yet. Returns the write's last error (repr) or None, the same in every process."""
+    error = None
+    if rt.is_master or rt.kind == "xla":
+        ckpt = {**checkpoint_state(model, optimizer, state, cfg, rt), "plan": plan}
+    if rt.is_master:
+        try:
+            save_checkpoint(path, ckpt, cfg.keep_last, best, 60 * cfg.ckpt_retry_minutes, on_error)
+        except storage_errors() as e:
+            error = repr(e)
+    return broadcast_from_master(error, rt)
+
+
+def _write_checkpoint(path: str, state: dict) -> None:
+    with open_atomic(path) as f:
+        try:
+            torch.save(state, f)
+        except RuntimeError as e:  # torch's zip writer, closed after a failed write, hides the storage's error
+            if isinstance(e.__context__, storage_errors()):
+                raise e.__context__ from None
+            raise
 
 
 def rng_state() -> dict:
@@ -350,7 +442,8 @@ def restore(ckpt: dict, model: torch.nn.Module, optimizer, state) -> None:
 
 
 # What a resume must find unchanged (incident 2: a changed plan restarts or jumps the schedules).
-PLAN_FIELDS = ("total_steps", "warmup_steps", "steps_per_epoch", "global_batch_size", "world_size")
+# The number of processes is not part of it: each update's global batch is the same set of volumes on any number.
+PLAN_FIELDS = ("total_steps", "warmup_steps", "steps_per_epoch", "global_batch_size")
 SCHEDULE_FIELDS = ("schedule", "base_lr", "min_lr", "weight_decay", "weight_decay_end", "ema_base", "ema_end",
                    "ema_schedule", "seed")
 
@@ -388,31 +481,87 @@ def resumed_plan(saved: dict, cfg: Config, plan: RunPlan, train_ds, val_ds, step
             + " To train with the new settings: start a new run (another --run_name).")
     extensions = list(saved["extensions"])
     if longer:
-        extensions.append([step, saved["total_steps"], plan.total_steps])
+        rewarm = ["rewarm"] if cfg.extend_schedule == "rewarm" else []
+        extensions.append([step, saved["total_steps"], plan.total_steps] + rewarm)
     return replace(reference, total_steps=plan.total_steps, extensions=extensions)
 
 
-def load_resume_checkpoint(cfg: Config, rt: Runtime) -> Tuple[Optional[str], Optional[dict], list]:
-    """(path, checkpoint) that this run resumes from, or (None, None); plus (path, error) of newer unreadable files.
-    The master chooses; every process loads that same file (retrying a transient read error) or every one stops."""
-    path, ckpt, unreadable = None, None, []
-    if rt.is_master or not rt.ddp:
+def set_aside(path: str, reason: str, why: str) -> dict:
+    """Rename a step checkpoint out of the run's timeline (list_checkpoints no longer sees it; nothing is deleted):
+    step_0000060.pt -> step_0000060.pt.<reason>-<time>. Returns what was done, for the console and events.jsonl."""
+    moved_to = f"{path}.{reason}-{time.strftime('%Y%m%d-%H%M%S')}"
+    rename(path, moved_to)
+    return {"event": f"{reason}_checkpoint", "path": path, "moved_to": moved_to,
+            "why": f"{why}; set aside as {moved_to}"}
+
+
+def choose_resume_checkpoint(cfg: Config) -> Tuple[Optional[str], Optional[dict], List[dict]]:
+    """The master's choice of what the run resumes from: (path, checkpoint), or (None, None) to start from scratch;
+    plus what it did to the run's files on the way ({event, path, why}). First the tmp files of writers stopped
+    mid-write go. resume auto: the newest step checkpoint that loads; each newer one whose content does not load is
+    set aside ('unreadable'). Then every step checkpoint past the resumed update is set aside ('abandoned': a
+    timeline left by resuming an earlier file), so neither a later `--resume auto` nor keep_last sees it. A storage
+    error that outlasts ckpt_retry_minutes is StorageFailed, with nothing set aside."""
+    retry_seconds = cfg.ckpt_retry_minutes * 60
+    path, ckpt = None, None
+    moved = [{"event": "stale_tmp_removed", "path": tmp, "why": "left by a writer stopped mid-write: removed"}
+             for folder in {os.path.join(cfg.out_dir, cfg.run_name), cfg.ckpt_dir} - {None}
+             for tmp in remove_stale_tmp(folder)]
+    try:
         if cfg.resume == "auto":
-            path, ckpt, unreadable = newest_readable_checkpoint(cfg.ckpt_dir)
-        else:
+            for candidate in list_checkpoints(cfg.ckpt_dir):
+                try:
+                    ckpt = read_checkpoint(candidate, retry_seconds)
+                except UnreadableCheckpoint as e:
+                    moved.append(set_aside(candidate, "unreadable", str(e)))
+                    continue
+                path = candidate
+                break
+        elif cfg.resume is not None:
             path = cfg.resume
-    path = broadcast_from_master(path, rt)
-    error = None
+            ckpt = read_checkpoint(path, retry_seconds)
+        step = ckpt["train_state"]["step"] if ckpt is not None else 0
+        for later in list_checkpoints(cfg.ckpt_dir) if cfg.ckpt_dir is not None else []:
+            if step_of(later) > step and later != path:
+                moved.append(set_aside(later, "abandoned", f"past update {step}, where this run resumes"))
+    except FileNotFoundError as e:
+        raise ConfigError(f"resume: {cfg.resume} is not a checkpoint file ({e}); give the path of a step_*.pt or "
+                          f"best.pt, or auto.") from None
+    except UnreadableCheckpoint as e:
+        raise ConfigError(f"resume: {e}; choose another checkpoint (or auto: the newest that loads).") from None
+    except storage_errors() as e:
+        raise StorageFailed(f"resume: the checkpoints in {cfg.ckpt_dir or cfg.resume} could not be read for "
+                            f"{cfg.ckpt_retry_minutes:g} min ({e!r}); nothing was changed: run the same command "
+                            f"again when the storage is back.") from None
+    return path, ckpt, moved
+
+
+def load_resume_checkpoint(cfg: Config, rt: Runtime) -> Tuple[Optional[str], Optional[dict], List[dict]]:
+    """(path, checkpoint) that this run resumes from, or (None, None); plus what the master did to the run's files
+    (choose_resume_checkpoint). The master chooses
+    (choose_resume_checkpoint); every process loads that same file, retrying transient read errors for
+    ckpt_retry_minutes, or every process stops with StorageFailed."""
+    path = ckpt = error = None
+    moved = []
+    if rt.is_master:
+        try:
+            path, ckpt, moved = choose_resume_checkpoint(cfg)
+        except ExitError as e:
+            error = e
+    path, moved, error = broadcast_from_master((path, moved, error), rt)
+    if error is not None:
+        raise error
     if path is not None and ckpt is None:
         try:
-            ckpt = read_checkpoint(path, tries=3)
-        except Exception as e:
+            ckpt = read_checkpoint(path, cfg.ckpt_retry_minutes * 60)
+        except (UnreadableCheckpoint, *storage_errors()) as e:
             error = repr(e)
     failed = [f"process {rank}: {e}" for rank, e in enumerate(gather_objects(error, rt)) if e is not None]
     if failed:
-        raise ConfigError(f"resume: {path} could not be read ({'; '.join(failed)}). Every process must start from "
-                          f"the same checkpoint, so none trains; check the path and retry.")
-    return path, ckpt, unreadable
+        raise StorageFailed(f"resume: {path} could not be read ({'; '.join(failed)}). Every process must start from "
+                            f"the same checkpoint, so none trains; run the same command again when the storage is "
+                            f"back.")
+    return path, ckpt, moved
 
 
 def resolve_run_dir(cfg: Config) -> Config:
@@ -430,29 +579,38 @@ def resolve_run_dir(cfg: Config) -> Config:
     return cfg
 
 
-def check_checkpoints_are_shared(cfg: Config, rt: Runtime) -> None:
-    """Every process of a multi-machine run must resume from the same files: ckpt_dir on gs://, or (DDP) a local
-    path declared shared with ckpt_dir_shared, which every process must then see."""
-    if not rt.multi_host or cfg.ckpt_dir is None or cfg.ckpt_dir.startswith("gs://"):
+def check_checkpoint_folder(cfg: Config, rt: Runtime) -> None:
+    """Before anything trains: the master writes a small file into ckpt_dir and deletes it again. A folder that
+    cannot take it (read-only, no permission, a wrong path) is a ConfigError naming it; a storage error that outlasts
+    ckpt_retry_minutes is StorageFailed. Every process of a multi-machine run must resume from the same files:
+    ckpt_dir on gs://, or a local path declared shared with ckpt_dir_shared, where every process must see that file."""
+    if cfg.ckpt_dir is None or cfg.dry_run:  # a dry run writes nothing
         return
-    if rt.kind == "xla" or not cfg.ckpt_dir_shared:
-        shared_flag = "" if rt.kind == "xla" else ", or add --ckpt_dir_shared true if every machine mounts it"
+    shared = rt.multi_host and not cfg.ckpt_dir.startswith("gs://")
+    if shared and not cfg.ckpt_dir_shared:
         raise ConfigError(f"ckpt_dir: {cfg.ckpt_dir} is local to each machine, but the processes of this run are on "
-                          f"several machines and must all resume from the same checkpoint; use a gs:// ckpt_dir"
-                          f"{shared_flag}.")
-    marker = master_decides(rt, write_shared_marker, cfg.ckpt_dir)
-    blind = [rank for rank, seen in enumerate(gather_objects(os.path.exists(marker), rt)) if not seen]
+                          f"several machines and must all resume from the same checkpoint; use a gs:// ckpt_dir, or "
+                          f"add --ckpt_dir_shared true if every machine mounts it.")
+    probe = master_decides(rt, write_probe, cfg)
+    blind = [rank for rank, seen in enumerate(gather_objects(exists(probe), rt)) if not seen] if shared else []
     if rt.is_master:
-        os.remove(marker)
+        retry(remove, probe, seconds=cfg.ckpt_retry_minutes * 60)
     if blind:
-        raise ConfigError(f"ckpt_dir_shared: processes {blind} cannot see {marker}, written by process 0: "
+        raise ConfigError(f"ckpt_dir_shared: processes {blind} cannot see {probe}, written by process 0: "
                           f"{cfg.ckpt_dir} is not shared by every machine; use a gs:// ckpt_dir or a filesystem that "
                           f"all of them mount.")
 
 
-def write_shared_marker(ckpt_dir: str) -> str:
-    """An empty file with a unique name in ckpt_dir, for the other processes to look for."""
-    os.makedirs(ckpt_dir, exist_ok=True)
-    marker = os.path.join(ckpt_dir, f".shared-check-{uuid.uuid4().hex}")
-    open(marker, "w").close()
-    return marker
+def write_probe(cfg: Config) -> str:
+    """A small file with a unique name in ckpt_dir (created if missing); its path. ConfigError when the folder
+    cannot take it, StorageFailed when the storage stayed unreachable for ckpt_retry_minutes."""
+    probe = f"{cfg.ckpt_dir.rstrip('/')}/.write-probe-{uuid.uuid4().hex}"
+    try:
+        retry(write_atomic, probe, b"octjepa", seconds=cfg.ckpt_retry_minutes * 60)
+    except storage_errors() as e:
+        if is_transient(e):
+            raise StorageFailed(f"ckpt_dir: {cfg.ckpt_dir} could not be written for {cfg.ckpt_retry_minutes:g} "
+                                f"min ({e!r}); run the same command again when the storage is back.") from None
+        raise ConfigError(f"ckpt_dir: cannot write checkpoints to {cfg.ckpt_dir} ({e!r}); make it writable, or "
+                          f"choose another --ckpt_dir (none: no checkpoints).") from None
+    return probe

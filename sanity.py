@@ -25,6 +25,7 @@ import torch
 from matplotlib.figure import Figure
 
 import runtime
+import schedules
 import train
 from config import Config, ConfigError, ScriptParser, load_config, plan_run, script_main
 from data import NoUsableData, OCTDataset, build_datasets, collate, mask_generator_from_config
@@ -138,7 +139,7 @@ class Setup:
         """`steps` optimizer updates through train.train_update, the code train.py runs."""
         if optimizer is None:
             optimizer = train.make_optimizer(model, self.small, self.rt)
-        hp = train.Hyperparameters(lr, self.small.weight_decay, ema)
+        hp = schedules.Hyperparameters(lr, self.small.weight_decay, ema)
         return [train.train_update(model, optimizer, micro_batches, hp, self.small, self.rt) for _ in range(steps)]
 
 
@@ -151,7 +152,7 @@ def check_lr_schedule(setup: Setup) -> Check:
     a constant schedule is base_lr throughout."""
     cfg, plan = setup.cfg, setup.plan
     total, warm = plan.total_steps, plan.warmup_steps
-    lrs = np.array([train.lr_at(step, cfg, plan) for step in range(total + 10)])  # past the end: holds min_lr
+    lrs = np.array([schedules.lr_at(step, cfg, plan) for step in range(total + 10)])  # past the end: holds min_lr
     problems = []
     dead = ~(np.isfinite(lrs) & (lrs > 0))
     if dead.any():
@@ -180,15 +181,15 @@ def check_lr_schedule(setup: Setup) -> Check:
 def check_ema_schedule(setup: Setup) -> Check:
     """The full run's EMA momentum stays within [ema_base, 1] and never decreases."""
     cfg, plan = setup.cfg, setup.plan
-    emas = np.array([train.ema_at(step, cfg, plan) for step in range(plan.total_steps + 10)])
+    emas = np.array([schedules.ema_at(step, cfg, plan) for step in range(plan.total_steps + 10)])
     falls = np.flatnonzero(np.diff(emas) < 0)
     ok = emas.min() >= cfg.ema_base and emas.max() <= 1.0 and not falls.size
     return Check(bool(ok), f"{emas.min():.5f} .. {emas.max():.5f}" + (f", falls at update {falls[0] + 1}"
                                                                       if falls.size else ""),
                  f"within [{cfg.ema_base:g}, 1], non-decreasing",
                  "the target's EMA momentum must rise from ema_base to ema_end as a function of the optimizer-update "
-                 "count (train.ema_at): above 1 it pushes the target away from the encoder, a falling momentum lets "
-                 "the target chase the encoder (collapse, incident 12)")
+                 "count (schedules.ema_at): above 1 it pushes the target away from the encoder, a falling momentum "
+                 "lets the target chase the encoder (collapse, incident 12)")
 
 
 def check_real_data(setup: Setup) -> Check:

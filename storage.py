@@ -1,20 +1,27 @@
 """Files on local disk or in Google Cloud Storage (gs://), for everything that reads or writes them: checkpoints,
-logs, indexes, caches and the DICOM reader. Low on purpose: it imports neither torch nor the reader, so writing a
-checkpoint or a log line loads no DICOM code.
+logs, indexes, caches and the DICOM reader. Writes are atomic and streamed (open_atomic); a storage error that
+may pass by itself (a network or server error, a full disk) can be retried with backoff (retry). Low on purpose: it
+imports neither torch nor the reader, so writing a checkpoint or a log line loads no DICOM code.
 
 gs:// goes through gcsfs, one filesystem per process, created on first use and never pickled (DataLoader workers
 and pool processes make their own: incident 11). STORAGE_EMULATOR_HOST (e.g. http://127.0.0.1:9023) points it at
 a local emulator (tests/conftest.py starts one).
 """
+import contextlib
+import errno
 import glob
 import os
 import secrets
+import shutil
 import socket
-from typing import List
+import sys
+import time
+from typing import Callable, List, Optional
 
 # Before any gcsfs import: otherwise every gcsfs call waits 60 s on an experimental gRPC check.
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
+TMP_INFIX = ".tmp-"  # open_atomic's tmp files: path + TMP_INFIX + host-pid-random
 _GCS = {}  # (process id, emulator) -> GCSFileSystem: created lazily in each process, never pickled (incident 11)
 
 
@@ -37,19 +44,29 @@ def exists(path: str) -> bool:
     return gcs_filesystem().exists(path) if path.startswith("gs://") else os.path.exists(path)
 
 
-def write_atomic(path: str, payload) -> None:
-    """Write bytes (or a buffer) to a local file or a gs:// object so that readers see the old state or the whole new
-    file, never a part. gs://: one upload (an object appears only once complete). Local: into a tmp name unique to
-    this host, process and call (a shared NFS folder), fsynced, then renamed; a failed write (a full disk) removes
-    the tmp file and raises."""
+@contextlib.contextmanager
+def open_atomic(path: str):
+    """A binary file to write `path` through (local or gs://), streamed: readers see the old state or the whole new
+    file, never a part, and nothing is held in memory beyond a buffer. gs://: a resumable upload, whose object
+    appears only when it completes. Local: a tmp file beside it, named for this host, process and call (a shared
+    NFS folder), fsynced, then renamed. On an exception (a full disk, a kill's KeyboardInterrupt) the tmp file or
+    the upload is discarded and the exception raised."""
     if path.startswith("gs://"):
-        gcs_filesystem().pipe_file(path, bytes(payload))
+        f = gcs_filesystem().open(path, "wb")
+        try:
+            yield _InBlocks(f)
+            f.close()
+        except BaseException:
+            with contextlib.suppress(Exception):  # the storage may be what failed
+                f.discard()  # cancels the upload session, if one was started
+            f.closed = True  # else fsspec's __del__ would close, i.e. upload the part written so far
+            raise
         return
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp = f"{path}{TMP_INFIX}{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
     try:
         with open(tmp, "wb") as f:
-            f.write(payload)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -57,6 +74,101 @@ def write_atomic(path: str, payload) -> None:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+class _InBlocks:
+    """A gcsfs file written in pieces of its block size, so that it uploads as it goes: fsspec would buffer one large
+    write (a tensor of a checkpoint) whole, and copy it again to send it."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        for start in range(0, len(view), self.f.blocksize):
+            self.f.write(view[start:start + self.f.blocksize])
+        return len(view)
+
+    def flush(self) -> None:
+        self.f.flush()  # uploads a whole block if one is buffered; the rest goes at the end
+
+
+def write_atomic(path: str, payload) -> None:
+    """Write bytes (or a buffer) to a local file or a gs:// object, atomically (open_atomic)."""
+    with open_atomic(path) as f:
+        f.write(payload)
+
+
+def copy_atomic(source: str, destination: str) -> None:
+    """Copy a file or object to another path on the same storage, atomically (gs://: a server-side copy)."""
+    if source.startswith("gs://"):
+        gcs_filesystem().copy(source, destination)
+        return
+    with open(source, "rb") as src, open_atomic(destination) as dst:
+        shutil.copyfileobj(src, dst, 2**24)
+
+
+def rename(source: str, destination: str) -> None:
+    """Rename a file (gs://: copy and delete the object)."""
+    if source.startswith("gs://"):
+        gcs_filesystem().mv(source, destination)
+    else:
+        os.replace(source, destination)
+
+
+def remove_stale_tmp(folder: str) -> List[str]:
+    """Delete the tmp files that writers killed mid-write left in a local folder (open_atomic's; gs:// uploads leave
+    none); returns their paths. Only for a folder no one is writing to now."""
+    if folder.startswith("gs://"):
+        return []
+    stale = glob.glob(os.path.join(glob.escape(folder), f"*{TMP_INFIX}*"))
+    for path in stale:
+        os.remove(path)
+    return stale
+
+
+def storage_errors() -> tuple:
+    """The exception types a failing storage raises: OSError (disk, permissions, timeouts, connection errors) and,
+    once gs:// was used, gcsfs's HTTP and aiohttp's client errors."""
+    types = (OSError,)
+    if "gcsfs" in sys.modules:
+        import aiohttp
+        from gcsfs.retry import HttpError
+        types += (HttpError, aiohttp.ClientError)
+    return types
+
+
+PERMANENT_STORAGE_ERRORS = (PermissionError, FileNotFoundError, NotADirectoryError, IsADirectoryError)
+
+
+def is_transient(error: BaseException) -> bool:
+    """Whether a storage error may pass by itself (a network or server error, a timeout, a full disk), so that
+    trying again makes sense; a wrong path, missing permissions or a read-only filesystem do not pass."""
+    if isinstance(error, PERMANENT_STORAGE_ERRORS) or getattr(error, "errno", None) == errno.EROFS:
+        return False
+    if isinstance(error, OSError):
+        return True
+    if "gcsfs" in sys.modules:
+        from gcsfs.retry import is_retriable
+        return is_retriable(error)
+    return False
+
+
+def retry(fn: Callable, *args, seconds: float, on_error: Optional[Callable[[Exception, float], None]] = None):
+    """fn(*args), tried again after 1, 2, 4... (at most 60) s while it raises a transient storage error (is_transient)
+    and `seconds` have not passed; on_error(error, pause) is told before each pause. The last error, and any other,
+    is raised."""
+    deadline, pause = time.monotonic() + seconds, 1.0
+    while True:
+        try:
+            return fn(*args)
+        except storage_errors() as e:
+            if not is_transient(e) or time.monotonic() + pause > deadline:
+                raise
+            if on_error is not None:
+                on_error(e, pause)
+        time.sleep(pause)
+        pause = min(2 * pause, 60.0)
 
 
 def read_bytes(path: str) -> bytes:

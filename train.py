@@ -7,7 +7,9 @@ update; devices, processes and checkpoint files are in runtime.py, logs and pict
     torchrun --standalone --nproc_per_node=8 train.py --config ...   # DDP on one machine
 
 Outputs go to out_dir/run_name/: config.yaml, metrics.jsonl, events.jsonl, checkpoints/, plots.
-Exit codes: 0 done, 2 bad config, 3 no usable data, 4 diverged beyond recovery.
+Exit codes: 0 done, 2 bad config, 3 no usable data, 4 diverged beyond recovery, 74 checkpoint storage failed
+(unwritable or unreadable after ckpt_retry_minutes of retries), 75 preempted (SIGTERM or Ctrl-C: stopped at an update
+boundary after a checkpoint of it; the same command with --resume auto continues exactly where it stopped).
 "incident N" in the comments: the failures of the previous system listed in docs/incidents.md.
 """
 import contextlib
@@ -24,85 +26,27 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from config import Config, ExitError, RunPlan, ScriptParser, load_config, plan_run, save_config, script_main
-from data import (NoUsableData, build_datasets, describe_masks, format_reason_table, make_loader,
+from config import (Config, ExitError, Preempted, RunPlan, ScriptParser, StorageFailed, load_config, plan_run,
+                    save_config, script_main)
+from data import (NoUsableData, build_datasets, describe_masks, format_reason_table, make_loader, make_val_loader,
                   mask_generator_from_config, mask_stats)
 from model import VJEPA3D
 from probe import compare_with_random, prepare_probe_set, probe_auroc, rankme
 from runlog import (RunLog, Throughput, describe_run, format_train_line, json_number, save_mask_plot,
                     save_schedule_plot, save_training_plot, summary)
-from runtime import (PendingDeviceStats, Runtime, check_checkpoints_are_shared, check_ranks_agree, checkpoint_path,
-                     checkpoint_state, gather_objects, load_resume_checkpoint, mark_step, master_decides, plan_record,
-                     probes_in_this_process, read_checkpoint, reduce_mean, resolve_run_dir, restore, resumed_plan,
-                     save_checkpoint, setup_runtime, split_fingerprint, to_device, xla_counters)
+from runtime import (PendingDeviceStats, Runtime, StopSignals, any_process, check_checkpoint_folder, check_ranks_agree,
+                     checkpoint_everywhere, checkpoint_path, gather_objects, load_resume_checkpoint, mark_step,
+                     master_decides, plan_record, probes_in_this_process, read_checkpoint, reduce_mean,
+                     resolve_run_dir, restore, resumed_plan, setup_runtime, split_fingerprint, to_device, xla_counters)
+from schedules import Hyperparameters, describe_extension, hyperparameters_at
 
-EXIT_OK = 0  # the others: ConfigError 2, NoUsableData 3, Diverged 4
+EXIT_OK = 0  # the others: ConfigError 2, NoUsableData 3, Diverged 4, StorageFailed 74, Preempted 75
 
 
 class Diverged(ExitError):
     """Training cannot recover from non-finite updates; the message is the diagnosis."""
     exit_code = 4
     prefix = "training diverged beyond recovery:\n"
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Schedules: pure functions of the optimizer-update count (incidents 2, 3). No state, no restarts.
-# ----------------------------------------------------------------------------------------------------------
-
-def cosine_ramp(step: float, start_step: int, end_step: int, start: float, end: float) -> float:
-    """Half-cosine from `start` at start_step to `end` at end_step; holds `end` afterwards."""
-    if step >= end_step:
-        return end
-    progress = max(0.0, (step - start_step) / max(1, end_step - start_step))
-    return end + 0.5 * (start - end) * (1.0 + math.cos(math.pi * progress))
-
-
-def schedule_clock(step: int, plan: RunPlan) -> float:
-    """Update `step` on the clock of the run's first plan. Each --extend stretches what was left of the schedules
-    over the longer run, so they continue from the values they had (a finished run holds its final values)."""
-    clock = float(step)
-    for at, old_total, new_total in reversed(plan.extensions):
-        if clock > at:
-            clock = at + (clock - at) * max(0, old_total - 1 - at) / (new_total - 1 - at)
-    return clock
-
-
-def lr_at(step: int, cfg: Config, plan: RunPlan) -> float:
-    """LR of update number `step` (0-based): linear warmup to base_lr, cosine to min_lr, then min_lr.
-    The first update (step 0) already uses a non-zero LR: base_lr / warmup_steps."""
-    if cfg.schedule == "constant":
-        return cfg.base_lr
-    clock = schedule_clock(step, plan)
-    if clock < plan.warmup_steps:
-        return cfg.base_lr * (clock + 1) / plan.warmup_steps
-    return cosine_ramp(clock, plan.warmup_steps, plan.planned_steps - 1, cfg.base_lr, cfg.min_lr)
-
-
-def wd_at(step: int, cfg: Config, plan: RunPlan) -> float:
-    """Weight decay of update `step`: cosine from weight_decay to weight_decay_end (constant when None)."""
-    end = cfg.weight_decay if cfg.weight_decay_end is None else cfg.weight_decay_end
-    return cosine_ramp(schedule_clock(step, plan), 0, plan.planned_steps - 1, cfg.weight_decay, end)
-
-
-def ema_at(step: int, cfg: Config, plan: RunPlan) -> float:
-    """EMA momentum of the target update after update `step`: from ema_base to ema_end, cosine or linear."""
-    clock = schedule_clock(step, plan)
-    if cfg.ema_schedule == "linear":
-        return cfg.ema_base + (cfg.ema_end - cfg.ema_base) * min(1.0, clock / max(1, plan.planned_steps - 1))
-    return cosine_ramp(clock, 0, plan.planned_steps - 1, cfg.ema_base, cfg.ema_end)
-
-
-@dataclass
-class Hyperparameters:
-    """The schedules' values for one optimizer update."""
-    lr: float
-    wd: float
-    ema: float
-
-
-def hyperparameters_at(step: int, cfg: Config, plan: RunPlan, lr_scale: float = 1.0) -> Hyperparameters:
-    """LR (times the rollbacks' lr_scale), weight decay and EMA momentum of update `step`."""
-    return Hyperparameters(lr_at(step, cfg, plan) * lr_scale, wd_at(step, cfg, plan), ema_at(step, cfg, plan))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -290,7 +234,9 @@ def next_update_batches(groups, run: "Run") -> list:
         micro_batches, error = next(groups, None), None
     except NoUsableData as e:
         micro_batches, error = None, str(e)
-    reports = gather_objects(([item for batch in micro_batches or [] for item in batch["skipped"]], error), run.rt)
+    skipped = [item for batch in micro_batches or [] for item in batch["skipped"]]
+    (anything_to_report,) = any_process([bool(skipped) or error is not None], run.rt)  # one small all-reduce
+    reports = gather_objects((skipped, error), run.rt) if anything_to_report else []
     errors = [e for _, e in reports if e is not None]
     if errors:
         raise NoUsableData(errors[0])
@@ -315,27 +261,36 @@ def next_update_batches(groups, run: "Run") -> list:
 
 @torch.compiler.set_stance("force_eager")  # compiled parts are for the training update: no eval recompiles
 @torch.no_grad()
-def validate(model: VJEPA3D, loader, cfg: Config, rt: Runtime, max_tokens: int = 4096) -> dict:
-    """Val loss and target_std with fixed masks and crops, and RankMe of target-encoder token embeddings."""
+def validate(model: VJEPA3D, loader, volumes: int, cfg: Config, rt: Runtime, max_tokens: int = 4096) -> dict:
+    """Val loss (their mean), target_std (over all their target tokens) and RankMe (of a fixed set of each one's
+    target-encoder tokens) of the run's `volumes` val volumes: the same on any number of processes."""
     model.eval()
-    losses, stds, feats = [], [], []
-    for i, batch in enumerate(loader):
-        if i >= cfg.val_batches:
-            break
+    indices = iter(range(rt.process_index, volumes, rt.process_count))  # the order of make_val_loader's volumes
+    per_volume = math.ceil(max_tokens / max(1, volumes))
+    loss_sum, target_tokens, target_sums, feats = 0.0, 0, 0.0, []  # feats: (volume index, [per_volume, E])
+    for batch in loader:
         batch = to_device(batch, rt)
         with torch.autocast(rt.kind, dtype=torch.bfloat16, enabled=cfg.use_bf16):
             out = model(batch["volume"], batch["context_idx"], batch["target_idx"])
-            tokens = model.encode(batch["volume"])  # [B, N, E]
-        losses.append(reduce_mean(out.loss.detach().float(), rt))
-        stds.append(reduce_mean(out.target_std, rt))
-        feats.append(tokens.flatten(0, 1).float().cpu())
+            tokens = model.encode(batch["volume"]).float().cpu()  # [B, N, E]
+        target = out.target.float().cpu().double().flatten(0, -2)  # [B * Nt, E]
+        loss_sum += float(out.loss) * len(tokens)
+        target_tokens += len(target)
+        target_sums = target_sums + torch.stack([target.sum(0), target.pow(2).sum(0)])  # [2, E]
+        for volume_tokens, index in zip(tokens, indices):
+            keep = torch.randperm(len(volume_tokens), generator=torch.Generator().manual_seed(index))[:per_volume]
+            feats.append((index, volume_tokens[keep]))
     model.train()
-    if not losses:
+    mine = (loss_sum, target_tokens, target_sums, feats)  # DDP: + the other processes' (XLA arrays are global)
+    parts = gather_objects(mine, rt) if rt.ddp else [mine]
+    loss_sum, target_tokens = (sum(p[i] for p in parts) for i in (0, 1))
+    feats = sorted((item for p in parts for item in p[3]), key=lambda item: item[0])
+    if not feats:
         return {}
-    feats = torch.cat(feats)
-    keep = torch.randperm(len(feats), generator=torch.Generator().manual_seed(0))[:max_tokens]
-    return {"loss": float(torch.stack(losses).mean()), "target_std": float(torch.stack(stds).mean()),
-            "rankme": rankme(feats[keep])}
+    s1, s2 = sum(p[2] for p in parts if p[1])  # [E] each
+    target_std = ((s2 - s1 ** 2 / target_tokens) / (target_tokens - 1)).clamp_min(0).sqrt().mean()
+    return {"loss": loss_sum / len(feats), "target_std": float(target_std),
+            "rankme": rankme(torch.cat([f for _, f in feats]))}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -378,6 +333,8 @@ class Run:
     val_loader: object = None
     probe_set: object = None
     last_ckpt: Optional[str] = None  # where a rollback returns to
+    last_ckpt_time: float = field(default_factory=time.monotonic)  # for ckpt_every_minutes (the master's clock)
+    failed_ckpts: int = 0  # checkpoints in a row that could not be written
     bad_files: dict = field(default_factory=dict)  # path -> reason, of every process
     recent_grad_norms: List[float] = field(default_factory=list)
 
@@ -392,10 +349,17 @@ class Run:
         return self.plan.per_core_batch_size * self.rt.local_replicas
 
     @property
-    def val_batch(self) -> int:
-        """Full like train batches (static shapes), smaller when the val split is small; 0 turns validation off."""
-        per_process = len(self.val_ds) // self.rt.process_count
-        return min(self.local_batch, per_process - per_process % self.rt.local_replicas)
+    def val_volumes(self) -> int:
+        """The first val_batches x global_batch_size val volumes, the same on any number of processes (XLA: a multiple
+        of the device count, over which a batch is split); 0 turns validation off."""
+        volumes = min(len(self.val_ds), self.cfg.val_batches * self.plan.global_batch_size)
+        return volumes - volumes % self.rt.world_size if self.rt.kind == "xla" else volumes
+
+    @property
+    def checkpoint_time_due(self) -> bool:
+        """ckpt_every_minutes have passed since the last checkpoint, on the master's clock (the others say False)."""
+        minutes = self.cfg.ckpt_every_minutes
+        return self.rt.is_master and minutes is not None and time.monotonic() - self.last_ckpt_time >= 60 * minutes
 
 
 def prepare_run(cfg: Config, rt: Runtime) -> Run:
@@ -408,12 +372,12 @@ def prepare_run(cfg: Config, rt: Runtime) -> Run:
     return Run(cfg, rt, plan, train_ds, val_ds, model, make_optimizer(model, cfg, rt))
 
 
-def resume(run: Run) -> Tuple[Optional[dict], list]:
+def resume(run: Run) -> Tuple[Optional[dict], List[dict]]:
     """Restore the checkpoint that cfg.resume names, if any, in every process: weights, optimizer, position, RNG
-    states and the plan it was written for (any change is refused; --extend lengthens it). Returns (the
-    checkpoint or None, (path, error) of newer checkpoints that could not be read)."""
+    states and the plan it was written for (any change is refused; --extend lengthens it). Returns (the checkpoint
+    or None, what the start did to the run's files: runtime.choose_resume_checkpoint)."""
     cfg, rt = run.cfg, run.rt
-    run.last_ckpt, ckpt, unreadable = load_resume_checkpoint(cfg, rt)
+    run.last_ckpt, ckpt, set_aside = load_resume_checkpoint(cfg, rt)
     if ckpt is not None:
         if "plan" in ckpt:
             run.plan = resumed_plan(ckpt["plan"], cfg, run.plan, run.train_ds, run.val_ds,
@@ -421,62 +385,73 @@ def resume(run: Run) -> Tuple[Optional[dict], list]:
         restore(ckpt, run.model, run.optimizer, run.state)
         check_ranks_agree(run.state.step, f"the update they resume {run.last_ckpt} at", rt)
     run.plan_record = plan_record(cfg, run.plan, run.train_ds, run.val_ds)
-    return ckpt, unreadable
+    return ckpt, set_aside
 
 
-def open_log(run: Run, ckpt: Optional[dict], unreadable: list) -> RunLog:
-    """The run's log (written by the master only), opened with what the start of the run found."""
+def open_log(run: Run, ckpt: Optional[dict], set_aside: List[dict]) -> RunLog:
+    """The run's log (written by the master only), opened with what the start of the run found. metrics.jsonl keeps
+    only the updates before the resumed one (all of them on a start from scratch): the run logs the rest again."""
     cfg, rt, state, plan = run.cfg, run.rt, run.state, run.plan
     log = RunLog(run.run_dir, cfg, active=rt.is_master)
-    for path, error in unreadable:
-        log.event("unreadable_checkpoint", state.step, path=path, reason=error)
+    for found in set_aside:  # stale tmp files removed, checkpoints set aside
+        log.event(found["event"], state.step, **{k: v for k, v in found.items() if k != "event"})
+        log.print(f"{found['path']}: {found['why']}")
     if cfg.resume == "auto" and ckpt is None:
-        log.print(f"resume auto: no checkpoint in {cfg.ckpt_dir}; starting from scratch")
+        unreadable = sum(m["event"] == "unreadable_checkpoint" for m in set_aside)
+        log.print(f"resume auto: {f'none of the {unreadable} checkpoints' if unreadable else 'no checkpoint'} in "
+                  f"{cfg.ckpt_dir} could be loaded; starting from scratch")
     if ckpt is not None:
         log.event("resume", state.step, path=run.last_ckpt)
         log.print(f"resumed from {run.last_ckpt} at update {state.step}")
         if "plan" not in ckpt:
             log.print(f"WARNING: {run.last_ckpt} records no plan (an older octjepa wrote it): the schedules follow "
                       f"this config's plan, which nothing could compare with the one the run started with")
-        log.drop_metrics_after(state.step)
         extended_from = ckpt.get("plan", {}).get("total_steps", plan.total_steps)
         if extended_from < plan.total_steps:
             hp = hyperparameters_at(state.step, cfg, plan, state.lr_scale)
-            log.event("extend", state.step, from_total_steps=extended_from, to_total_steps=plan.total_steps,
-                      lr=hp.lr, ema_momentum=hp.ema)
-            log.print(f"extend: {extended_from} -> {plan.total_steps} updates from update {state.step}; the LR "
-                      f"continues from {hp.lr:.3g} and the schedules stretch over the longer run")
+            log.event("extend", state.step, from_total_steps=extended_from, to_total_steps=plan.total_steps, lr=hp.lr,
+                      schedule=cfg.extend_schedule, finished=state.step >= extended_from, ema_momentum=hp.ema)
+            log.print(describe_extension(cfg, plan, state.step, extended_from, state.lr_scale, run.last_ckpt))
+    log.drop_metrics_after(state.step)
     if log.active:
         save_config(cfg, os.path.join(run.run_dir, "config.yaml"))
         if cfg.ckpt_dir is None:
             log.print("ckpt_dir is null: no checkpoints will be written for this run")
         if cfg.data_root is None:
             log.print(f"data_root is null: training on the built-in phantom set in {cfg.phantom_dir}")
-        if run.val_batch == 0:
+        if run.val_volumes == 0:
             log.print(f"validation is off: the val split holds {len(run.val_ds)} volumes, fewer than the "
-                      f"{rt.local_replicas} devices of a process; raise val_fraction or the dataset size")
+                      f"{rt.world_size} devices; raise val_fraction or the dataset size")
         log.print(f"run {run.run_dir}: {plan.total_steps} updates of {plan.global_batch_size} volumes on "
                   f"{rt.kind} x {rt.world_size}, {run.model.num_trainable_params():,} parameters")
     return log
 
 
 def train(cfg: Config, rt: Runtime) -> int:
-    """Pretrain for the run's plan (or only print the dry run's report); returns the exit code."""
+    """Pretrain for the run's plan (or only print the dry run's report); returns the exit code, or raises ExitError."""
     run = prepare_run(cfg, rt)
     if cfg.dry_run:
         return dry_run(run)
-    ckpt, unreadable = resume(run)
-    run.log = open_log(run, ckpt, unreadable)
-    compile_model(run.model, run.local_batch, cfg, rt, run.log)
-    # Wrapped after the restore: DDP starts every process from the same weights.
-    run.ddp_model = DistributedDataParallel(run.model, broadcast_buffers=False) if rt.ddp else run.model
-    if cfg.probe_every_steps is not None and probes_in_this_process(rt):
-        run.probe_set = prepare_probe_set(cfg, cfg.probe_labels)  # loaded once; features recomputed at each probe
-    if run.val_batch:
-        run.val_loader = make_loader(run.val_ds, run.val_batch, train=False, workers=cfg.workers, seed=cfg.seed,
-                                     rank=rt.process_index, world_size=rt.process_count)
-    mark_step(rt)  # XLA: materialise weights and optimizer state now, so update 1 compiles the graph update 2 reuses
-    state, plan = run.state, run.plan
+    ckpt, set_aside = resume(run)
+    run.log = open_log(run, ckpt, set_aside)
+    with StopSignals() as signals:  # from here on a preemption loses no completed update
+        compile_model(run.model, run.local_batch, cfg, rt, run.log)
+        # Wrapped after the restore: DDP starts every process from the same weights.
+        run.ddp_model = DistributedDataParallel(run.model, broadcast_buffers=False) if rt.ddp else run.model
+        if cfg.probe_every_steps is not None and probes_in_this_process(rt):
+            run.probe_set = prepare_probe_set(cfg, cfg.probe_labels)  # loaded once; features recomputed at each probe
+        if run.val_volumes:
+            run.val_loader = make_val_loader(run.val_ds, run.val_volumes, run.local_batch, workers=cfg.workers,
+                                             rank=rt.process_index, process_count=rt.process_count)
+        mark_step(rt)  # XLA: weights and optimizer state materialised now: update 1 compiles the graph update 2 reuses
+        train_loop(run, signals)
+    finish(run)
+    return EXIT_OK
+
+
+def train_loop(run: Run, signals: StopSignals) -> None:
+    """The updates from the run's position to its end; a stop signal in any process ends them in all (Preempted)."""
+    cfg, rt, state, plan = run.cfg, run.rt, run.state, run.plan
     pending, speed = PendingDeviceStats(rt), Throughput()
     bar = tqdm(total=plan.total_steps, initial=state.step, disable=not (rt.is_master and sys.stderr.isatty()),
                unit="update", dynamic_ncols=True)
@@ -498,12 +473,15 @@ def train(cfg: Config, rt: Runtime) -> int:
             state.step += 1
             speed.updates += 1
             bar.update(1)
+            # Every process says whether it got a stop signal (one small all-reduce): all stop here, or none.
+            stop, time_due = any_process([signals.received is not None, run.checkpoint_time_due], rt)
             is_last = state.step == plan.total_steps
             is_log = state.step % cfg.log_every_steps == 0 or is_last or state.step == 1
             is_val = run.val_loader is not None and (state.step % cfg.val_every_steps == 0 or is_last)
-            is_ckpt = cfg.ckpt_dir is not None and (state.step % cfg.ckpt_every_steps == 0 or is_last)
+            is_ckpt = cfg.ckpt_dir is not None and (state.step % cfg.ckpt_every_steps == 0 or is_last or time_due
+                                                    or stop)
             is_probe = run.probe_set is not None and (state.step % cfg.probe_every_steps == 0 or is_last)
-            if not (is_log or is_val or is_ckpt or is_probe or pending.read_every_update):
+            if not (is_log or is_val or is_ckpt or is_probe or pending.read_every_update or stop):
                 continue
 
             # --- the host reads what the device did: every update on CPU/CUDA, only here on XLA ---
@@ -520,10 +498,23 @@ def train(cfg: Config, rt: Runtime) -> int:
             if is_probe:
                 probe_and_log(run)
             if is_ckpt or (best and cfg.ckpt_dir is not None):  # a new best val loss is checkpointed at once
-                save(run, best)
+                save(run, best, final=is_last or stop)
+            if stop:
+                bar.close()
+                raise preempted(run, gather_objects(signals.received, rt))
     bar.close()
-    finish(run)
-    return EXIT_OK
+
+
+def preempted(run: Run, signals: List[Optional[str]]) -> Preempted:
+    """Log the stop (the checkpoint of this update is written) and return the Preempted error that ends the run."""
+    cfg, step = run.cfg, run.state.step
+    got = " and ".join(sorted({name for name in signals if name}))  # events.jsonl says which process got which
+    saved = run.last_ckpt if cfg.ckpt_dir is not None else None
+    run.log.event("preempted", step, signals=signals, checkpoint=saved)
+    run.log.close()
+    resume_with = (f"The same command with --run_name {cfg.run_name} --resume auto continues from update {step}"
+                   if saved else "ckpt_dir is null, so no checkpoint was written: a new run starts from scratch")
+    return Preempted(f"{got} at update {step} of {run.plan.total_steps}; checkpoint {saved}. {resume_with}.")
 
 
 def count_skipped_updates(read: list, run: Run) -> dict:
@@ -559,7 +550,7 @@ def log_train(run: Run, newest: dict, hp: Hyperparameters, speed: Throughput) ->
 
 def validate_and_log(run: Run) -> bool:
     """Validate the current weights and log the result; True when the val loss is the best of the run so far."""
-    metrics = validate(run.model, run.val_loader, run.cfg, run.rt)
+    metrics = validate(run.model, run.val_loader, run.val_volumes, run.cfg, run.rt)
     if not metrics:
         return False
     step = run.state.step
@@ -579,18 +570,28 @@ def probe_and_log(run: Run) -> None:
                   f"{scores['probe_rows_auroc']:.3f} (depth rows) | balanced accuracy {scores['probe_bal_acc']:.3f}")
 
 
-def save(run: Run, best: bool) -> None:
-    """Checkpoint the current update (and best.pt when `best`). Every process takes part (XLA gathers the
-    shards); the master writes; DDP processes wait until the file exists (no rank may roll back to a file that is
-    not written yet)."""
-    cfg, rt, state = run.cfg, run.rt, run.state
-    run.last_ckpt = checkpoint_path(cfg.ckpt_dir, state.step)
-    ckpt = {**checkpoint_state(run.model, run.optimizer, state, cfg, rt), "plan": run.plan_record}
-    if rt.is_master:
-        save_checkpoint(run.last_ckpt, ckpt, cfg.keep_last, best)
-        run.log.event("checkpoint", state.step, path=run.last_ckpt, best=best)
-    if rt.ddp:
-        torch.distributed.barrier()
+def save(run: Run, best: bool, final: bool = False) -> None:
+    """Checkpoint the current update (and best.pt when `best`) in every process. A write that still fails after
+    ckpt_retry_minutes is skipped (a checkpoint_failed event); a second failure in a row, or a failed `final`
+    checkpoint (the end of the run, a preemption), stops every process with StorageFailed (exit 74)."""
+    cfg, state, log = run.cfg, run.state, run.log
+    path = checkpoint_path(cfg.ckpt_dir, state.step)
+    error = checkpoint_everywhere(path, run.model, run.optimizer, state, run.plan_record, cfg, run.rt, best,
+                                  lambda e, pause: log.print(f"checkpoint {path}: {e!r}; again in {pause:.0f} s"))
+    run.last_ckpt_time = time.monotonic()
+    if error is None:
+        run.last_ckpt, run.failed_ckpts = path, 0
+        log.event("checkpoint", state.step, path=path, best=best)
+        return
+    run.failed_ckpts += 1
+    log.event("checkpoint_failed", state.step, path=path, error=error, retried_minutes=cfg.ckpt_retry_minutes)
+    if final or run.failed_ckpts > 1:
+        which = "the checkpoint of the run's last update" if final else "a second checkpoint in a row"
+        raise StorageFailed(f"{which}, {path}, could not be written after retrying for {cfg.ckpt_retry_minutes:g} "
+                            f"min: {error}. The last checkpoint written is {run.last_ckpt or 'none'}; run the same "
+                            f"command with --resume auto when the storage is back.")
+    log.print(f"WARNING: checkpoint {path} skipped after {cfg.ckpt_retry_minutes:g} min of retries ({error}); training "
+              f"goes on from {run.last_ckpt or 'no checkpoint'}; a second failure in a row stops the run (exit 74)")
 
 
 def rollback(run: Run, lr: float) -> None:
@@ -606,7 +607,7 @@ def rollback(run: Run, lr: float) -> None:
                                    "rollback multiplies the LR by rollback_lr_factor), or start a new run with a lower "
                                    "base_lr (measure one with `python sanity.py --lr_sweep`).")
     failed_at = state.step + state.data_skip
-    ckpt = read_checkpoint(run.last_ckpt, tries=3)  # load_state_dict moves the tensors to the model's device
+    ckpt = read_checkpoint(run.last_ckpt, 60 * cfg.ckpt_retry_minutes)  # load_state_dict moves them to the device
     rollbacks, lr_scale, skipped = state.rollbacks + 1, state.lr_scale * cfg.rollback_lr_factor, state.nonfinite_skipped
     restore(ckpt, run.model, run.optimizer, state)
     state.rollbacks, state.lr_scale, state.nonfinite_skipped = rollbacks, lr_scale, skipped
@@ -640,7 +641,7 @@ def main(argv: List[str]) -> int:
     cfg = load_config(flags)
     rt = setup_runtime(cfg)
     cfg = master_decides(rt, resolve_run_dir, cfg)  # one run name and checkpoint folder for every process
-    check_checkpoints_are_shared(cfg, rt)
+    check_checkpoint_folder(cfg, rt)  # writable (and, over several machines, shared), before anything trains
     return train(cfg, rt)
 
 

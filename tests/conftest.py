@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -60,10 +61,10 @@ class GCSEmulator:
     """A gcp-storage-emulator process on 127.0.0.1; STORAGE_EMULATOR_HOST points gcsfs (storage.py) at it."""
     bucket = "octjepa-test"
 
-    def __init__(self, tmp_dir: Path):
-        self.port = _free_port()
+    def __init__(self, tmp_dir: Path, port: Optional[int] = None):
+        self.port = port or _free_port()  # a port again: the same emulator back after an outage (its objects gone)
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(tmp_dir / "emulator.log", "w")
+        self.log = open(tmp_dir / "emulator.log", "a")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1", "--port", str(self.port),
              "--in-memory", "--default-bucket", self.bucket, "--quiet"], stdout=self.log, stderr=subprocess.STDOUT)

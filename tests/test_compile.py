@@ -13,7 +13,8 @@ from bench import synthetic_batch
 from config import ConfigError, load_config
 from model import VJEPA3D
 from runtime import Runtime, checkpoint_path, read_checkpoint
-from train import Hyperparameters, make_optimizer, train_update, validate
+from schedules import Hyperparameters
+from train import make_optimizer, train_update, validate
 
 from test_train import REPO, SMOKE, run_cli, smoke_flags, train_lines
 
@@ -52,7 +53,7 @@ def test_a_compiled_update_gives_the_eager_loss_and_grad_norm_without_graph_brea
     # Steady state, validation (eval, no_grad, a smaller batch) and encode reuse what is compiled or run eagerly.
     train_update(model, optimizer, [synthetic_batch(cfg, cfg.per_core_batch_size, seed=1)],
                  Hyperparameters(1e-3, 0.05, 0.99), cfg, CPU)
-    val = validate(model, [synthetic_batch(cfg, 1, seed=2)], cfg, CPU)
+    val = validate(model, [synthetic_batch(cfg, 1, seed=2)], 1, cfg, CPU)
     model.encode(synthetic_batch(cfg, 3)["volume"])
     assert np.isfinite(val["loss"])
     assert counters["stats"]["unique_graphs"] == graphs

@@ -2,6 +2,7 @@
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -16,7 +17,8 @@ import train
 from config import load_config, plan_run
 from data import split_by_patient
 from runtime import Runtime, list_checkpoints, probes_in_this_process
-from train import ema_at, lr_at, main, wd_at
+from schedules import ema_at, lr_at, wd_at
+from train import main
 from test_train import REPO, SMOKE, read_jsonl, read_wandb_offline_history, smoke_flags
 
 
@@ -65,6 +67,49 @@ def test_extending_a_finished_run_continues_the_lr_from_its_last_value(tmp_path,
     # The extended plan is the run's plan from now on: resuming it needs no flag and changes nothing.
     assert torch.load(list_checkpoints(str(run_dir / "checkpoints"))[0])["plan"]["extensions"] == [[8, 8, 16]]
     assert main(smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "16", "--resume", "auto")) == 0
+
+
+@pytest.mark.slow
+def test_extending_a_finished_run_says_its_target_is_frozen_and_how_to_keep_learning(tmp_path, smoke_phantoms,
+                                                                                     capsys):
+    flags = smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "8")
+    assert main(flags) == 0
+    capsys.readouterr()
+    assert main([*flags, "--max_steps", "12", "--resume", "auto", "--extend", "true"]) == 0
+    out = capsys.readouterr().out
+    assert "EMA momentum 1: the target encoder no longer moves" in out and "--extend_schedule rewarm" in out
+    assert {r["ema_momentum"] for r in metrics(tmp_path / "runs" / "r")[8:]} == {1.0}
+    assert events(tmp_path / "runs" / "r", "extend")[0]["finished"] is True
+
+
+@pytest.mark.slow
+def test_extend_schedule_rewarm_warms_the_lr_up_again_and_moves_the_target_encoder(tmp_path, smoke_phantoms):
+    flags = smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "8")
+    assert main(flags) == 0
+    run_dir = tmp_path / "runs" / "r"
+    last_lr = metrics(run_dir)[-1]["lr"]
+    assert main([*flags, "--max_steps", "16", "--resume", "auto", "--extend", "true", "--extend_schedule",
+                 "rewarm"]) == 0
+    added = metrics(run_dir)[8:]
+    lrs = [r["lr"] for r in added]
+    assert last_lr < lrs[0] < lrs[1] == pytest.approx(5e-4)  # from where it was, up over warmup_steps (2)
+    assert all(b <= a for a, b in zip(lrs[1:], lrs[2:])) and lrs[-1] == pytest.approx(1e-5)  # then down again
+    assert added[0]["ema_momentum"] == pytest.approx(0.996) and added[-2]["ema_momentum"] < 1.0
+    assert torch.load(list_checkpoints(str(run_dir / "checkpoints"))[0])["plan"]["extensions"] == \
+        [[8, 8, 16, "rewarm"]]
+    assert events(run_dir, "extend")[0]["schedule"] == "rewarm"
+
+
+def test_a_stretch_after_a_rewarm_stretches_what_is_left_of_the_new_segment():
+    cfg = load_config([], warmup_steps=10, max_steps=100)
+    plan = plan_run(cfg, world_size=1, train_volumes=cfg.global_batch_size * 10)
+    rewarm = replace(plan, total_steps=200, extensions=[[100, 100, 200, "rewarm"]])
+    both = replace(plan, total_steps=300, extensions=[[100, 100, 200, "rewarm"], [150, 200, 300]])
+    for fn in (lr_at, wd_at, ema_at):
+        assert [fn(s, cfg, both) for s in range(151)] == [fn(s, cfg, rewarm) for s in range(151)]
+        assert fn(299, cfg, both) == pytest.approx(fn(199, cfg, rewarm))  # ends where the segment ended
+    lrs = [lr_at(s, cfg, both) for s in range(300)]
+    assert max(abs(b - a) for a, b in zip(lrs[110:], lrs[111:])) < 2 * cfg.base_lr / 100  # smooth after its warmup
 
 
 def test_extending_mid_run_stretches_the_rest_of_the_schedules_without_a_jump():
@@ -179,13 +224,110 @@ def test_the_probe_runs_in_every_process_of_an_xla_pod_and_on_the_master_of_ddp(
     assert probes_in_this_process(rt("cpu", 0)) and not probes_in_this_process(rt("cpu", 1))
 
 
+# --- 9. one checkpoint timeline; a metrics.jsonl that survives ---
+
+def preempt_during(update, monkeypatch):
+    """The next main() gets a real SIGTERM, from itself, during the `update`th update it runs."""
+    real, runs = train.train_update, []
+
+    def train_update(*args, **kwargs):
+        runs.append(1)
+        if len(runs) == update:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train, "train_update", train_update)
+
+
+def damage(path):
+    """Cut a checkpoint short, as a disk that filled while it was written would."""
+    Path(path).write_bytes(Path(path).read_bytes()[:1000])
+
+
+@pytest.mark.slow
+def test_a_damaged_newest_checkpoint_is_set_aside_and_never_outranks_the_ones_written_after_it(
+        tmp_path, smoke_phantoms, monkeypatch, capsys):
+    flags = smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "20", "--ckpt_every_steps", "5", "--keep_last", "5",
+                        "--val_every_steps", "100")
+    ckpt_dir = tmp_path / "runs" / "r" / "checkpoints"
+    preempt_during(13, monkeypatch)
+    assert main(flags) == 75  # preempted at update 13: step 5, 10, 13
+    damage(ckpt_dir / "step_0000013.pt")
+    # Resumed from update 10 with keep_last 1, and preempted again at update 12, before the damaged 13.
+    monkeypatch.undo()
+    preempt_during(2, monkeypatch)
+    capsys.readouterr()
+    assert main([*flags, "--resume", "auto", "--keep_last", "1"]) == 75
+    assert [Path(p).name for p in list_checkpoints(str(ckpt_dir))] == ["step_0000012.pt"]
+    (set_aside,) = events(tmp_path / "runs" / "r", "unreadable_checkpoint")
+    assert set_aside["path"].endswith("step_0000013.pt") and Path(set_aside["moved_to"]).exists()
+    assert set_aside["moved_to"] in capsys.readouterr().out
+    monkeypatch.undo()
+    assert main([*flags, "--resume", "auto"]) == 0
+    assert [e["step"] for e in events(tmp_path / "runs" / "r", "resume")] == [10, 12]
+    assert [r["step"] for r in metrics(tmp_path / "runs" / "r")] == list(range(1, 21))
+
+
+@pytest.mark.slow
+def test_a_manual_rollback_abandons_the_later_checkpoints_for_good(tmp_path, smoke_phantoms, monkeypatch):
+    flags = smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "20", "--ckpt_every_steps", "5", "--keep_last", "5",
+                        "--val_every_steps", "100")
+    assert main(flags) == 0
+    ckpt_dir = tmp_path / "runs" / "r" / "checkpoints"
+    # Back to update 10 by hand (say, the loss looked wrong after it), preempted at update 13.
+    preempt_during(3, monkeypatch)
+    assert main([*flags, "--resume", str(ckpt_dir / "step_0000010.pt")]) == 75
+    monkeypatch.undo()
+    abandoned = events(tmp_path / "runs" / "r", "abandoned_checkpoint")
+    assert sorted(Path(e["path"]).name for e in abandoned) == ["step_0000015.pt", "step_0000020.pt"]
+    assert main([*flags, "--resume", "auto"]) == 0  # continues the rolled-back timeline, not the abandoned one
+    assert [e["step"] for e in events(tmp_path / "runs" / "r", "resume")] == [10, 13]
+    assert [r["step"] for r in metrics(tmp_path / "runs" / "r")] == list(range(1, 21))
+
+
+@pytest.mark.slow
+def test_a_run_whose_checkpoints_all_fail_to_load_starts_again_with_a_fresh_log_and_keeps_its_new_checkpoints(
+        tmp_path, smoke_phantoms, capsys):
+    flags = smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "6", "--ckpt_every_steps", "2")
+    assert main(flags) == 0
+    ckpt_dir = tmp_path / "runs" / "r" / "checkpoints"
+    for path in list_checkpoints(str(ckpt_dir)):  # step 4 and 6 (keep_last 2)
+        damage(path)
+    capsys.readouterr()
+    assert main([*flags, "--resume", "auto"]) == 0
+    assert "none of the 2 checkpoints" in capsys.readouterr().out
+    assert [Path(p).name for p in list_checkpoints(str(ckpt_dir))] == ["step_0000006.pt", "step_0000004.pt"]
+    assert torch.load(ckpt_dir / "step_0000006.pt", weights_only=True)["train_state"]["step"] == 6
+    assert [r["step"] for r in metrics(tmp_path / "runs" / "r")] == list(range(1, 7))  # no stale lines before them
+
+
+def test_a_metrics_line_cut_short_is_dropped_with_a_warning_when_the_run_resumes(tmp_path, smoke_phantoms, capsys):
+    flags = smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "4")
+    assert main(flags) == 0
+    run_dir = tmp_path / "runs" / "r"
+    torn = len(read_jsonl(run_dir / "metrics.jsonl")) + 1
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write('{"split": "train", "step": 5, "lo')  # a full disk (or a kill) in the middle of a line
+    assert main([*flags, "--max_steps", "6", "--resume", "auto", "--extend", "true"]) == 0
+    assert f"line {torn} is not a whole JSON line" in capsys.readouterr().out
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, 7))
+    (dropped,) = events(run_dir, "metrics_line_dropped")
+    assert dropped["text"].startswith('{"split": "train", "step": 5')
+
+
+def test_a_run_name_that_would_leave_out_dir_is_refused(tmp_path, smoke_phantoms, capsys):
+    assert main(smoke_flags(tmp_path, smoke_phantoms, "--run_name", "../escaped")) == 2
+    assert "run_name: '../escaped'" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
 # --- 4, 5. DDP processes agree (real gloo processes under torchrun) ---
 
 def torchrun(tmp_path, faults, *flags, nnodes=1, node_rank=0, port=None, nproc=2, popen=False):
     node = ["--nnodes", str(nnodes), "--node_rank", str(node_rank), "--rdzv_backend", "c10d",
             "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "octjepa-test"] if nnodes > 1 else ["--standalone"]
     args = [sys.executable, "-m", "torch.distributed.run", *node, f"--nproc_per_node={nproc}",
-            str(REPO / "tests" / "ddp_faults.py"), faults, *flags]
+            str(REPO / "tests" / "faults.py"), faults, *flags]
     if popen:
         return subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600)
@@ -206,27 +348,6 @@ def test_ddp_processes_share_a_run_folder_roll_back_together_and_leave_the_group
     (run_dir,) = (tmp_path / "runs").iterdir()  # no --run_name: process 0 named it for both
     assert [e["step"] for e in events(run_dir, "rollback")] == [4]
     assert [r["step"] for r in metrics(run_dir)] == list(range(1, 11))
-
-
-@pytest.mark.slow
-def test_ddp_resume_survives_a_transient_read_error_in_one_process(tmp_path, smoke_phantoms):
-    flags = ddp_flags(tmp_path, smoke_phantoms, "--run_name", "r", "--max_steps", "8", "--ckpt_every_steps", "4",
-                      "--keep_last", "5")
-    straight = torchrun(tmp_path, "none", *flags)
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    run_dir = tmp_path / "runs" / "r"
-    expected = metrics(run_dir)
-    os.remove(run_dir / "checkpoints" / "step_0000008.pt")  # as if the run had stopped after update 4
-    resumed = torchrun(tmp_path, "read_once", *flags, "--resume", "auto")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    (resume,) = events(run_dir, "resume")
-    assert resume["step"] == 4
-    got = metrics(run_dir)
-    assert [r["step"] for r in got] == [r["step"] for r in expected]
-    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in expected], rtol=1e-5)
-    # A read error that does not pass stops every process, before any of them trains from other weights.
-    failed = torchrun(tmp_path, "read_always", *flags, "--resume", "auto")
-    assert failed.returncode != 0 and "process 1" in failed.stderr and "none trains" in failed.stderr
 
 
 @pytest.mark.slow

@@ -14,6 +14,7 @@ import data
 import model
 import runtime
 import sanity
+import schedules
 import train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,8 +44,8 @@ def test_sanity_passes_its_quick_checks_on_a_healthy_setup(capsys, tmp_path, smo
 
 def test_sanity_fails_when_the_lr_schedule_restarts(capsys, tmp_path, smoke_phantoms, monkeypatch):
     def restarting(step, cfg, plan):  # incident 2: a per-epoch cosine stepped per update restarts every 3 updates
-        return train.cosine_ramp(step % 3, 0, 3, cfg.base_lr, cfg.min_lr)
-    monkeypatch.setattr(train, "lr_at", restarting)
+        return schedules.cosine_ramp(step % 3, 0, 3, cfg.base_lr, cfg.min_lr)
+    monkeypatch.setattr(schedules, "lr_at", restarting)
     code, out = run_sanity(capsys, tmp_path, smoke_phantoms, "--checks", "lr_schedule")
     assert code == 1
     assert "FAIL" in row(out, "lr_schedule")
@@ -54,7 +55,7 @@ def test_sanity_fails_when_the_lr_schedule_restarts(capsys, tmp_path, smoke_phan
 def test_sanity_fails_when_the_lr_is_zero_after_the_first_update(capsys, tmp_path, smoke_phantoms, monkeypatch):
     def disabled_scheduler(step, cfg, plan):  # incident 3: LambdaLR switched off left the LR at 0
         return cfg.base_lr if step == 0 else 0.0
-    monkeypatch.setattr(train, "lr_at", disabled_scheduler)
+    monkeypatch.setattr(schedules, "lr_at", disabled_scheduler)
     code, out = run_sanity(capsys, tmp_path, smoke_phantoms, "--checks", "lr_schedule")
     assert code == 1
     assert "LR is 0 at update 1" in out and "incident 3" in out
@@ -77,7 +78,7 @@ def test_sanity_rejects_a_config_whose_lr_would_end_at_zero_with_exit_2(capsys, 
 
 
 def test_sanity_fails_when_the_ema_momentum_falls_or_passes_one(capsys, tmp_path, smoke_phantoms, monkeypatch):
-    monkeypatch.setattr(train, "ema_at", lambda step, cfg, plan: 1.001 - 0.001 * step)
+    monkeypatch.setattr(schedules, "ema_at", lambda step, cfg, plan: 1.001 - 0.001 * step)
     code, out = run_sanity(capsys, tmp_path, smoke_phantoms, "--checks", "ema_schedule")
     assert code == 1
     assert "FAIL" in row(out, "ema_schedule") and "falls at update 1" in out

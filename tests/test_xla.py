@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import encoder
-from test_train import read_jsonl, smoke_flags, train_lines
+from test_resume import free_port
+from test_train import main, read_jsonl, smoke_flags, train_lines
 from runtime import list_checkpoints
 
 REPO = Path(__file__).resolve().parents[1]
@@ -130,6 +131,33 @@ def test_bf16_autocast_on_xla_gives_the_fp32_loss(tmp_path, smoke_phantoms, cach
     run_train(xla_python, flags_for(tmp_path / "bf16", smoke_phantoms, cache_dir, *common, "--use_bf16", "true"))
     fp32, bf16 = train_lines(tmp_path / "fp32" / "runs" / "r"), train_lines(tmp_path / "bf16" / "runs" / "r")
     np.testing.assert_allclose([r["loss"] for r in bf16], [r["loss"] for r in fp32], rtol=1e-2)
+
+
+def test_two_xla_hosts_resume_from_one_checkpoint_or_both_stop(tmp_path, smoke_phantoms, cache_dir, xla_python):
+    """A pod of two hosts, simulated on this machine: two processes, each with its own XLA CPU device, joined by the
+    gloo group runtime.py makes over the hosts (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT name them: PJRT's CPU
+    client spans one process only). Host 0 chooses the checkpoint; host 1 loads that same file or both stop."""
+    def pod(faults, *extra):
+        port, logs = free_port(), [tmp_path / f"host{rank}.log" for rank in (0, 1)]
+        flags = flags_for(tmp_path, smoke_phantoms, cache_dir, "--device", "xla", "--ckpt_every_steps", "2",
+                          "--keep_last", "5", "--ckpt_dir_shared", "true", "--ckpt_retry_minutes", "0.1", *extra)
+        hosts = [subprocess.Popen([xla_python, str(REPO / "tests" / "faults.py"), f"report,{faults}", *flags],
+                                  cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(log, "w"),
+                                  env={**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "1", "RANK": str(rank),
+                                       "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                                       "XLA_FLAGS": "--xla_backend_optimization_level=0"})
+                 for rank, log in enumerate(logs)]
+        return [(host.wait(timeout=600), log.read_text()) for host, log in zip(hosts, logs)]
+
+    assert main(smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "4", "--ckpt_every_steps", "2")) == 0  # on CPU
+    # Host 1's first two reads of the checkpoint fail (a transient storage error): it retries, and both hosts go on
+    # from update 4 (each host choosing alone, host 1 would have fallen back to update 2).
+    for rank, (code, err) in enumerate(pod("read_twice", "--max_steps", "6", "--resume", "auto", "--extend", "true")):
+        assert code == 0, err[-3000:]
+        assert f"process {rank}: resumed at update 4" in err
+    # A read error on host 1 that does not pass: both stop, before either trains, with the storage exit code.
+    for code, err in pod("read_always", "--max_steps", "8", "--resume", "auto", "--extend", "true"):
+        assert code == 74 and "process 1" in err and "none trains" in err, err[-3000:]
 
 
 def test_an_exported_encoder_embeds_on_xla_as_on_cpu(tmp_path, export_dir, phantom_dir, xla_python):

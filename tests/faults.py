@@ -1,16 +1,19 @@
-"""Run train.py's real main() under torchrun with faults injected into some processes (tests/test_resume.py uses
-it for the multi-process stories). Faults, comma-separated:
+"""Run train.py's real main() in one of several processes (DDP ranks under torchrun, or simulated XLA hosts:
+RANK names the process) with faults injected into some of them; tests/test_resume.py, test_preemption.py and
+test_xla.py use it for the multi-process stories. Faults, comma-separated:
 
     late_start   process 1 starts 1.5 s after process 0 (their clocks name different seconds)
     nan_5_7      updates 5 to 7 have a non-finite loss in every process (a rollback follows)
     read_once    process 1's first checkpoint read fails (a transient storage error)
+    read_twice   process 1's first two checkpoint reads fail (a transient error a single retry does not outlast)
     read_always  every checkpoint read of process 1 fails
     bad_files    process 1 cannot read the Heidelberg-style volumes (a quarter of the phantoms)
     no_data      process 1 cannot read any volume
     exit_report  each process prints how many gloo worker threads are left when the interpreter starts its
                  teardown (0 once the process group was left)
+    report       each process prints the update it resumed at and how many checkpoint states it built
 
-usage: torchrun ... tests/ddp_faults.py FAULTS TRAIN_FLAGS...
+usage: torchrun ... tests/faults.py FAULTS TRAIN_FLAGS...   (or one python per simulated XLA host, RANK=0, 1...)
 """
 import atexit
 import glob
@@ -26,7 +29,7 @@ import runtime  # noqa: E402
 import train  # noqa: E402
 
 faults = set(sys.argv[1].split(","))
-rank = int(os.environ["RANK"])
+rank = int(os.environ.get("RANK", "0"))
 
 if "exit_report" in faults:
     def report_gloo_threads():  # registered before train's own exit handlers, so it runs after them
@@ -49,12 +52,12 @@ if "nan_5_7" in faults:
 
     train.forward_backward = forward_backward
 
-if rank == 1 and faults & {"read_once", "read_always"}:
+if rank == 1 and faults & {"read_once", "read_twice", "read_always"}:
     real_read_bytes, reads = runtime.read_bytes, []
 
     def read_bytes(path):
         reads.append(path)
-        if "read_always" in faults or len(reads) == 1:
+        if "read_always" in faults or len(reads) <= 1 + ("read_twice" in faults):
             raise OSError(f"injected read error for {path}")
         return real_read_bytes(path)
 
@@ -69,5 +72,21 @@ if rank == 1 and faults & {"bad_files", "no_data"}:
         return real_load(paths, cfg, sources)
 
     data.load_prepared = load_prepared
+
+if "report" in faults:
+    real_resume, real_state, built = train.resume, runtime.checkpoint_state, []
+
+    def resume(run):
+        out = real_resume(run)
+        print(f"process {rank}: resumed at update {run.state.step}", file=sys.stderr, flush=True)
+        return out
+
+    def checkpoint_state(*args, **kwargs):
+        built.append(1)
+        return real_state(*args, **kwargs)
+
+    train.resume, runtime.checkpoint_state = resume, checkpoint_state
+    atexit.register(lambda: print(f"process {rank}: checkpoint states built: {len(built)}", file=sys.stderr,
+                                  flush=True))
 
 sys.exit(train.main(sys.argv[2:]))

@@ -1,0 +1,137 @@
+"""Preemption: SIGTERM (Kubernetes, spot VMs, torchrun passing it on) and Ctrl-C stop a run at an update boundary with
+a checkpoint of that update and exit 75; `--resume auto` then continues as if nothing had happened. Real processes,
+real signals, real torchrun."""
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from runtime import checkpoint_path, list_checkpoints, step_of
+from test_resume import ddp_flags, events, metrics, torchrun
+from test_train import REPO, run_cli, smoke_flags
+
+PREEMPTED = 75
+
+
+def signal_after(process: subprocess.Popen, run_dir: Path, update: int, sig: int, group: bool = False) -> None:
+    """Send `sig` to the process (`group`: to its process group, as a terminal's Ctrl-C does) once its metrics.jsonl
+    logged `update` (log_every_steps 1)."""
+    deadline = time.time() + 300
+    while time.time() < deadline and process.poll() is None:
+        if (run_dir / "metrics.jsonl").exists() and any(r["step"] >= update for r in metrics(run_dir)):
+            os.killpg(process.pid, sig) if group else process.send_signal(sig)
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"the run ended (or hung) before update {update}: {process.poll()}")
+
+
+def start_train(args, script="train.py", env=None) -> subprocess.Popen:
+    """train.py in a process group of its own (with its DataLoader workers), like a job in a terminal."""
+    return subprocess.Popen([sys.executable, str(REPO / script), *args], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})},
+                            start_new_session=True)
+
+
+@pytest.mark.slow
+def test_sigterm_sigkill_and_ctrl_c_lose_no_completed_update_and_the_resumed_run_has_the_uninterrupted_losses(
+        tmp_path, smoke_phantoms):
+    flags = ["--max_steps", "30", "--ckpt_every_steps", "5", "--val_every_steps", "10", "--workers", "2"]
+    straight = run_cli(smoke_flags(tmp_path / "a", smoke_phantoms, *flags))
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    run_dir, ckpt_dir = tmp_path / "b" / "runs" / "r", tmp_path / "b" / "runs" / "r" / "checkpoints"
+    resumed_at = []
+    for sig, after in ((signal.SIGTERM, 6), (signal.SIGKILL, 13), (signal.SIGINT, 20)):
+        process = start_train(smoke_flags(tmp_path / "b", smoke_phantoms, *flags, *["--resume", "auto"] * (after > 6)))
+        # SIGTERM and Ctrl-C to the whole process group, DataLoader workers included, as torchrun and a terminal do.
+        signal_after(process, run_dir, after, sig, group=sig != signal.SIGKILL)
+        _, err = process.communicate(timeout=300)
+        newest = list_checkpoints(str(ckpt_dir))[0]
+        resumed_at.append(step_of(newest))
+        if sig == signal.SIGKILL:  # no chance to save: the next run redoes the updates after the last checkpoint
+            assert process.returncode == -signal.SIGKILL
+            continue
+        assert process.returncode == PREEMPTED, err[-3000:]
+        stop = events(run_dir, "preempted")[-1]
+        assert stop["signals"] == [signal.Signals(sig).name] and stop["step"] >= after
+        assert newest == stop["checkpoint"] == checkpoint_path(str(ckpt_dir), stop["step"])  # the update it stopped at
+        assert f"preempted: {signal.Signals(sig).name} at update {stop['step']}" in err and "--resume auto" in err
+        assert "Traceback" not in err  # Ctrl-C too: no traceback, no "DataLoader worker exited unexpectedly"
+    resumed = run_cli(smoke_flags(tmp_path / "b", smoke_phantoms, *flags, "--resume", "auto"))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [e["step"] for e in events(run_dir, "resume")] == resumed_at
+    a, b = tmp_path / "a" / "runs" / "r", run_dir
+    assert [r["step"] for r in metrics(b)] == list(range(1, 31))  # no update lost, none logged twice
+    assert [r["loss"] for r in metrics(b)] == [r["loss"] for r in metrics(a)]
+    assert [r["grad_norm"] for r in metrics(b)] == [r["grad_norm"] for r in metrics(a)]
+    assert [r["loss"] for r in metrics(b, "val")] == [r["loss"] for r in metrics(a, "val")]
+
+
+def test_a_first_signal_asks_to_stop_and_a_second_one_stops_the_process_at_once():
+    child = subprocess.run([sys.executable, "-c", (
+        "import os, signal, sys, time; sys.path.insert(0, sys.argv[1]); from runtime import StopSignals\n"
+        "with StopSignals() as stop:\n"
+        "    os.kill(os.getpid(), signal.SIGINT); time.sleep(0.1)\n"
+        "    print('asked to stop by', stop.received, flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGINT); time.sleep(5)\n"
+        "    print('still running', flush=True)\n"), str(REPO)], capture_output=True, text=True, timeout=60)
+    assert child.stdout == "asked to stop by SIGINT\n"
+    assert "send it again to stop at once" in child.stderr
+    assert child.returncode == -signal.SIGINT  # killed by the second Ctrl-C, not a KeyboardInterrupt traceback
+
+
+@pytest.mark.slow
+def test_sigterm_to_torchrun_stops_both_processes_at_one_update_and_any_number_of_processes_resumes_it(
+        tmp_path, smoke_phantoms):
+    flags = ddp_flags(tmp_path, smoke_phantoms, "--run_name", "r", "--max_steps", "30", "--ckpt_every_steps", "50",
+                      "--val_every_steps", "10", "--val_fraction", "0.3", "--workers", "1")
+    straight = torchrun(tmp_path / "straight", "none", *[f.replace(str(tmp_path / "runs"), str(tmp_path / "straight"))
+                                                         for f in flags])
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    expected, expected_val = metrics(tmp_path / "straight" / "r"), metrics(tmp_path / "straight" / "r", "val")
+    assert len(expected_val) == 3
+
+    # What Kubernetes does to a pod: SIGTERM to its main process, torchrun, which passes it to its workers.
+    run_dir = tmp_path / "runs" / "r"
+    preempted = torchrun(tmp_path, "report", *flags, popen=True)
+    signal_after(preempted, run_dir, 8, signal.SIGTERM)
+    _, err = preempted.communicate(timeout=300)
+    assert re.findall(r"exitcode\s*:\s*(\d+)", err) in ([], [str(PREEMPTED)] * 2), err[-3000:]
+    assert err.count("preempted: ") == 2, err[-3000:]  # both processes stopped at the same update
+    (stop,) = events(run_dir, "preempted")
+    assert stop["signals"] == ["SIGTERM", "SIGTERM"] and 8 <= stop["step"] < 30
+    assert list_checkpoints(str(run_dir / "checkpoints"))[0] == stop["checkpoint"]
+    # Only the writer built the checkpoint's state (process 1 would hold a full copy for nothing).
+    assert "process 1: checkpoint states built: 0" in err and "process 0: checkpoint states built: 1" in err
+
+    # The same checkpoint resumed on 1 process (a smaller spot pool) instead of 2: world size is not in the plan.
+    one = tmp_path / "one"
+    shutil.copytree(tmp_path / "runs", one)
+    single = run_cli([*[f.replace(str(tmp_path / "runs"), str(one)) for f in flags], "--resume", "auto"])
+    assert single.returncode == 0, single.stderr[-3000:]
+
+    resumed = torchrun(tmp_path, "read_once", *flags, "--resume", "auto")  # process 1's first read fails: retried
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    got = metrics(run_dir)
+    assert [r["step"] for r in got] == list(range(1, 31))
+    assert [r["loss"] for r in got] == [r["loss"] for r in expected]
+    assert [r["grad_norm"] for r in got] == [r["grad_norm"] for r in expected]
+
+    on_one = metrics(one / "r")
+    assert [r["step"] for r in on_one] == list(range(1, 31))
+    np.testing.assert_allclose([r["loss"] for r in on_one], [r["loss"] for r in expected], rtol=1e-5)
+    # Validation uses the same volumes on 1 and on 2 processes: the val losses agree as the weights do.
+    np.testing.assert_allclose([r["loss"] for r in metrics(one / "r", "val")], [r["loss"] for r in expected_val],
+                               rtol=1e-5)
+
+    # A read error that does not pass stops every process, before any of them trains from other weights.
+    failed = torchrun(tmp_path, "read_always", *flags, "--max_steps", "32", "--extend", "true", "--resume", "auto",
+                      "--ckpt_retry_minutes", "0.02")
+    assert re.search(r"exitcode\s*:\s*74", failed.stderr), failed.stderr[-3000:]
+    assert "process 1" in failed.stderr and "none trains" in failed.stderr

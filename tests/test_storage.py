@@ -1,0 +1,107 @@
+"""Checkpoint storage that fails: a read-only folder, a full disk, a GCS outage; and checkpoints that stream to their
+file or object without a copy in memory. Real filesystems, a real resource limit, a real (stopped) GCS emulator."""
+import os
+import resource
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import GCSEmulator
+from runtime import list_checkpoints, read_checkpoint
+from test_resume import events, metrics
+from test_train import REPO, main, smoke_flags
+
+STORAGE_FAILED = 74
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A folder no one can write into: chmod for a user, the immutable attribute for root (which ignores modes)."""
+    path = tmp_path / "read_only"
+    path.mkdir()
+    os.chmod(path, 0o555)
+    immutable = os.geteuid() == 0
+    if immutable and subprocess.run(["chattr", "+i", str(path)], capture_output=True).returncode != 0:
+        pytest.skip("running as root without chattr +i: no folder here is read-only")
+    yield path
+    if immutable:
+        subprocess.run(["chattr", "-i", str(path)], check=True)
+
+
+def test_a_read_only_checkpoint_folder_is_refused_before_anything_trains(tmp_path, smoke_phantoms, read_only_dir,
+                                                                         capsys):
+    assert main(smoke_flags(tmp_path, smoke_phantoms, "--ckpt_dir", str(read_only_dir / "ckpts"))) == 2
+    err = capsys.readouterr().err
+    assert f"ckpt_dir: cannot write checkpoints to {read_only_dir / 'ckpts'}" in err
+    assert not (tmp_path / "runs" / "r" / "metrics.jsonl").exists()  # found at start, not 30 updates in
+
+
+@pytest.mark.slow
+def test_a_full_disk_skips_one_checkpoint_then_stops_with_exit_74_and_loses_nothing(tmp_path, smoke_phantoms):
+    flags = smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "4", "--ckpt_every_steps", "2")
+    assert main(flags) == 0
+    ckpt_dir = tmp_path / "runs" / "r" / "checkpoints"
+    before = {p.name: p.read_bytes() for p in ckpt_dir.iterdir()}
+    limit = 512 * 1024  # a 1.4 MB checkpoint does not fit any more; log lines still do
+
+    def full_disk():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))  # writes past it fail with EFBIG
+
+    extended = subprocess.run([sys.executable, str(REPO / "train.py"), *flags, "--max_steps", "12", "--resume", "auto",
+                               "--extend", "true", "--ckpt_every_steps", "3", "--ckpt_retry_minutes", "0.02",
+                               "--val_every_steps", "100"],
+                              cwd=REPO, capture_output=True, text=True, timeout=600, preexec_fn=full_disk)
+    assert extended.returncode == STORAGE_FAILED, extended.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "r"
+    assert [e["step"] for e in events(run_dir, "checkpoint_failed")] == [6, 9]  # skipped one, went on, then stopped
+    assert "File too large" in events(run_dir, "checkpoint_failed")[0]["error"]
+    assert "a second checkpoint in a row" in extended.stderr and "--resume auto" in extended.stderr
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, 10))
+    assert {p.name: p.read_bytes() for p in ckpt_dir.iterdir()} == before  # no tmp file, nothing overwritten
+    assert read_checkpoint(str(ckpt_dir / "step_0000004.pt"))["train_state"]["step"] == 4
+
+
+@pytest.mark.slow
+def test_a_gcs_outage_longer_than_gcsfs_retries_is_outlasted(tmp_path, smoke_phantoms, monkeypatch):
+    emulator = GCSEmulator(tmp_path)
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", emulator.url)  # this test's own reads of gs:// and the run's
+    ckpt_dir = f"gs://{emulator.bucket}/ckpts/r"
+    run = subprocess.Popen([sys.executable, str(REPO / "train.py"), *smoke_flags(
+        tmp_path, smoke_phantoms, "--max_steps", "40", "--ckpt_every_steps", "2", "--ckpt_dir", ckpt_dir)],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        run_dir = tmp_path / "runs" / "r"
+        while not (run_dir / "events.jsonl").exists() or not events(run_dir, "checkpoint"):
+            assert run.poll() is None, run.communicate()[1][-3000:]
+            time.sleep(0.05)
+        emulator.stop()  # the next checkpoint write meets a dead endpoint: gcsfs alone gives up after 31-39 s
+        time.sleep(45)
+        emulator = GCSEmulator(tmp_path, port=emulator.port)  # back, empty (it keeps objects in memory)
+        out, err = run.communicate(timeout=600)
+        assert run.returncode == 0, err[-3000:]
+        assert "; again in" in out  # the write was retried
+        assert not events(run_dir, "checkpoint_failed")
+        assert [p.rsplit("/", 1)[1] for p in list_checkpoints(ckpt_dir)] == ["step_0000040.pt", "step_0000038.pt"]
+    finally:
+        run.kill()
+        emulator.stop()
+
+
+@pytest.mark.slow
+def test_a_checkpoint_streams_into_its_file_or_object_without_a_copy_in_memory(tmp_path, gcs_emulator):
+    size = 160 * 2**20
+    for path in (str(tmp_path / "step_0000001.pt"), f"gs://{gcs_emulator.bucket}/stream/step_0000001.pt"):
+        child = subprocess.run([sys.executable, "-c", (
+            "import resource, sys, torch; sys.path.insert(0, sys.argv[1]); from runtime import save_checkpoint\n"
+            "save_checkpoint(sys.argv[2].replace('0001', '0000'), {'model': {}}, 2, False)  # imports, connections\n"
+            "state = {'model': {'weights': torch.ones(int(sys.argv[3]) // 4)}}\n"
+            "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+            "save_checkpoint(sys.argv[2], state, 2, True)\n"
+            "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)"),
+            str(REPO), path, str(size)], capture_output=True, text=True, timeout=600)
+        assert child.returncode == 0, child.stderr[-3000:]
+        assert int(child.stdout) < 0.25 * size, (path, int(child.stdout) / size)  # the old writer held 1-2x its size
+        for written in (path, path.replace("step_0000001.pt", "best.pt")):
+            assert read_checkpoint(written)["model"]["weights"].numel() == size // 4
