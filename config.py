@@ -59,6 +59,7 @@ class Config:
     index_path: Optional[str] = None  # JSONL index written by `python data.py scan` (reused if given)
     phantom_dir: str = "data/phantoms"  # where the built-in demo phantoms are written when data_root is None
     phantom_count: int = 48  # volumes in the built-in phantom set
+    phantom_varied: bool = False  # built-in phantoms with varied eyes (position, tilt, brightness...: phantom.draw_eye)
     sop_classes: str = "oct"  # oct | any
     image_size: List[int] = field(default_factory=lambda: [16, 64, 64])  # [D, H, W] voxels fed to the model
     patch_size: List[int] = field(default_factory=lambda: [4, 8, 8])  # tubelet [pd, ph, pw]
@@ -116,7 +117,7 @@ class Config:
     val_batches: int = 4  # validation uses the first val_batches x global_batch_size val volumes (fixed crops and masks, the same on any number of processes)
     probe_every_steps: Optional[int] = None  # linear probe of the target encoder every N updates (probe.py); None = off
     probe_labels: Optional[str] = None  # labels.csv (path,label) for probe_every_steps; None = labelled phantoms
-    summary_probe: bool = True  # end of run: does the encoder beat a random one on a quick mean-pool probe (probe_labels)?
+    summary_probe: bool = True  # end of run: does the encoder beat a random one on quick mean-pool and depth-row probes?
     collapse_min_target_std: float = 0.05  # warn (events.jsonl, console) when target_std falls under this
     collapse_min_rankme: float = 2.0  # warn when val RankMe falls under this
     collapse_window_steps: int = 1000  # warn when either falls under half its best of this many updates (probe AUROC: half its gain over 0.5)

@@ -498,7 +498,7 @@ def index_records(cfg: Config) -> List[dict]:
     if root is None and cfg.manifest_path is None:
         if cfg.index_path is not None and exists(cfg.index_path):
             return read_index(cfg.index_path)
-        root = ensure_phantom_set(cfg.phantom_dir, cfg.phantom_count)
+        root = ensure_phantom_set(cfg.phantom_dir, cfg.phantom_count, varied=cfg.phantom_varied)
     identities = list_sources(root, cfg.manifest_path)
     built_from = index_source(root, cfg.manifest_path, cfg.sop_classes, identities)
     old_from, records = (None, [])

@@ -49,8 +49,8 @@ from dicom import UnusableFile
 from index import format_reason_table
 from model import (CONFIG_FILE, POOLS, VJEPA3D, ExportError, PretrainedEncoder, export_config, load_encoder,
                    random_encoder, save_encoder)
-from probe import (encode_volumes, fit_attentive, load_labelled_volumes, probe_device, read_model_checkpoint,
-                   resolve_checkpoint)
+from probe import (Task, encode_volumes, fit_attentive, load_labelled_volumes, probe_device, read_model_checkpoint,
+                   resolve_checkpoint, task_targets)
 from runtime import fetch_to_host, setup_runtime, to_device
 from storage import exists, write_atomic
 
@@ -272,8 +272,7 @@ def feature_colours(tokens: torch.Tensor, shown: List[int]) -> np.ndarray:
     return np.clip(rgb, 0, 1).reshape(len(shown), tokens.shape[1], 3)
 
 
-def looks(encoder: PretrainedEncoder, volumes: torch.Tensor, labels: np.ndarray, classes: int, shown: List[int],
-          device) -> dict:
+def looks(encoder: PretrainedEncoder, volumes: torch.Tensor, labels: np.ndarray, shown: List[int], device) -> dict:
     """What one encoder shows for the shown volumes: PCA colours of their tokens [S,gd,gh,gw,3] and of their
     depth-averaged (en face) tokens [S,gd,gw,3], the attention [S,gd,gh,gw] (mean over heads) of an attentive probe
     trained on the other labelled volumes, and its probability of each shown volume's class [S]."""
@@ -282,7 +281,7 @@ def looks(encoder: PretrainedEncoder, volumes: torch.Tensor, labels: np.ndarray,
     grid = encoder.grid
     enface = tokens.view(M, *grid, E).mean(2).flatten(1, 2)  # [M, gd*gw, E]
     train = np.setdiff1d(np.arange(M), shown)  # the shown volumes are held out: p is a held-out prediction
-    head = fit_attentive(tokens[train], torch.from_numpy(labels[train]).long(), classes, seed=0)
+    head = fit_attentive(tokens, labels, train, Task("label"), seed=0)
     with torch.no_grad():
         attention = head.attention(tokens[shown]).mean(-1)  # [S, N]
         probs = F.softmax(head(tokens[shown]), dim=-1)[torch.arange(len(shown)), labels[shown]]
@@ -320,13 +319,14 @@ def show(encoder_dir: str, labels_csv: str, out: str, cli: Config, vs_random: bo
     encoder = load_encoder(encoder_dir)
     cfg = replace(encoder.settings, **{k: getattr(cli, k) for k in CLI_FIELDS["show"]})
     device = probe_device(cfg)
-    volumes, labels, classes, skipped = load_labelled_volumes(cfg, labels_csv)
+    volumes, values, skipped = load_labelled_volumes(cfg, labels_csv)
+    labels, classes = task_targets(Task("label"), values["label"], labels_csv)
     if skipped:
         print(f"skipped unusable files: {skipped}", file=sys.stderr)
     shown = [int(np.flatnonzero(labels == c)[0]) for c in range(len(classes))]  # the first volume of each class
     arms = {"pretrained": encoder, "random init": random_encoder(encoder.config, cfg.seed)} if vs_random \
         else {"encoder": encoder}
-    looked = {arm: looks(e, volumes, labels, len(classes), shown, device) for arm, e in arms.items()}
+    looked = {arm: looks(e, volumes, labels, shown, device) for arm, e in arms.items()}
     titles = ["input B-scan", "features (PCA 1-3 as RGB)", "attentive probe's attention", "input en face",
               "features en face (PCA)", "attention en face"]
     fig = Figure(figsize=(14, 2.1 * len(shown) * len(arms) + 0.6))

@@ -55,7 +55,7 @@ from data import resample_and_clip, to_sample
 from dicom import UnusableFile, read_volume
 from index import format_reason_table
 from model import PretrainedEncoder, load_encoder, random_encoder, save_encoder
-from probe import (TEST_FRACTION, AttentiveProbe, classification_scores, encode_volumes, fit_attentive, interval,
+from probe import (TEST_FRACTION, AttentiveProbe, Task, classification_scores, encode_volumes, fit_attentive, interval,
                    probe_device, split_scores, stratified_split)
 from schedules import cosine_ramp
 
@@ -242,10 +242,9 @@ class Classifier(torch.nn.Module):
 def probe_heads(tokens: torch.Tensor, data: LabelledSet, fit_idx: np.ndarray, seed: int) -> List[AttentiveProbe]:
     """probe.py's attentive probe trained on the frozen tokens [M,N,E] of data[fit_idx] (multilabel: one binary probe
     per class): where full fine-tuning starts from (linear probing, then fine-tuning)."""
-    targets = data.targets[fit_idx]
     if data.task != "multilabel":
-        return [fit_attentive(tokens[fit_idx], torch.from_numpy(targets).long(), len(data.classes), seed)]
-    return [fit_attentive(tokens[fit_idx], torch.from_numpy(t).long(), 2, seed) for t in targets.T]
+        return [fit_attentive(tokens, data.targets, fit_idx, Task("label"), seed)]
+    return [fit_attentive(tokens, t, fit_idx, Task("label"), seed) for t in data.targets.T]
 
 
 def layer_decay_groups(model: Classifier, settings: FullSettings) -> List[dict]:

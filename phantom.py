@@ -52,6 +52,7 @@ from dicom import OPT_SOP
 PHANTOM_VERSION = 3  # bump when the look or the files change: ensure_phantom_set then rewrites old sets
 DEFAULT_SIZE = (32, 128, 128)  # [D, H, W]: small so that the demo and CI stay fast
 LABELS = ("none", "drusen", "fluid")
+VARIED_LABELS = ("none", "drusen", "none", "fluid")  # the labels of a varied set in turn: half without lesions
 # B-scan rows run along x, columns go down in depth (-z); B-scans are stacked along y = row x column.
 ORIENTATION = [1, 0, 0, 0, 0, -1]
 
@@ -94,19 +95,65 @@ LESION_COUNT = (4, 9)  # lesions per diseased eye: scattered, so that the contex
 LESION_SIGMA = (0.08, 0.15)  # en-face radius of a lesion (volume width = 2)
 LESION_HEIGHT = (0.01, 0.03)  # peak height as a share of the scan depth
 FOVEA_THINNED = ("rnfl", "gcl_ipl", "inl", "opl")  # the inner retina that the foveal pit pushes aside
+RETINA = ("rnfl", "gcl_ipl", "inl", "opl", "onl", "is_os", "os", "fluid", "rpe")  # the layers Eye.thickness scales
+RETINA_SHARE = sum(share for name, share, _ in LAYERS if name in RETINA)  # their nominal thickness: 0.268
+CHOROID_SHARE = dict((name, share) for name, share, _ in LAYERS)["choroid"]
 
 
-def lesion_thickness(z: np.ndarray, x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+@dataclass(frozen=True)
+class Eye:
+    """What makes one phantom eye look unlike another besides its lesions. The defaults are the plain phantom of the
+    demo and the tests; draw_eye gives the varied eyes of the probe suite: what differs between real scans."""
+    depth_shift: float = 0.0  # the retina moved down by this share of the scan depth
+    tilt: Tuple[float, float] = (0.0, 0.0)  # surface slope across B-scans (z) and along them (x): depth per half width
+    curvature: float = 0.06  # the bowl of the surface: extra depth at the corners, share of the scan depth
+    motion: float = 0.0  # std of the axial jump from one B-scan to the next (eye motion), share of the scan depth
+    thickness: float = 1.0  # factor on the RNFL..RPE layers: the regression target retina_thickness follows it
+    choroid: float = 1.0  # factor on the choroid thickness
+    reflectivity: Optional[Tuple[float, ...]] = None  # factor per layer of LAYERS; None = all 1
+    gain: float = 1.0  # signal strength before the log display mapping (brightness and contrast)
+    falloff: float = 1.5  # signal attenuation with depth below the surface
+    speckle_looks: float = 2.0  # gamma shape of the speckle (more looks: smoother)
+    noise: float = 0.01  # noise floor
+    vessels: Tuple[int, int] = (3, 6)  # [min, max) superficial vessels
+    shadow: float = 0.6  # share of the signal under a vessel that its shadow removes
+    lesion_height: Tuple[float, float] = LESION_HEIGHT  # range of the lesions' peak height, share of the scan depth
+
+
+def draw_eye(rng: np.random.Generator) -> Eye:
+    """A varied eye: the nuisances of real scans drawn at random (position, tilt and curvature of the retina, eye
+    motion between B-scans, layer thickness and reflectivity, brightness and contrast, speckle, vessel shadows), and
+    lesions taller than the plain phantom's. The choroid takes up what the retina's thickness leaves of a tissue band
+    of nearly constant depth, so that the band's extent in a depth profile does not give the thickness away."""
+    thickness = float(rng.uniform(0.75, 1.25))
+    choroid_share = CHOROID_SHARE + RETINA_SHARE * (1.0 - thickness)
+    return Eye(depth_shift=float(rng.uniform(-0.12, 0.12)), tilt=tuple(float(t) for t in rng.uniform(-0.06, 0.06, 2)),
+               curvature=float(rng.uniform(0.0, 0.15)), motion=float(rng.uniform(0.0, 0.006)),
+               thickness=thickness, choroid=choroid_share / CHOROID_SHARE * float(rng.uniform(0.85, 1.15)),
+               reflectivity=tuple(float(r) for r in rng.uniform(0.7, 1.3, len(LAYERS))),
+               gain=float(np.exp(rng.uniform(np.log(0.4), np.log(2.5)))), falloff=float(rng.uniform(0.8, 2.5)),
+               speckle_looks=float(rng.uniform(1.0, 4.0)), noise=float(rng.uniform(0.005, 0.04)),
+               vessels=(2, 9), shadow=float(rng.uniform(0.3, 0.8)), lesion_height=(0.05, 0.10))
+
+
+def retina_thickness(eye: Eye) -> float:
+    """The regression target of a phantom eye: RNFL..RPE thickness away from the fovea, share of the scan depth."""
+    return eye.thickness * RETINA_SHARE
+
+
+def lesion_thickness(z: np.ndarray, x: np.ndarray, rng: np.random.Generator,
+                     height_range: Tuple[float, float] = LESION_HEIGHT) -> np.ndarray:
     """Thickness [D,W] (share of the scan depth) of small dome-shaped lesions at random places."""
     domes = np.zeros((z.shape[0], x.shape[1]), np.float32)
     for _ in range(rng.integers(*LESION_COUNT)):
         cz, cx = rng.uniform(-0.8, 0.8, 2)
-        sigma, height = rng.uniform(*LESION_SIGMA), rng.uniform(*LESION_HEIGHT)
+        sigma, height = rng.uniform(*LESION_SIGMA), rng.uniform(*height_range)
         domes += height * np.exp(-((z - cz) ** 2 + (x - cx) ** 2) / (2 * sigma ** 2))
     return domes
 
 
-def synth_reflectivity(shape: Sequence[int], rng: np.random.Generator, label: str = "none") -> np.ndarray:
+def synth_reflectivity(shape: Sequence[int], rng: np.random.Generator, label: str = "none",
+                       eye: Eye = Eye()) -> np.ndarray:
     """Display intensity in [0, 1], float32 [D, H, W] (B-scans, depth, lateral), of a macular OCT cube."""
     D, H, W = shape
     lesion_rng = np.random.default_rng(rng.integers(2 ** 63))  # the same retina whatever the label
@@ -117,19 +164,23 @@ def synth_reflectivity(shape: Sequence[int], rng: np.random.Generator, label: st
     pit = np.exp(-r2 / 0.03)  # [D,W] 1 at the fovea
     thickness = []
     for name, share, _ in LAYERS[1:-1]:
-        t = np.full((D, W), share, np.float32)
+        t = np.full((D, W), share * (eye.thickness if name in RETINA else eye.choroid), np.float32)
         if name in FOVEA_THINNED:
             t = t * (1.0 - 0.9 * pit)  # the fovea has almost no inner retina...
         if name == "onl":
-            t = t + 0.02 * pit  # ...and a thicker outer nuclear layer
+            t = t + 0.02 * eye.thickness * pit  # ...and a thicker outer nuclear layer
         thickness.append(t)
     thickness = np.stack(thickness)  # [K,D,W]
     inner = thickness[:len(FOVEA_THINNED) + 1].sum(0)  # [D,W] rnfl..onl
     dip = inner.max() - inner  # the surface dips at the fovea while the RPE below stays smooth
-    top = 0.2 + 0.06 * (z ** 2 + x ** 2) + rng.uniform(-0.03, 0.03) + dip  # [D,W] retina surface
+    top = 0.2 + eye.curvature * (z ** 2 + x ** 2) + rng.uniform(-0.03, 0.03) + dip  # [D,W] retina surface
+    top = top + eye.depth_shift + eye.tilt[0] * z + eye.tilt[1] * x
+    if eye.motion:  # each B-scan moved axially by the eye's drift since the first one
+        drift = np.cumsum(rng.normal(0.0, eye.motion, D)).astype(np.float32)
+        top = top + (drift - drift.mean())[:, None]
     k = {name: i for i, (name, _, _) in enumerate(LAYERS[1:-1])}  # thickness[k[n]]; lower boundary bounds[k[n] + 1]
     if label != "none":  # RPE lifted over drusen, or the retina lifted off the RPE by fluid; the ONL gives way
-        lesions = lesion_thickness(z, x, lesion_rng)
+        lesions = lesion_thickness(z, x, lesion_rng, eye.lesion_height)
         thickness[k[label]] += lesions
         thickness[k["onl"]] = np.maximum(thickness[k["onl"]] - lesions, 0.01)
     bounds = top[None] + np.cumsum(thickness, axis=0)  # [K,D,W] lower boundary of each layer but the last
@@ -138,23 +189,27 @@ def synth_reflectivity(shape: Sequence[int], rng: np.random.Generator, label: st
     layer = np.zeros((D, H, W), np.int8)
     for b in bounds:
         layer += y >= b[:, None, :]
-    refl = np.array([r for _, _, r in LAYERS], np.float32)[layer]  # [D,H,W]
+    reflectivity = np.array([r for _, _, r in LAYERS], np.float32)
+    if eye.reflectivity is not None:
+        reflectivity *= np.array(eye.reflectivity, np.float32)
+    refl = reflectivity[layer]  # [D,H,W]
     refl *= 1.0 + 0.15 * np.sin(40 * y + 6 * z[:, :, None])  # choroidal / layer texture
 
     # Superficial vessels shadow everything below the nerve fibre layer.
     shadow = np.zeros((D, W), np.float32)
-    for _ in range(rng.integers(3, 6)):
+    for _ in range(rng.integers(*eye.vessels)):
         angle, offset = rng.uniform(-0.5, 0.5) + rng.choice([0, np.pi]), rng.uniform(-0.8, 0.8)
         bend = rng.uniform(-0.3, 0.3)
         dist = np.abs(np.sin(angle) * x - np.cos(angle) * z + offset + bend * x ** 2)
         shadow = np.maximum(shadow, np.exp(-(dist / 0.02) ** 2))
     below = y > bounds[k["rnfl"] + 1][:, None, :]  # [D,H,W]
-    refl *= 1.0 - 0.6 * shadow[:, None, :] * below
-    refl *= np.exp(-1.5 * np.clip(y - top[:, None, :], 0, None))  # signal falls off with depth
+    refl *= 1.0 - eye.shadow * shadow[:, None, :] * below
+    refl *= np.exp(-eye.falloff * np.clip(y - top[:, None, :], 0, None))  # signal falls off with depth
 
-    speckle = rng.gamma(2.0, 0.5, size=(D, H, W)).astype(np.float32)  # speckle intensity, two looks averaged
-    intensity = refl * speckle + 0.01 * rng.random((D, H, W), np.float32)
-    return (np.log1p(60.0 * intensity) / np.log1p(60.0 * 3.0)).clip(0, 1).astype(np.float32)
+    looks = eye.speckle_looks
+    speckle = rng.gamma(looks, 1.0 / looks, size=(D, H, W)).astype(np.float32)  # speckle intensity, looks averaged
+    intensity = refl * speckle + eye.noise * rng.random((D, H, W), np.float32)
+    return (np.log1p(60.0 * eye.gain * intensity) / np.log1p(60.0 * 3.0)).clip(0, 1).astype(np.float32)
 
 
 def quantize(img: np.ndarray, bits: int) -> np.ndarray:
@@ -370,12 +425,12 @@ def write_oct(path: str, voxels: np.ndarray, spacing: Optional[Sequence[float]],
 
 
 def write_phantom(path: str, style_name: str, shape: Sequence[int] = DEFAULT_SIZE, seed: int = 0,
-                  label: str = "none", bits: Optional[int] = None, patient_id: str = "PHANTOM-000",
+                  label: str = "none", bits: Optional[int] = None, patient_id: str = "PHANTOM-000", eye: Eye = Eye(),
                   **write_kwargs) -> Tuple[np.ndarray, Tuple[float, float, float], list]:
     """One phantom volume in a maker's style: (voxels [D,H,W] as written, spacing (dz,dy,dx), paths)."""
     style = STYLES[style_name]
     rng = np.random.default_rng([seed, LABELS.index(label)])
-    voxels = quantize(synth_reflectivity(shape, rng, label), bits or style.bits)
+    voxels = quantize(synth_reflectivity(shape, rng, label, eye), bits or style.bits)
     spacing = spacing_for(style, shape)
     paths = write_oct(path, voxels, spacing, style, patient_id=patient_id, uid_seed=f"{style_name}-{seed}",
                       laterality="R" if seed % 2 == 0 else "L", **write_kwargs)
@@ -385,28 +440,34 @@ def write_phantom(path: str, style_name: str, shape: Sequence[int] = DEFAULT_SIZ
 MARKER = ".phantom_set.json"  # written last: a folder without it is not a complete phantom set
 
 
-def phantom_set_complete(directory: str, n: int, shape: Sequence[int] = DEFAULT_SIZE, seed: int = 0) -> bool:
+def phantom_set_complete(directory: str, n: int, shape: Sequence[int] = DEFAULT_SIZE, seed: int = 0,
+                          varied: bool = False) -> bool:
     """True when `directory` holds the complete phantom set of these parameters."""
     try:
         with open(os.path.join(directory, MARKER)) as f:
-            return json.load(f) == _set_spec(n, shape, seed)
+            return json.load(f) == _set_spec(n, shape, seed, varied)
     except (OSError, ValueError):
         return False
 
 
-def _set_spec(n: int, shape: Sequence[int], seed: int) -> dict:
-    return {"version": PHANTOM_VERSION, "n": n, "shape": list(shape), "seed": seed}
+def _set_spec(n: int, shape: Sequence[int], seed: int, varied: bool) -> dict:
+    spec = {"version": PHANTOM_VERSION, "n": n, "shape": list(shape), "seed": seed}
+    return {**spec, "varied": True} if varied else spec  # plain sets keep the marker (and the folder) they had
 
 
-def write_phantom_set(directory: str, n: int, shape: Sequence[int] = DEFAULT_SIZE, seed: int = 0) -> str:
+def write_phantom_set(directory: str, n: int, shape: Sequence[int] = DEFAULT_SIZE, seed: int = 0,
+                      varied: bool = False) -> str:
     """Write n phantoms (makers in turn, three volumes per patient, random labels) and DIR/labels.csv.
+    varied: every eye drawn by draw_eye (the nuisances of real scans), the labels none, drusen, none, fluid in turn,
+    and labels.csv has two more columns: lesion (no for none, yes for drusen or fluid: balanced) and retina_thickness
+    (the regression target).
 
     Nothing is written when `directory` already holds this set. Otherwise the set is written to a sibling
     temp folder that replaces `directory` only when complete, so a killed writer never leaves a half set
     behind; an existing folder is replaced only if it is a phantom set of other parameters.
     """
     directory = os.path.abspath(directory)
-    if phantom_set_complete(directory, n, shape, seed):
+    if phantom_set_complete(directory, n, shape, seed, varied):
         return directory
     if os.path.isdir(directory) and os.listdir(directory) and not os.path.exists(os.path.join(directory, MARKER)):
         raise FileExistsError(f"{directory} exists and is not a phantom set; choose an empty or new folder")
@@ -417,16 +478,21 @@ def write_phantom_set(directory: str, n: int, shape: Sequence[int] = DEFAULT_SIZ
     names = list(STYLES)
     for i in range(n):
         style_name = names[i % len(names)]
-        label = LABELS[np.random.default_rng([seed, i, 7]).choice(3, p=[0.4, 0.3, 0.3])]
+        if varied:
+            label, eye = VARIED_LABELS[i % len(VARIED_LABELS)], draw_eye(np.random.default_rng([seed, i, 11]))
+        else:
+            label, eye = LABELS[np.random.default_rng([seed, i, 7]).choice(3, p=[0.4, 0.3, 0.3])], Eye()
         name = f"{i:04d}_{style_name}" + ("" if STYLES[style_name].series else ".dcm")
         write_phantom(os.path.join(tmp, name), style_name, shape, seed=seed * 100003 + i, label=label,
-                      patient_id=f"PHANTOM-{seed:02d}-{i // 3:03d}")
-        rows.append((name, label))
+                      patient_id=f"PHANTOM-{seed:02d}-{i // 3:03d}", eye=eye)
+        rows.append((name, label, "no" if label == "none" else "yes", f"{retina_thickness(eye):.4f}") if varied
+                    else (name, label))
+    header = ("path", "label", "lesion", "retina_thickness") if varied else ("path", "label")
     with open(os.path.join(tmp, "labels.csv"), "w", newline="") as f:
-        csv.writer(f).writerows([("path", "label"), *rows])
+        csv.writer(f).writerows([header, *rows])
     with open(os.path.join(tmp, MARKER), "w") as f:
-        json.dump(_set_spec(n, shape, seed), f)
-    if phantom_set_complete(directory, n, shape, seed):  # another process finished first
+        json.dump(_set_spec(n, shape, seed, varied), f)
+    if phantom_set_complete(directory, n, shape, seed, varied):  # another process finished first
         shutil.rmtree(tmp)
         return directory
     if os.path.isdir(directory):
@@ -435,18 +501,20 @@ def write_phantom_set(directory: str, n: int, shape: Sequence[int] = DEFAULT_SIZ
         os.replace(tmp, directory)
     except OSError:  # another process renamed its complete set into place just now
         shutil.rmtree(tmp)
-        if not phantom_set_complete(directory, n, shape, seed):
+        if not phantom_set_complete(directory, n, shape, seed, varied):
             raise
     return directory
 
 
-def ensure_phantom_set(directory: str, n: int, seed: int = 0, what: str = "phantom OCT volumes") -> str:
-    """`directory`, holding the phantom set of n volumes of this seed: written once (said on stderr), else left as it
-    is. ConfigError (phantom_dir) when a folder that is not a phantom set is in the way."""
-    if not phantom_set_complete(directory, n, seed=seed):
+def ensure_phantom_set(directory: str, n: int, seed: int = 0, what: str = "phantom OCT volumes",
+                       varied: bool = False) -> str:
+    """`directory`, holding the phantom set of n volumes of this seed (varied: write_phantom_set's varied eyes):
+    written once (said on stderr), else left as it is. ConfigError (phantom_dir) when a folder that is not a phantom
+    set is in the way."""
+    if not phantom_set_complete(directory, n, seed=seed, varied=varied):
         print(f"writing {n} {what} to {directory} (once)", file=sys.stderr)
         try:
-            write_phantom_set(directory, n, seed=seed)
+            write_phantom_set(directory, n, seed=seed, varied=varied)
         except FileExistsError as e:
             raise ConfigError(f"phantom_dir: {e}") from None
     return directory
@@ -464,6 +532,8 @@ def main(argv: List[str]) -> int:
     parser.add_argument("--n", type=int, default=48, help="number of volumes")
     parser.add_argument("--size", default=",".join(map(str, DEFAULT_SIZE)), help="D,H,W voxels (default 32,128,128)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--varied", action="store_true", help="varied eyes (draw_eye), balanced labels and "
+                                                                 "retina_thickness: the probe suite's kind of set")
     args = parser.parse_args(argv)
     try:
         shape = [int(s) for s in args.size.split(",")]
@@ -472,7 +542,7 @@ def main(argv: List[str]) -> int:
     if len(shape) != 3 or min(shape) < 8 or args.n < 1:
         raise ConfigError(f"--size needs three sizes >= 8 like 32,128,128 (got {args.size!r}) and --n >= 1.")
     try:
-        write_phantom_set(args.dir, args.n, shape, args.seed)
+        write_phantom_set(args.dir, args.n, shape, args.seed, args.varied)
     except FileExistsError as e:
         raise ConfigError(str(e)) from None
     print(f"wrote {args.n} phantom volumes of {shape[0]}x{shape[1]}x{shape[2]} to {args.dir} "

@@ -1,33 +1,44 @@
-"""Does pretraining work? Probes on frozen target-encoder features, pretrained vs a random init (incident 12).
+"""Does pretraining work? Probes of frozen target-encoder features beside a floor, a shortcut and a ceiling
+(incident 12; README "Does it learn").
 
-    python probe.py --ckpt runs/demo/checkpoints/best.pt          # the built-in labelled phantom set
-    python probe.py --ckpt runs/demo/checkpoints --vs_random      # the run's last checkpoint vs a random init
-    python probe.py --ckpt random                                 # the baseline a JEPA must beat
+    python probe.py --ckpt runs/learn/checkpoints --vs_random     # the built-in suite: the run's last checkpoint
+    python probe.py --ckpt random                                 # a random init of the config's architecture
     python probe.py --ckpt random --config configs/demo.yaml      # ... of another architecture
     python probe.py --ckpt PATH --labels labels.csv --json probe.json
     python probe.py --ckpt PATH --data_root /data/oct             # = --labels /data/oct/labels.csv
 
-Labels: a CSV with the columns path,label (paths relative to the CSV's folder; a series folder is one volume).
-Without --labels or --data_root: PROBE_PHANTOMS phantom volumes (none / drusen / fluid), written once to
-PHANTOM_DIR_probe with another seed than the pretraining phantoms, so the probe never sees a training volume.
-A checkpoint brings its own model and preprocessing; config flags (--config, --embed_dim, ...) shape the
-random model and only phantom_dir, cache_dir and device apply to a checkpoint.
+Every report puts the encoder (and with --vs_random a random init of its architecture: the floor) beside the best of
+a small set of hand-made features (the shortcut a label can be read from without learning anything: HANDMADE) and a
+small 3D CNN trained on the same training split (the supervised ceiling: SmallCNN), with the same volumes and
+splits. A task is valid when the best hand-made features are near chance and the CNN is well above it (VALID_*).
 
-Features: the frozen EMA target encoder's tokens [N, E] per volume, pooled by their mean (then a scikit-learn
-logistic regression on standardized features) and by learned attention (attentive probe, torch). Reported: AUROC (one-vs-rest, macro) and balanced
-accuracy on held-out volumes, mean and 95% t-interval over seeds (each seed: a new stratified split and a new
-probe initialisation). Exit 2 for a missing or incompatible checkpoint or labels file.
+The built-in suite (SUITE), on labelled phantoms written once with other seeds than any pretraining set:
+  plain_lesion   none / drusen / fluid on PROBE_PHANTOMS plain phantoms (PHANTOM_DIR_probe): the task of earlier
+                 reports, kept for continuity; a depth profile gives it away (the lesions sit at one depth).
+  lesion         none / drusen / fluid on SUITE_PHANTOMS varied phantoms (PHANTOM_DIR_suite; phantom.draw_eye: depth
+                 position, tilt, curvature, eye motion, layer thickness and reflectivity, brightness, speckle, vessels).
+  thickness      regression of the retina's thickness (phantom.retina_thickness) on the varied phantoms.
+  lesion_10shot  the lesion task from 10 training volumes per class.
+Labels: a CSV with the columns path,label (paths relative to the CSV's folder; a series folder is one volume) is
+one classification task, `label`. A checkpoint brings its own model, preprocessing and phantom folder; config flags
+(--config, --embed_dim, ...) shape the random model and only phantom_dir, cache_dir and device apply to a checkpoint.
 
-The learning benchmark (README "Does it learn"): --vs_random probes the checkpoint and a random init of its
-architecture with the same volumes, splits, probes and budget, prints the table, and with --plot draws the run's
-in-training probe AUROC against pretraining updates with the random-init level:
-
-    python probe.py --ckpt runs/learn/checkpoints --vs_random --seeds 10 --json learn.json --plot learn_probe.png
+Read-outs of the frozen tokens [M, N, E] (READOUTS): mean_pool (their mean, a linear model), depth_rows (their mean
+per depth row of the token grid, concatenated: where along the A-scan a feature is survives), attentive (learned
+attention pooling on standardized tokens, a fixed budget of full-batch AdamW steps). Linear models are
+scikit-learn's (logistic regression or ridge on standardized features, the regularisation chosen by cross-validation
+on the training split).
+Metrics: classification: macro one-vs-rest AUROC and balanced accuracy; regression: concordance (the share of
+volume pairs put in the right order: 0.5 = chance, the AUROC of a continuous target) and R^2. Each probe seed is a
+new split (TEST_FRACTION held out) and a new probe initialisation; reported: mean and 95% t-interval over the
+seeds, and paired differences (the same splits) with their 95% intervals. Exit 2 for a missing or incompatible
+checkpoint or labels file.
 
 During pretraining, train.py calls prepare_probe_set(cfg) once and probe_auroc(model, probe_set, device) every
-probe_every_steps updates; at the end of the run compare_with_random (summary_probe) says whether the encoder
-beats a random one on the mean-pool probe.
+probe_every_steps updates; at the end of the run compare_with_random (summary_probe) says whether the encoder beats
+a random one on the linear read-outs (mean_pool, depth_rows).
 """
+import copy
 import csv
 import dataclasses
 import json
@@ -37,16 +48,18 @@ import sys
 import warnings
 from collections import Counter
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import scipy.stats
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from matplotlib.figure import Figure
 from sklearn.exceptions import ConvergenceWarning
-from sklearn.linear_model import LogisticRegression
-from sklearn.metrics import balanced_accuracy_score, roc_auc_score
+from sklearn.linear_model import LogisticRegression, RidgeCV
+from sklearn.metrics import balanced_accuracy_score, r2_score, roc_auc_score
+from sklearn.model_selection import GridSearchCV, StratifiedKFold
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
@@ -57,12 +70,22 @@ from model import VJEPA3D
 from phantom import ensure_phantom_set
 from runtime import device_kind, list_checkpoints, read_checkpoint
 
-PROBE_PHANTOMS = 240  # volumes of the built-in labelled phantom set
+PROBE_PHANTOMS = 240  # volumes of the plain labelled phantom set (plain_lesion, and the probe during pretraining)
 PROBE_PHANTOM_SEED = 1  # the pretraining phantoms use seed 0
+SUITE_PHANTOMS = 300  # volumes of the varied labelled phantom set (lesion, thickness, lesion_10shot)
+SUITE_PHANTOM_SEED = 2
 TEST_FRACTION = 0.4  # share of each class held out
 PROBE_SET_VOLUMES = 240  # at most this many volumes are kept in memory for probing during pretraining
 CKPT_FIELDS = ("phantom_dir", "cache_dir", "device")  # the config flags that apply to a checkpoint
-LINEAR_C = 0.3  # inverse L2 strength of the linear probe (on standardized features), the same for every encoder
+LINEAR_CS = (0.003, 0.03, 0.3, 3.0)  # logistic regression: inverse L2 strengths tried by cross-validation
+RIDGE_ALPHAS = tuple(np.logspace(-1, 4, 11))  # ridge regression: L2 strengths tried (leave-one-out)
+READOUTS = ("mean_pool", "depth_rows", "attentive")
+LINEAR_READOUTS = ("mean_pool", "depth_rows")  # the cheap ones: the end-of-run verdict and the in-training probe
+HANDMADE = ("depth_profile", "histogram", "pooled_voxels", "profile_histogram")
+HISTOGRAM_BINS = 32  # over [-3, 3] standard deviations of the normalized volume
+POOLED_GRID = (4, 8, 8)  # raw voxels average-pooled to this [D, H, W] grid
+VALID_SHORTCUT_MAX = 0.65  # a valid task: the best hand-made features score at most this (0.5 = chance) ...
+VALID_CEILING_MIN = 0.75  # ... and the supervised CNN at least this
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -87,6 +110,13 @@ def classification_scores(probs: np.ndarray, labels: np.ndarray) -> dict:
     return {"auroc": float(auroc), "balanced_accuracy": float(balanced_accuracy_score(labels, probs.argmax(1)))}
 
 
+def regression_scores(predicted: np.ndarray, targets: np.ndarray) -> dict:
+    """Concordance (share of pairs in the right order, (Kendall tau + 1) / 2: 0.5 = chance, 1 = a perfect ranking)
+    and R^2 of predictions [M] for targets [M]."""
+    tau = scipy.stats.kendalltau(predicted, targets).statistic
+    return {"concordance": 0.5 if np.isnan(tau) else float((tau + 1) / 2), "r2": float(r2_score(targets, predicted))}
+
+
 def interval(values: Sequence[float]) -> dict:
     """Mean and 95% Student-t interval of per-seed values (one value: an infinite interval)."""
     v = np.asarray(values, dtype=float)
@@ -95,9 +125,40 @@ def interval(values: Sequence[float]) -> dict:
             "values": [float(x) for x in v]}
 
 
+def beats(a: dict, b: dict) -> bool:
+    """Interval a lies above interval b and above chance (0.5): a reference that scores below chance on a small set
+    is beaten only by learning something."""
+    return bool(a["low"] > max(b["high"], 0.5))
+
+
+def paired_difference(a: dict, b: dict) -> dict:
+    """The interval of the per-seed differences a - b of two intervals measured on the same seeds (splits)."""
+    return interval(np.asarray(a["values"]) - np.asarray(b["values"]))
+
+
 # ----------------------------------------------------------------------------------------------------------
-# Probes
+# Tasks and splits
 # ----------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Task:
+    """What a probe predicts: a column of a labels CSV, as classes or as a number, from all of the training split
+    or from `shots` training volumes per class."""
+    name: str
+    column: str = "label"
+    regression: bool = False
+    shots: Optional[int] = None
+
+    @property
+    def metric(self) -> str:
+        """The headline metric: 0.5 is chance for both."""
+        return "concordance" if self.regression else "auroc"
+
+
+SUITE = {"plain": (Task("plain_lesion"),),
+         "varied": (Task("lesion", "lesion"), Task("thickness", "retina_thickness", regression=True),
+                    Task("lesion_10shot", "lesion", shots=10))}  # the built-in tasks, by the phantom set they use
+
 
 def stratified_split(labels: np.ndarray, test_fraction: float, seed: int) -> Tuple[np.ndarray, np.ndarray]:
     """(train, test) indices holding every class on both sides, test_fraction of each class held out."""
@@ -111,140 +172,380 @@ def stratified_split(labels: np.ndarray, test_fraction: float, seed: int) -> Tup
     return np.array(sorted(train)), np.array(sorted(test))
 
 
-def fit_linear(x: np.ndarray, y: np.ndarray):
-    """A scikit-learn pipeline: standardized features x [M, E] -> multinomial L2 logistic regression."""
-    return make_pipeline(StandardScaler(), LogisticRegression(C=LINEAR_C, max_iter=1000)).fit(x, y)
+def task_split(targets: np.ndarray, task: Task, seed: int,
+               test_fraction: float = TEST_FRACTION) -> Tuple[np.ndarray, np.ndarray]:
+    """(train, test) indices of one probe seed: stratified by class (by quintile of a regression target), then
+    `shots` training volumes per class kept for a few-shot task. The test split does not depend on shots."""
+    strata = targets
+    if task.regression:
+        strata = np.searchsorted(np.quantile(targets, [0.2, 0.4, 0.6, 0.8]), targets)
+    train, test = stratified_split(strata, test_fraction, seed)
+    if task.shots is not None:
+        rng = np.random.default_rng([seed, task.shots])
+        train = np.sort(np.concatenate([rng.permutation(train[strata[train] == c])[:task.shots]
+                                        for c in np.unique(strata[train])]))
+    return train, test
 
 
-def linear_probe(pooled: np.ndarray, labels: np.ndarray, train_idx: np.ndarray, test_idx: np.ndarray) -> dict:
-    """Held-out scores (classification_scores) of fit_linear on pooled features [M, E]."""
+def scores_of(task: Task, outputs: np.ndarray, targets: np.ndarray) -> dict:
+    """Scores of a model's outputs on held-out volumes: class probabilities [M, C] or predictions [M]."""
+    return regression_scores(outputs, targets) if task.regression else classification_scores(outputs, targets)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Read-outs of frozen tokens
+# ----------------------------------------------------------------------------------------------------------
+
+def pool_tokens(tokens: torch.Tensor, grid: Sequence[int], readout: str) -> np.ndarray:
+    """Features [M, F] of tokens [M, N, E] laid out on the (gd, gh, gw) token grid: mean_pool (F = E) or depth_rows
+    (the mean per depth row gh, over B-scans and lateral positions: F = gh * E)."""
+    if readout == "mean_pool":
+        return tokens.mean(1).numpy()
+    if readout == "depth_rows":
+        return tokens.unflatten(1, tuple(grid)).mean((1, 3)).flatten(1).numpy()  # [M, gd, gh, gw, E] -> [M, gh*E]
+    raise ValueError(f"readout: {readout!r} is not one of {LINEAR_READOUTS}")
+
+
+def fit_linear(x: np.ndarray, y: np.ndarray, regression: bool = False):
+    """A scikit-learn pipeline on standardized features x [M, F]: ridge regression (regression) or a multinomial
+    logistic regression, the L2 strength chosen by cross-validation on (x, y)."""
+    if regression:
+        model = make_pipeline(StandardScaler(), RidgeCV(alphas=RIDGE_ALPHAS))
+    else:
+        model = make_pipeline(StandardScaler(), LogisticRegression(C=LINEAR_CS[2], max_iter=1000))
+        folds = min(3, int(np.bincount(y)[np.unique(y)].min()))  # every class in each fold
+        if folds >= 2:
+            model = GridSearchCV(model, {"logisticregression__C": LINEAR_CS}, scoring="neg_log_loss",
+                                 cv=StratifiedKFold(folds, shuffle=True, random_state=0))
     with warnings.catch_warnings():  # constant features (a collapsed encoder) make the solver warn; it scores chance
         warnings.simplefilter("ignore", ConvergenceWarning)
-        classifier = fit_linear(pooled[train_idx], labels[train_idx])
-    probs = np.zeros((len(test_idx), int(labels.max()) + 1))
-    probs[:, classifier.classes_] = classifier.predict_proba(pooled[test_idx])
-    return classification_scores(probs, labels[test_idx])
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return model.fit(x, y)
+
+
+def linear_probe(features: np.ndarray, targets: np.ndarray, train_idx: np.ndarray, test_idx: np.ndarray,
+                 task: Task = Task("label")) -> dict:
+    """Held-out scores (scores_of) of fit_linear on features [M, F]."""
+    model = fit_linear(features[train_idx], targets[train_idx], task.regression)
+    if task.regression:
+        return scores_of(task, model.predict(features[test_idx]), targets[test_idx])
+    probs = np.zeros((len(test_idx), int(targets.max()) + 1))
+    probs[:, model.classes_] = model.predict_proba(features[test_idx])
+    return scores_of(task, probs, targets[test_idx])
 
 
 class AttentiveProbe(torch.nn.Module):
-    """Attention pooling of frozen tokens [M, N, E] (one learned score vector per head), then a linear classifier.
-    Starts as mean pooling (zero scores)."""
+    """Attention pooling of frozen tokens [M, N, E] (one learned score vector per head), then a linear layer to
+    out_dim outputs (class logits, or one regression output). Starts as mean pooling (zero scores). The tokens are
+    standardized per feature (the training tokens' mean and std: set_standardization), then layer-normed."""
 
-    def __init__(self, dim: int, num_classes: int, num_heads: int = 4):
+    def __init__(self, dim: int, out_dim: int, num_heads: int = 4):
         super().__init__()
         self.scores = torch.nn.Linear(dim, num_heads)
-        self.head = torch.nn.Linear(num_heads * dim, num_classes)
+        self.head = torch.nn.Linear(num_heads * dim, out_dim)
         torch.nn.init.zeros_(self.scores.weight)
         torch.nn.init.zeros_(self.scores.bias)
+        self.register_buffer("mean", torch.zeros(dim))
+        self.register_buffer("std", torch.ones(dim))
+
+    def set_standardization(self, tokens: torch.Tensor) -> None:
+        """Standardize features with the mean and std over all tokens [M, N, E] of the training volumes."""
+        self.mean.copy_(tokens.mean((0, 1)))
+        self.std.copy_(tokens.std((0, 1)) + 1e-6)
+
+    def normalize(self, tokens: torch.Tensor) -> torch.Tensor:
+        """What classify takes: standardized, layer-normed tokens [M, N, E]."""
+        return F.layer_norm((tokens - self.mean) / self.std, tokens.shape[-1:])
 
     def forward(self, tokens):
-        return self.classify(F.layer_norm(tokens, tokens.shape[-1:]))
+        return self.classify(self.normalize(tokens))
 
     def attention(self, tokens):
         """Each head's pooling weights [M, N, heads] over tokens [M, N, E] (they sum to 1 over N): where it looks."""
-        return torch.softmax(self.scores(F.layer_norm(tokens, tokens.shape[-1:])), dim=1)
+        return self.pooling_weights(self.normalize(tokens))
+
+    def pooling_weights(self, normed):
+        """Pooling weights [M, N, heads] of normalized tokens [M, N, E]."""
+        return torch.softmax(self.scores(normed), dim=1)
 
     def classify(self, normed):
-        """Logits [M, C] of layer-normed tokens [M, N, E]."""
-        weights = torch.softmax(self.scores(normed), dim=1)  # [M, N, heads]
+        """Outputs [M, out_dim] of layer-normed tokens [M, N, E]."""
+        weights = self.pooling_weights(normed)  # [M, N, heads]
         return self.head(torch.einsum("mnh,mne->mhe", weights, normed).flatten(1))
 
 
-def fit_attentive(tokens: torch.Tensor, y: torch.Tensor, num_classes: int, seed: int, steps: int = 300,
-                  lr: float = 1e-2, weight_decay: float = 1e-2) -> AttentiveProbe:
-    """An AttentiveProbe trained full-batch on tokens [M, N, E] with labels y [M]. The budget (300 steps at lr 1e-2)
-    is the same for every encoder; it halved the seed-to-seed spread of 150 steps at 2e-2 (README, Does it learn)."""
-    torch.manual_seed(seed)
-    probe = AttentiveProbe(tokens.shape[-1], num_classes)
-    opt = torch.optim.AdamW(probe.parameters(), lr=lr, weight_decay=weight_decay)
-    normed = F.layer_norm(tokens, tokens.shape[-1:])  # once: the tokens are frozen
+def output_dim(task: Task, targets: np.ndarray) -> int:
+    """Outputs of a trained read-out: one per class, or one for a regression."""
+    return 1 if task.regression else int(targets.max()) + 1
+
+
+def training_targets(task: Task, targets: np.ndarray, fit: np.ndarray) -> torch.Tensor:
+    """The targets [M] a torch model trains on and is scored against: class ids, or the regression target
+    standardized with the mean and std of the fit split (R^2 and concordance do not change)."""
+    if not task.regression:
+        return torch.from_numpy(targets).long()
+    return torch.from_numpy((targets - targets[fit].mean()) / max(targets[fit].std(), 1e-8)).float()
+
+
+def task_loss(task: Task, outputs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of class logits [M, C], or the mean squared error of predictions [M, 1]."""
+    return F.mse_loss(outputs[:, 0], y) if task.regression else F.cross_entropy(outputs, y)
+
+
+def task_outputs(task: Task, outputs: torch.Tensor) -> np.ndarray:
+    """What scores_of takes: class probabilities [M, C] or predictions [M]."""
+    return outputs[:, 0].numpy() if task.regression else F.softmax(outputs, dim=-1).numpy()
+
+
+def train_steps(model: nn.Module, batch_loss, steps: int, lr: float, weight_decay: float) -> nn.Module:
+    """AdamW on model for `steps` updates, each on the loss batch_loss() returns; returns the model in eval mode."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    model.train()
     with torch.enable_grad():
         for _ in range(steps):
             opt.zero_grad()
-            F.cross_entropy(probe.classify(normed), y).backward()
+            batch_loss().backward()
             opt.step()
-    return probe
+    return model.eval()
 
 
-@torch.no_grad()
-def attentive_scores(probe: AttentiveProbe, tokens: torch.Tensor, labels: np.ndarray) -> dict:
-    """Held-out scores (classification_scores) of an attentive probe on tokens [M, N, E]."""
-    return classification_scores(F.softmax(probe(tokens), dim=-1).numpy(), labels)
+def fit_attentive(tokens: torch.Tensor, targets: np.ndarray, train_idx: np.ndarray, task: Task, seed: int,
+                  steps: int = 300, lr: float = 1e-2, weight_decay: float = 1e-2) -> AttentiveProbe:
+    """An AttentiveProbe trained full-batch on the tokens [M, N, E] of train_idx for a fixed budget, the same for
+    every encoder. Standardizing the features raised the AUROC; early stopping on a fifth of the training volumes
+    lowered it and doubled its spread over probe seeds (README, Does it learn)."""
+    torch.manual_seed(seed)
+    probe = AttentiveProbe(tokens.shape[-1], output_dim(task, targets))
+    probe.set_standardization(tokens[train_idx])
+    y = training_targets(task, targets, train_idx)[train_idx]
+    normed = probe.normalize(tokens[train_idx])  # once: the tokens are frozen
+    return train_steps(probe, lambda: task_loss(task, probe.classify(normed), y), steps, lr, weight_decay)
 
 
-def split_scores(tokens: torch.Tensor, labels: np.ndarray, train_idx: np.ndarray, test_idx: np.ndarray, seed: int,
-                 attentive: bool = True) -> Dict[str, dict]:
-    """Per probe (mean_pool, attentive), the held-out scores (classification_scores) on test_idx of the probe trained
-    on train_idx, initialised from `seed`. tokens: [M, N, E] frozen features of M labelled volumes; labels: [M] class
-    ids. The one place that says which probes there are: probe_scores and finetune.py call it."""
-    scores = {"mean_pool": linear_probe(tokens.mean(1).numpy(), labels, train_idx, test_idx)}
-    if attentive:
-        probe = fit_attentive(tokens[train_idx], torch.from_numpy(labels[train_idx]).long(), int(labels.max()) + 1,
-                              seed)
-        scores["attentive"] = attentive_scores(probe, tokens[test_idx], labels[test_idx])
+def split_scores(tokens: torch.Tensor, targets: np.ndarray, train_idx: np.ndarray, test_idx: np.ndarray, seed: int,
+                 readouts: Sequence[str] = ("mean_pool", "attentive"), grid: Optional[Sequence[int]] = None,
+                 task: Task = Task("label")) -> Dict[str, dict]:
+    """{readout: held-out scores (scores_of) on test_idx} of each read-out trained on train_idx, initialised from
+    `seed`. tokens: [M, N, E] frozen features of M labelled volumes (token grid `grid`, needed for depth_rows);
+    targets: [M] class ids or numbers. The one place that says how a read-out is scored: readout_scores and
+    finetune.py call it."""
+    scores = {}
+    for readout in readouts:
+        if readout == "attentive":
+            probe = fit_attentive(tokens, targets, train_idx, task, seed)
+            with torch.no_grad():
+                y = training_targets(task, targets, train_idx).numpy()
+                scores[readout] = scores_of(task, task_outputs(task, probe(tokens[test_idx])), y[test_idx])
+        else:
+            scores[readout] = linear_probe(pool_tokens(tokens, grid, readout), targets, train_idx, test_idx, task)
     return scores
 
 
-def probe_scores(tokens: torch.Tensor, labels: np.ndarray, seeds: Sequence[int], attentive: bool = True) -> dict:
-    """Per probe (split_scores), the interval over seeds of held-out AUROC and balanced accuracy, each seed a new
-    stratified_split. tokens: [M, N, E] frozen features of M labelled volumes; labels: [M] class ids."""
-    runs: Dict[str, Dict[str, list]] = {}
+def readout_scores(tokens: torch.Tensor, grid: Sequence[int], targets: np.ndarray, task: Task, seeds: Sequence[int],
+                   readouts: Sequence[str] = READOUTS) -> Dict[str, Dict[str, dict]]:
+    """{readout: {metric: interval over seeds}} of one encoder's frozen tokens [M, N, E] (token grid `grid`) on a
+    task with per-volume targets [M] (class ids or numbers)."""
+    runs: Dict[str, List[dict]] = {r: [] for r in readouts}
     for seed in seeds:
-        tr, te = stratified_split(labels, TEST_FRACTION, seed)
-        scores = split_scores(tokens, labels, tr, te, seed, attentive)
-        for probe, metrics in scores.items():
-            for metric, value in metrics.items():
-                runs.setdefault(probe, {}).setdefault(metric, []).append(value)
-    return {probe: {metric: interval(values) for metric, values in metrics.items()} for probe, metrics in runs.items()}
+        train, test = task_split(targets, task, seed)
+        for readout, scores in split_scores(tokens, targets, train, test, seed, readouts, grid, task).items():
+            runs[readout].append(scores)
+    return {r: intervals(s) for r, s in runs.items()}
+
+
+def intervals(runs: List[dict]) -> Dict[str, dict]:
+    """{metric: interval} of per-seed score dicts."""
+    return {metric: interval([r[metric] for r in runs]) for metric in runs[0]}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The shortcut (hand-made features) and the ceiling (a supervised CNN)
+# ----------------------------------------------------------------------------------------------------------
+
+def handmade_features(volumes: torch.Tensor) -> Dict[str, np.ndarray]:
+    """HANDMADE features [M, F] of normalized volumes [M, 1, D, H, W], each a shortcut a label may be read from:
+    depth_profile (mean intensity per depth row: H numbers), histogram (HISTOGRAM_BINS-bin intensity histogram),
+    pooled_voxels (the volume average-pooled to POOLED_GRID), profile_histogram (the first two together)."""
+    x = volumes.float()[:, 0]  # [M, D, H, W]
+    profile = x.mean((1, 3)).numpy()  # [M, H]
+    flat = x.flatten(1)  # [M, voxels]
+    histogram = torch.stack([torch.histc(v.clamp(-3, 3), HISTOGRAM_BINS, -3, 3) for v in flat]).numpy() / flat.shape[1]
+    pooled = F.adaptive_avg_pool3d(x[:, None], POOLED_GRID).flatten(1).numpy()  # [M, 4*8*8]
+    return {"depth_profile": profile, "histogram": histogram, "pooled_voxels": pooled,
+            "profile_histogram": np.concatenate([profile, histogram], axis=1)}
+
+
+def handmade_scores(volumes: torch.Tensor, targets: np.ndarray, task: Task,
+                    seeds: Sequence[int]) -> Dict[str, Dict[str, dict]]:
+    """{feature set: {metric: interval}} of a linear model on each HANDMADE feature set, the same splits as the
+    encoders' read-outs."""
+    features = handmade_features(volumes)
+    runs: Dict[str, List[dict]] = {name: [] for name in features}
+    for seed in seeds:
+        train, test = task_split(targets, task, seed)
+        for name, x in features.items():
+            runs[name].append(linear_probe(x, targets, train, test, task))
+    return {name: intervals(r) for name, r in runs.items()}
+
+
+class SmallCNN(nn.Module):
+    """The supervised reference: four 3x3x3 convolutions (strides 1x2x2, 2, 2, 1; BatchNorm, GELU), mean and max
+    pooled, then a linear layer to out_dim outputs. [M, 1, D, H, W] -> [M, out_dim]."""
+
+    def __init__(self, out_dim: int, width: int = 16):
+        super().__init__()
+        channels, strides, layers = [1, width, 2 * width, 4 * width, 4 * width], [(1, 2, 2), 2, 2, 1], []
+        for c_in, c_out, stride in zip(channels, channels[1:], strides):
+            layers += [nn.Conv3d(c_in, c_out, 3, stride=stride, padding=1, bias=False), nn.BatchNorm3d(c_out), nn.GELU()]
+        self.features = nn.Sequential(*layers)
+        self.head = nn.Linear(2 * channels[-1], out_dim)
+
+    def forward(self, volume):
+        h = self.features(volume).flatten(2)  # [M, C, voxels]
+        return self.head(torch.cat([h.mean(-1), h.amax(-1)], dim=1))
+
+
+CNN_STEPS, CNN_BATCH, CNN_LR = 600, 16, 2e-3  # the supervised reference's fixed budget
+
+
+def fit_cnn(volumes: torch.Tensor, targets: np.ndarray, train_idx: np.ndarray, task: Task, seed: int,
+            steps: int = CNN_STEPS, batch_size: int = CNN_BATCH, lr: float = CNN_LR) -> SmallCNN:
+    """A SmallCNN trained from scratch on the volumes [M, 1, D, H, W] of train_idx (random lateral flips) for a
+    fixed budget. Early stopping on a fifth of the training volumes lowered the AUROC (README, Does it learn)."""
+    torch.manual_seed(seed)
+    cnn = SmallCNN(output_dim(task, targets))
+    y = training_targets(task, targets, train_idx)
+    x = volumes.float()
+    rng = np.random.default_rng(seed)
+
+    def next_batch():
+        idx = rng.choice(train_idx, size=min(batch_size, len(train_idx)), replace=False)
+        batch = x[idx]
+        flip = torch.from_numpy(rng.random(len(idx)) < 0.5)
+        batch = torch.where(flip[:, None, None, None, None], batch.flip(-1), batch)
+        return task_loss(task, cnn(batch), y[idx])
+
+    return train_steps(cnn, next_batch, steps, lr, 1e-4)
+
+
+def supervised_scores(volumes: torch.Tensor, targets: np.ndarray, task: Task, seeds: Sequence[int]) -> Dict[str, dict]:
+    """{metric: interval} of the SmallCNN trained on each seed's training split, the same splits as the read-outs."""
+    runs = []
+    for seed in seeds:
+        train, test = task_split(targets, task, seed)
+        cnn = fit_cnn(volumes, targets, train, task, seed)
+        with torch.no_grad():
+            y = training_targets(task, targets, train).numpy()
+            runs.append(scores_of(task, task_outputs(task, cnn(volumes[test].float())), y[test]))
+    return intervals(runs)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A task's report: every encoder and read-out beside the shortcut and the ceiling
+# ----------------------------------------------------------------------------------------------------------
+
+def task_report(task: Task, targets: np.ndarray, tokens: Dict[str, torch.Tensor], grid: Sequence[int],
+                volumes: torch.Tensor, seeds: Sequence[int], readouts: Sequence[str] = READOUTS,
+                reference: bool = True) -> dict:
+    """One task: each encoder's read-outs (tokens: {encoder name: [M, N, E]}; 'random' is the floor) and, with
+    `reference`, the hand-made features (the shortcut), the supervised CNN (the ceiling) and the task's validity:
+    {"metric", "encoders": {name: {readout: {metric: interval}}}, "handmade": {features: ...}, "best_handmade",
+    "supervised": {metric: interval}, "valid", "versus": {name: {readout: comparisons}}}."""
+    metric = task.metric
+    report = {"metric": metric, "regression": task.regression, "shots": task.shots,
+              "encoders": {name: readout_scores(t, grid, targets, task, seeds, readouts) for name, t in tokens.items()}}
+    if reference:
+        report["handmade"] = handmade_scores(volumes, targets, task, seeds)
+        report["best_handmade"] = max(report["handmade"], key=lambda f: report["handmade"][f][metric]["mean"])
+        report["supervised"] = supervised_scores(volumes, targets, task, seeds)
+        report["valid"] = bool(report["handmade"][report["best_handmade"]][metric]["mean"] <= VALID_SHORTCUT_MAX
+                               and report["supervised"][metric]["mean"] >= VALID_CEILING_MIN)
+    report["versus"] = {name: {readout: comparisons(report, scores[readout][metric], readout) for readout in scores}
+                        for name, scores in report["encoders"].items() if name != "random"}
+    return report
+
+
+def comparisons(report: dict, scores: dict, readout: str) -> dict:
+    """An encoder read-out's headline interval `scores` against what the task report holds: the random init's same
+    read-out, the best hand-made features, the supervised CNN. Per reference: the paired difference (same splits)
+    and whether it beats the reference (its interval lies above the reference's and above chance)."""
+    metric, out = report["metric"], {}
+    references = {"random": report["encoders"].get("random", {}).get(readout, {}).get(metric),
+                  "handmade": report.get("handmade", {}).get(report.get("best_handmade"), {}).get(metric),
+                  "supervised": report.get("supervised", {}).get(metric)}
+    for name, iv in references.items():
+        if iv is not None:
+            out[name] = {"difference": paired_difference(scores, iv), "beats": beats(scores, iv)}
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Labelled volumes and their features
 # ----------------------------------------------------------------------------------------------------------
 
-def read_labels(path: str) -> List[Tuple[str, str]]:
-    """(path, label) rows of a labels CSV with the columns path,label (paths relative to the CSV's folder)."""
+def read_labels(path: str, columns: Sequence[str] = ("label",)) -> List[Tuple[str, ...]]:
+    """(path, *columns) rows of a labels CSV with a header path,label,... (paths relative to the CSV's folder)."""
     if not os.path.isfile(path):
         raise ConfigError(f"labels: {path} not found; give a CSV with the header path,label (paths relative to its "
-                          f"folder), or leave --labels and --data_root out to probe the built-in phantom set.")
+                          f"folder), or leave --labels and --data_root out to probe the built-in phantom suite.")
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
-    if not rows or not {"path", "label"} <= set(rows[0]):
-        raise ConfigError(f"labels: {path} needs a header line path,label and at least one row.")
+    if not rows or not {"path", *columns} <= set(rows[0]):
+        raise ConfigError(f"labels: {path} needs a header line path,{','.join(columns)} and at least one row.")
     root = os.path.dirname(os.path.abspath(path))
     return [(r["path"] if "://" in r["path"] or os.path.isabs(r["path"]) else os.path.join(root, r["path"]),
-             r["label"]) for r in rows]
+             *(r[c] for c in columns)) for r in rows]
 
 
-def phantom_labels(cfg: Config) -> str:
-    """labels.csv of the built-in labelled phantom set in cfg.phantom_dir + '_probe' (written once)."""
-    directory = cfg.phantom_dir.rstrip("/") + "_probe"
-    ensure_phantom_set(directory, PROBE_PHANTOMS, PROBE_PHANTOM_SEED, "labelled phantom volumes")
+def phantom_labels(cfg: Config, varied: bool = False) -> str:
+    """labels.csv of a built-in labelled phantom set, written once: the plain set in cfg.phantom_dir + '_probe', or
+    the varied one (varied eyes, balanced labels, retina_thickness) in cfg.phantom_dir + '_suite'."""
+    n, seed = (SUITE_PHANTOMS, SUITE_PHANTOM_SEED) if varied else (PROBE_PHANTOMS, PROBE_PHANTOM_SEED)
+    directory = cfg.phantom_dir.rstrip("/") + ("_suite" if varied else "_probe")
+    ensure_phantom_set(directory, n, seed, "labelled phantom volumes", varied)
     return os.path.join(directory, "labels.csv")
 
 
-def load_labelled_volumes(cfg: Config, labels_csv: str, max_volumes: Optional[int] = None):
-    """(volumes [M,1,D,H,W] float32 preprocessed like validation samples, class ids [M], class names,
+def load_labelled_volumes(cfg: Config, labels_csv: str, max_volumes: Optional[int] = None,
+                          columns: Sequence[str] = ("label",)):
+    """(volumes [M,1,D,H,W] float32 preprocessed like validation samples, {column: values [M] (strings)},
     {reason: count} of unusable files) of a labels CSV; at most max_volumes, drawn at random."""
-    rows = read_labels(labels_csv)
+    rows = read_labels(labels_csv, columns)
     if max_volumes is not None and len(rows) > max_volumes:
         keep = np.random.default_rng(0).permutation(len(rows))[:max_volumes]
         rows = [rows[i] for i in sorted(keep)]
-    volumes, labels, skipped = [], [], Counter()
-    for path, label in rows:
+    volumes, kept, skipped = [], [], Counter()
+    for row in rows:
         try:
-            volumes.append(load_val_sample(path, cfg))
+            volumes.append(load_val_sample(row[0], cfg))
         except UnusableFile as e:
             skipped[e.reason] += 1
             continue
-        labels.append(label)
-    counts = Counter(labels)
+        kept.append(row[1:])
+    values = {c: np.array([r[i] for r in kept], dtype=str) for i, c in enumerate(columns)}
+    if not volumes:
+        raise ConfigError(f"labels: no usable volume in {labels_csv} (unusable files: {dict(skipped)}).")
+    return torch.stack(volumes), values, dict(skipped)
+
+
+def task_targets(task: Task, values: np.ndarray, source: str = "labels") -> Tuple[np.ndarray, List[str]]:
+    """(class ids [M], class names) of a classification task's column values [M] (names sorted), or (numbers [M],
+    []) of a regression task's. Raises ConfigError when a held-out split is impossible or a number is not one."""
+    if task.regression:
+        try:
+            numbers = values.astype(float)
+        except ValueError:
+            raise ConfigError(f"labels: {source} column {task.column} must hold numbers for the task {task.name}") from None
+        if len(numbers) < 4 or numbers.std() == 0:
+            raise ConfigError(f"labels: {source} column {task.column} needs at least 4 usable volumes with different "
+                              f"values for a held-out split.")
+        return numbers, []
+    counts = Counter(values)
     if len(counts) < 2 or min(counts.values()) < 2:
-        raise ConfigError(f"labels: {labels_csv} gives {dict(counts)} usable volumes per class "
-                          f"(unusable files: {dict(skipped) or 'none'}); a held-out split needs two classes with "
-                          f"at least 2 volumes each (20 or more for a useful interval).")
+        raise ConfigError(f"labels: {source} gives {dict(counts)} usable volumes per class; a held-out split needs "
+                          f"two classes with at least 2 volumes each (20 or more for a useful interval).")
     names = sorted(counts)
-    return torch.stack(volumes), np.array([names.index(label) for label in labels]), names, dict(skipped)
+    return np.array([names.index(v) for v in values]), names
 
 
 @torch.no_grad()
@@ -276,39 +577,46 @@ class ProbeSet:
 
 
 def prepare_probe_set(cfg: Config, labels_csv: Optional[str] = None, max_volumes: int = PROBE_SET_VOLUMES) -> ProbeSet:
-    """The probe set of a run: labels_csv (default: the built-in labelled phantom set), preprocessed with cfg.
+    """The probe set of a run: labels_csv (default: the plain labelled phantom set), preprocessed with cfg.
     Raises ConfigError for a missing or unusable labels file."""
-    volumes, labels, classes, _ = load_labelled_volumes(cfg, labels_csv or phantom_labels(cfg), max_volumes)
+    labels_csv = labels_csv or phantom_labels(cfg)
+    volumes, values, skipped = load_labelled_volumes(cfg, labels_csv, max_volumes)
+    labels, classes = task_targets(Task("label"), values["label"], f"{labels_csv} (unusable files: {skipped or 'none'})")
     train_idx, test_idx = stratified_split(labels, TEST_FRACTION, seed=0)
     return ProbeSet(volumes.half(), labels, classes, train_idx, test_idx)
 
 
-def probe_auroc(model: VJEPA3D, probe_set: ProbeSet, device) -> Dict[str, float]:
-    """Held-out macro AUROC and balanced accuracy of a logistic regression on the mean-pooled features of the
-    model's current target encoder: {"probe_auroc", "probe_bal_acc"}."""
+def frozen_tokens(model: VJEPA3D, volumes: torch.Tensor, device) -> torch.Tensor:
+    """encode_volumes in eval mode, leaving the model's training mode as it was."""
     was_training = model.training
-    model.eval()
-    pooled = encode_volumes(model, probe_set.volumes, device).mean(1).numpy()  # [M, E]
+    tokens = encode_volumes(model.eval(), volumes, device)
     model.train(was_training)
-    scores = linear_probe(pooled, probe_set.labels, probe_set.train_idx, probe_set.test_idx)
-    return {"probe_auroc": scores["auroc"], "probe_bal_acc": scores["balanced_accuracy"]}
+    return tokens
+
+
+def probe_auroc(model: VJEPA3D, probe_set: ProbeSet, device) -> Dict[str, float]:
+    """Held-out macro AUROC of a logistic regression on the model's current target-encoder features, on the probe
+    set's fixed split: {"probe_auroc" (mean_pool), "probe_bal_acc" (mean_pool), "probe_rows_auroc" (depth_rows)}."""
+    tokens = frozen_tokens(model, probe_set.volumes, device)
+    split = (probe_set.labels, probe_set.train_idx, probe_set.test_idx)
+    mean = linear_probe(pool_tokens(tokens, model.grid, "mean_pool"), *split)
+    rows = linear_probe(pool_tokens(tokens, model.grid, "depth_rows"), *split)
+    return {"probe_auroc": mean["auroc"], "probe_bal_acc": mean["balanced_accuracy"], "probe_rows_auroc": rows["auroc"]}
 
 
 def compare_with_random(model: VJEPA3D, cfg: Config, probe_set: ProbeSet, device, seeds: int = 5) -> dict:
-    """The mean-pool linear probe of the model's target encoder and of a random init of the same architecture
-    (seeded like probe.py --ckpt random) on the same splits of the probe set: {"pretrained": interval,
-    "random": interval, "beats_random": the pretrained interval lies above the random one}."""
+    """The linear read-outs (LINEAR_READOUTS) of the model's target encoder and of a random init of the same
+    architecture (seeded like probe.py --ckpt random) on the same splits of the probe set: {"pretrained":
+    {readout: AUROC interval}, "random": {...}, "beats_random": {readout: the pretrained interval lies above the
+    random one and chance: beats}}."""
     with torch.random.fork_rng():
-        random_model = load_model("random", cfg)[0]
+        random_model = load_model("random", cfg)[0].to(device)
     out = {}
     for arm, arm_model in (("pretrained", model), ("random", random_model)):
-        was_training = arm_model.training
-        pooled = encode_volumes(arm_model.to(device).eval(), probe_set.volumes, device).mean(1).numpy()  # [M, E]
-        arm_model.train(was_training)
-        aurocs = [linear_probe(pooled, probe_set.labels, *stratified_split(probe_set.labels, TEST_FRACTION, seed))
-                  ["auroc"] for seed in range(seeds)]
-        out[arm] = interval(aurocs)
-    out["beats_random"] = out["pretrained"]["low"] > out["random"]["high"]
+        tokens = frozen_tokens(arm_model, probe_set.volumes, device)
+        scores = readout_scores(tokens, model.grid, probe_set.labels, Task("label"), range(seeds), LINEAR_READOUTS)
+        out[arm] = {readout: s["auroc"] for readout, s in scores.items()}
+    out["beats_random"] = {r: beats(out["pretrained"][r], out["random"][r]) for r in LINEAR_READOUTS}
     return out
 
 
@@ -363,56 +671,88 @@ def probe_device(cfg: Config) -> torch.device:
     return torch.device(device_kind(cfg, xla=False))
 
 
+def checkpoint_probe_config(ckpt_cfg: Config, cli_cfg: Config, given: Set[str]) -> Config:
+    """The config a checkpoint is probed with: its own (model, preprocessing, phantom folder, cache), this command
+    line's device, and the phantom_dir and cache_dir of this command line where it names them (`given` flags)."""
+    return dataclasses.replace(ckpt_cfg, device=cli_cfg.device,
+                               **{k: getattr(cli_cfg, k) for k in ("phantom_dir", "cache_dir") if k in given})
+
+
+def suite_sets(cfg: Config, labels_csv: Optional[str], names: Optional[Sequence[str]] = None
+               ) -> List[Tuple[str, Tuple[Task, ...]]]:
+    """(labels CSV, its tasks) to probe: a user's CSV (one classification task, 'label'), or the built-in suite's
+    tasks (those in `names`; None = all), their phantom sets written first if need be."""
+    if labels_csv:
+        if names:
+            raise ConfigError("tasks: --tasks picks built-in tasks; a labels CSV is one task ('label').")
+        return [(labels_csv, (Task("label"),))]
+    known = [t.name for tasks in SUITE.values() for t in tasks]
+    if names and set(names) - set(known):
+        raise ConfigError(f"tasks: {','.join(names)!r} names a task that is not one of {', '.join(known)}.")
+    picked = {kind: tuple(t for t in tasks if not names or t.name in names) for kind, tasks in SUITE.items()}
+    return [(phantom_labels(cfg, varied=kind == "varied"), tasks) for kind, tasks in picked.items() if tasks]
+
+
 @script_main
 def main(argv: List[str]) -> int:
     parser = ScriptParser(__doc__, prog="probe.py")
     parser.add_argument("--ckpt", required=True, help="checkpoint path (local or gs://) or 'random'")
-    parser.add_argument("--labels", default=None, help="CSV path,label (default: the built-in labelled phantoms)")
+    parser.add_argument("--labels", default=None, help="CSV path,label (default: the built-in phantom suite)")
     parser.add_argument("--data_root", default=None, help="a folder holding labels.csv (instead of --labels)")
+    parser.add_argument("--tasks", default=None, help="comma-separated built-in tasks to run (default: all)")
     parser.add_argument("--seeds", type=int, default=5, help="splits and probe initialisations (default 5)")
+    parser.add_argument("--readouts", default=",".join(READOUTS), help=f"comma-separated, of {','.join(READOUTS)}")
+    parser.add_argument("--no_reference", action="store_true",
+                        help="leave out the hand-made features and the supervised CNN (faster; no validity)")
     parser.add_argument("--json", default=None, help="write the report here")
-    parser.add_argument("--no_attentive", action="store_true", help="only the mean-pool logistic probe")
     parser.add_argument("--vs_random", action="store_true",
                         help="also probe a random init of the checkpoint's architecture, the same way, and compare")
     parser.add_argument("--plot", default=None, help="PNG of the run's probe AUROC against pretraining updates "
                                                      "(probe_every_steps), with the random-init level (--vs_random)")
     args, rest = parser.parse(argv)
+    readouts = args.readouts.split(",")
     if args.seeds < 2:
         parser.error("--seeds needs at least 2 for an interval")
+    if not readouts or set(readouts) - set(READOUTS):
+        parser.error(f"--readouts takes a comma-separated list of {', '.join(READOUTS)}, got {args.readouts!r}")
     if args.vs_random and args.ckpt == "random":
         parser.error("--vs_random compares a checkpoint with a random init; give --ckpt PATH")
     ckpt = resolve_checkpoint(args.ckpt)
+    given = given_flags(rest)
     if args.ckpt != "random":
-        other = sorted(given_flags(rest) - set(CKPT_FIELDS))
+        other = sorted(given - set(CKPT_FIELDS))
         if other:
             raise ConfigError(f"{', '.join('--' + o for o in other)}: the checkpoint brings its own model and "
                               f"preprocessing; with --ckpt PATH only --{', --'.join(CKPT_FIELDS)} apply.")
     cli_cfg = load_config(rest)
     device = probe_device(cli_cfg)
     model, cfg = load_model(ckpt, cli_cfg)
-    cfg = dataclasses.replace(cfg, **{k: getattr(cli_cfg, k) for k in CKPT_FIELDS})
+    cfg = checkpoint_probe_config(cfg, cli_cfg, given)
     if args.labels and args.data_root:
         raise ConfigError("labels: give --labels or --data_root (a folder holding labels.csv), not both.")
     labels_csv = args.labels or (os.path.join(args.data_root, "labels.csv") if args.data_root else None)
-    labels_csv = labels_csv or phantom_labels(cfg)
-    volumes, labels, names, skipped = load_labelled_volumes(cfg, labels_csv)
-    if skipped:
-        print(f"skipped unusable files: {skipped}", file=sys.stderr)
+    sets = suite_sets(cfg, labels_csv, args.tasks.split(",") if args.tasks else None)
     arms = {"pretrained": model} if args.vs_random else {"encoder": model}
     if args.vs_random:
         arms["random"] = load_model("random", cfg)[0]
-    report = {"ckpt": ckpt, "labels": labels_csv, "classes": names,
-              "volumes": len(labels), "skipped": skipped, "test_fraction": TEST_FRACTION, "seeds": args.seeds,
-              "class_counts": {n: int((labels == i).sum()) for i, n in enumerate(names)}}
-    for arm, arm_model in arms.items():  # the same volumes, splits, probes and budget for every arm
-        tokens = encode_volumes(arm_model.to(device).eval(), volumes, device)
-        report[arm] = probe_scores(tokens, labels, seeds=range(args.seeds), attentive=not args.no_attentive)
-    if args.vs_random:
-        report["beats_random"] = {p: report["pretrained"][p]["auroc"]["low"] > report["random"][p]["auroc"]["high"]
-                                  for p in report["pretrained"]}
-    else:
-        report.update(report.pop("encoder"))  # one encoder: its probes at the top level
-    print(format_report(report, len(labels)))
+    report = {"ckpt": ckpt, "test_fraction": TEST_FRACTION, "seeds": args.seeds, "readouts": readouts, "tasks": {}}
+    for csv_path, tasks in sets:
+        probe_cfg = cfg if labels_csv else dataclasses.replace(cfg, cache_dir=os.path.dirname(csv_path) + "-cache")
+        volumes, values, skipped = load_labelled_volumes(probe_cfg, csv_path, columns=sorted({t.column for t in tasks}))
+        if skipped:
+            print(f"{csv_path}: skipped unusable files: {skipped}", file=sys.stderr)
+        targets = {t.name: task_targets(t, values[t.column], f"{csv_path} (unusable files: {skipped or 'none'})")
+                   for t in tasks}  # checked before any encoding
+        tokens = {arm: encode_volumes(m.to(device).eval(), volumes, device) for arm, m in arms.items()}
+        for task in tasks:
+            print(f"probing {task.name} ({len(volumes)} volumes of {csv_path})", file=sys.stderr)
+            y, names = targets[task.name]
+            counts = {"class_counts": {n: int((y == i).sum()) for i, n in enumerate(names)}} if names else {}
+            report["tasks"][task.name] = {
+                "labels": csv_path, "column": task.column, "volumes": len(volumes), "skipped": skipped, **counts,
+                **task_report(task, y, tokens, model.grid, volumes, range(args.seeds), readouts,
+                              reference=not args.no_reference)}
+    print(format_report(report))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
@@ -422,27 +762,47 @@ def main(argv: List[str]) -> int:
     return 0
 
 
-def format_report(report: dict, volumes: int) -> str:
-    """The console table of a probe report: one row per encoder and probe, AUROC and balanced accuracy."""
-    arms = [a for a in ("pretrained", "random") if a in report] or [None]
-    lines = [f"{'encoder':<11}{'probe':<11}{'AUROC [95% interval]':<26}balanced accuracy   ({report['seeds']} seeds, "
-             f"{volumes} volumes, {report['test_fraction']:.0%} held out)"]
-    for arm in arms:
-        scores = report[arm] if arm else report
-        for probe in ("mean_pool", "attentive"):
-            if probe in scores:
-                a, b = scores[probe]["auroc"], scores[probe]["balanced_accuracy"]
-                lines.append(f"{arm or 'encoder':<11}{probe:<11}{a['mean']:.3f} [{a['low']:.3f}, {a['high']:.3f}]"
-                             f"{'':<6}{b['mean']:.3f} [{b['low']:.3f}, {b['high']:.3f}]")
-    for probe, beats in report.get("beats_random", {}).items():
-        lines.append(f"{probe}: pretrained {'beats' if beats else 'does NOT beat'} random init "
-                     f"({'non-overlapping' if beats else 'overlapping or lower'} 95% intervals)")
+def cell(iv: dict) -> str:
+    """'mean [low, high]' of an interval."""
+    return f"{iv['mean']:.3f} [{iv['low']:.3f}, {iv['high']:.3f}]"
+
+
+def signed_cell(iv: dict) -> str:
+    """'+mean [+low, +high]' of an interval of differences."""
+    return f"{iv['mean']:+.3f} [{iv['low']:+.3f}, {iv['high']:+.3f}]"
+
+
+def format_report(report: dict) -> str:
+    """The console tables of a probe report: per task, the headline metric of every encoder and read-out, the
+    hand-made features, the supervised CNN, the task's validity and the paired differences."""
+    lines = [f"{report['seeds']} probe seeds (splits), {report['test_fraction']:.0%} held out; 95% intervals"]
+    for name, t in report["tasks"].items():
+        metric = t["metric"]
+        valid = ("" if "valid" not in t else
+                 "  VALID" if t["valid"] else f"  not valid (needs the best hand-made <= {VALID_SHORTCUT_MAX} and the "
+                                              f"CNN >= {VALID_CEILING_MIN})")
+        shots = f", {t['shots']} per class to train" if t["shots"] else ""
+        lines += ["", f"{name}: {metric}, {t['volumes']} volumes{shots}{valid}"]
+        for encoder, scores in t["encoders"].items():
+            for readout, s in scores.items():
+                lines.append(f"  {encoder:<11}{readout:<19}{cell(s[metric])}")
+        for feature, s in t.get("handmade", {}).items():
+            best = " (best hand-made)" if feature == t["best_handmade"] else ""
+            lines.append(f"  {'hand-made':<11}{feature:<19}{cell(s[metric])}{best}")
+        if "supervised" in t:
+            lines.append(f"  {'supervised':<11}{'small 3D CNN':<19}{cell(t['supervised'][metric])}")
+        for encoder, readouts in t["versus"].items():
+            for readout, versus in readouts.items():
+                diffs = ", ".join(f"{'BEATS' if c['beats'] else 'vs'} {other} {signed_cell(c['difference'])}"
+                                  for other, c in versus.items())
+                if diffs:
+                    lines.append(f"  {encoder} {readout}: {diffs}")
     return "\n".join(lines)
 
 
 def save_probe_plot(metrics_path: str, report: dict, path: str) -> None:
     """PNG of the in-training probe AUROC (metrics.jsonl 'probe' lines) against pretraining updates, with the
-    random-init level of the report's mean-pool probe (mean and 95% interval) drawn in."""
+    random-init level of the report's first task's mean-pool read-out (mean and 95% interval) drawn in."""
     probes = []
     if os.path.exists(metrics_path):
         with open(metrics_path) as f:
@@ -451,7 +811,11 @@ def save_probe_plot(metrics_path: str, report: dict, path: str) -> None:
     ax = fig.subplots()
     if probes:
         ax.plot([r["step"] for r in probes], [r["probe_auroc"] for r in probes], "o-", label="pretrained (mean-pool)")
-    random = report.get("random", {}).get("mean_pool", {}).get("auroc")
+        rows = [r for r in probes if "probe_rows_auroc" in r]
+        if rows:
+            ax.plot([r["step"] for r in rows], [r["probe_rows_auroc"] for r in rows], "s-", label="pretrained (depth rows)")
+    task = next(iter(report["tasks"].values()), {})
+    random = task.get("encoders", {}).get("random", {}).get("mean_pool", {}).get(task.get("metric"))
     if random:
         ax.axhline(random["mean"], color="gray", ls="--", label="random init (mean-pool)")
         ax.axhspan(random["low"], random["high"], color="gray", alpha=0.2)

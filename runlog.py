@@ -362,12 +362,18 @@ def summary(history: List[dict], run_dir: str, cfg: Config, state, versus_random
     if val:
         lines.append(f"val loss          {val[0]['loss']:.4f} -> {val[-1]['loss']:.4f}, rankme {val[-1]['rankme']:.1f}")
     if versus_random:
-        p, r = versus_random["pretrained"], versus_random["random"]
-        verdict = ("BEATS a random init" if versus_random["beats_random"] else
-                   "does NOT beat a random init (overlapping or lower 95% intervals): pretrain longer or on more data")
-        lines.append(f"probe             mean-pool AUROC {p['mean']:.3f} [{p['low']:.3f}, {p['high']:.3f}] vs random "
-                     f"init {r['mean']:.3f} [{r['low']:.3f}, {r['high']:.3f}] ({len(p['values'])} splits): the "
-                     f"encoder {verdict}")
+        beats = versus_random["beats_random"]
+        for readout, won in beats.items():
+            p, r = versus_random["pretrained"][readout], versus_random["random"][readout]
+            lines.append(f"probe {readout:<11} AUROC {p['mean']:.3f} [{p['low']:.3f}, {p['high']:.3f}] vs random init "
+                         f"{r['mean']:.3f} [{r['low']:.3f}, {r['high']:.3f}] ({len(p['values'])} splits)"
+                         f"{'' if won else ': does NOT beat it'}")
+        if all(beats.values()):
+            verdict = f"the encoder BEATS a random init on {'both' if len(beats) == 2 else 'all'} probes"
+        else:
+            verdict = (f"the encoder does NOT beat a random init on {', '.join(r for r, won in beats.items() if not won)}"
+                       f" (overlapping or lower 95% intervals): pretrain longer or on more data")
+        lines.append(f"verdict           {verdict}")
     lines += [f"metrics           {run_dir}/metrics.jsonl (events: events.jsonl, plot: training.png)",
               f"checkpoints       {cfg.ckpt_dir if cfg.ckpt_dir else 'off (ckpt_dir null)'}", "=" * 72]
     return "\n".join(lines)

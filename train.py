@@ -566,8 +566,8 @@ def probe_and_log(run: Run) -> None:
     """Probe the target encoder on the labelled probe set (probe_every_steps) and log the scores."""
     scores = probe_auroc(run.model, run.probe_set, run.rt.device)
     run.log.metrics({"split": "probe", "step": run.state.step, **scores})
-    run.log.print(f"probe step {run.state.step:>6d} | auroc {scores['probe_auroc']:.3f} | balanced accuracy "
-                  f"{scores['probe_bal_acc']:.3f}")
+    run.log.print(f"probe step {run.state.step:>6d} | auroc {scores['probe_auroc']:.3f} (mean-pool), "
+                  f"{scores['probe_rows_auroc']:.3f} (depth rows) | balanced accuracy {scores['probe_bal_acc']:.3f}")
 
 
 def save(run: Run, best: bool, final: bool = False) -> None:

@@ -1,26 +1,128 @@
-"""Markdown rows of the README's "Does it learn" table from the probe reports experiments/NAME.json
-(written by experiments/run.sh): python experiments/table.py NAME [NAME...]"""
+"""Markdown tables of the README's "Does it learn" from the probe reports experiments/NAME.json (experiments/run.sh)
+and experiments/reference.json (the hand-made features and the supervised CNN on the same splits).
+
+    python experiments/table.py runs NAME [NAME...]          # one row per run and task: every read-out, + random init
+    python experiments/table.py arms ARM [ARM...]            # one row per arm (runs ARM_s0, ARM_s1, ...) and task:
+                                                             # the mean over pretraining seeds of each read-out, the
+                                                             # 95% interval over seeds, and the runs that beat hand-made
+    python experiments/table.py compare ARM_A ARM_B [READOUT]   # paired differences A - B over pretraining seeds
+    python experiments/table.py reference                    # the floor's companions: hand-made features and CNN
+
+Each run's value is the mean over its probe seeds (splits); an arm's interval is a t-interval over its pretraining
+seeds, paired by seed in `compare` (the seed also draws the init and the data order).
+"""
+import glob
 import json
 import os
+import re
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+from probe import READOUTS, interval  # noqa: E402  (the repo's flat modules)
+
+
+def load(name: str) -> dict:
+    with open(os.path.join(HERE, f"{name}.json")) as f:
+        return json.load(f)
 
 
 def cell(iv: dict) -> str:
     return f"{iv['mean']:.3f} [{iv['low']:.3f}, {iv['high']:.3f}]"
 
 
-def row(name: str) -> str:
-    report = json.load(open(os.path.join(HERE, f"{name}.json")))
-    p, r = report["pretrained"], report["random"]
-    beats = ", ".join(k for k, v in report["beats_random"].items() if v) or "neither"
-    return (f"| {name} | {cell(p['mean_pool']['auroc'])} | {cell(p['attentive']['auroc'])} | "
-            f"{cell(r['mean_pool']['auroc'])} | {cell(r['attentive']['auroc'])} | {beats} |")
+def signed(iv: dict) -> str:
+    return f"{iv['mean']:+.3f} [{iv['low']:+.3f}, {iv['high']:+.3f}]"
+
+
+def reference_scores(task: str) -> dict:
+    """{"best_handmade": (name, interval), "supervised": interval} of a task from experiments/reference.json."""
+    t = load("reference")["tasks"][task]
+    best = t["best_handmade"]
+    return {"best_handmade": (best, t["handmade"][best][t["metric"]]), "supervised": t["supervised"][t["metric"]]}
+
+
+def seeds_of(arm: str) -> list:
+    """The run names ARM_s<k> that have a report, by seed."""
+    names = [os.path.basename(p)[:-5] for p in glob.glob(os.path.join(HERE, f"{arm}_s*.json"))]
+    return sorted((n for n in names if re.fullmatch(rf"{re.escape(arm)}_s\d+", n)), key=lambda n: int(n.rsplit("s", 1)[1]))
+
+
+def runs_table(names: list) -> None:
+    print("| run | task | " + " | ".join(f"{r}: pretrained" for r in READOUTS) + " | "
+          + " | ".join(f"{r}: random" for r in READOUTS) + " |")
+    print("|---|---|" + "---|" * 2 * len(READOUTS))
+    for name in names:
+        for task, t in load(name)["tasks"].items():
+            m = t["metric"]
+            cells = [cell(t["encoders"][arm][r][m]) if r in t["encoders"][arm] else "-"
+                     for arm in ("pretrained", "random") for r in READOUTS]
+            print(f"| {name} | {task} | " + " | ".join(cells) + " |")
+
+
+def arm_means(arm: str, task: str, readout: str, encoder: str = "pretrained") -> list:
+    """Per pretraining seed: the mean over probe seeds of a read-out on a task."""
+    out = []
+    for name in seeds_of(arm):
+        t = load(name)["tasks"][task]
+        out.append(t["encoders"][encoder][readout][t["metric"]]["mean"])
+    return out
+
+
+def arms_table(arms: list) -> None:
+    print("| arm (seeds) | task | " + " | ".join(READOUTS) + " | random init (best read-out) | beats best hand-made "
+          "(runs, best read-out) |")
+    print("|---|---|" + "---|" * (len(READOUTS) + 2))
+    for arm in arms:
+        names = seeds_of(arm)
+        for task, t in load(names[0])["tasks"].items():
+            ref = reference_scores(task)
+            cells = []
+            for r in READOUTS:
+                values = arm_means(arm, task, r)
+                cells.append(cell(interval(values)) if len(values) > 1 else f"{values[0]:.3f}")
+            random = max(interval(arm_means(arm, task, r, "random"))["mean"] for r in READOUTS)
+            hand = ref["best_handmade"][1]
+            wins = sum(max(load(n)["tasks"][task]["encoders"]["pretrained"][r][t["metric"]]["low"] for r in READOUTS)
+                       > max(hand["high"], 0.5) for n in names)
+            print(f"| {arm} ({len(names)}) | {task} | " + " | ".join(cells) + f" | {random:.3f} | {wins}/{len(names)} |")
+
+
+def compare_table(a: str, b: str, readouts: list) -> None:
+    seeds_a = {n.rsplit("_s", 1)[1]: n for n in seeds_of(a)}
+    seeds_b = {n.rsplit("_s", 1)[1]: n for n in seeds_of(b)}
+    common = sorted(set(seeds_a) & set(seeds_b), key=int)
+    print(f"{a} - {b}, paired over pretraining seeds {', '.join(common)}")
+    print("| task | read-out | " + f"{a} | {b} | difference |")
+    print("|---|---|---|---|---|")
+    for task, t in load(seeds_a[common[0]])["tasks"].items():
+        for r in readouts:
+            va = [load(seeds_a[s])["tasks"][task]["encoders"]["pretrained"][r][t["metric"]]["mean"] for s in common]
+            vb = [load(seeds_b[s])["tasks"][task]["encoders"]["pretrained"][r][t["metric"]]["mean"] for s in common]
+            diff = interval([x - y for x, y in zip(va, vb)])
+            print(f"| {task} | {r} | {cell(interval(va))} | {cell(interval(vb))} | {signed(diff)} |")
+
+
+def reference_table() -> None:
+    report = load("reference")
+    print("| task | metric | " + " | ".join(report["tasks"][next(iter(report["tasks"]))]["handmade"])
+          + " | small 3D CNN | valid |")
+    print("|---|---|" + "---|" * (len(report["tasks"][next(iter(report["tasks"]))]["handmade"]) + 2))
+    for task, t in report["tasks"].items():
+        m = t["metric"]
+        print(f"| {task} | {m} | " + " | ".join(cell(s[m]) for s in t["handmade"].values())
+              + f" | {cell(t['supervised'][m])} | {'yes' if t['valid'] else 'no'} |")
 
 
 if __name__ == "__main__":
-    print("| run | pretrained mean-pool | pretrained attentive | random mean-pool | random attentive | beats random |")
-    print("|---|---|---|---|---|---|")
-    for name in sys.argv[1:]:
-        print(row(name))
+    command, args = sys.argv[1], sys.argv[2:]
+    if command == "runs":
+        runs_table(args)
+    elif command == "arms":
+        arms_table(args)
+    elif command == "compare":
+        compare_table(args[0], args[1], args[2:] or list(READOUTS))
+    elif command == "reference":
+        reference_table()
+    else:
+        sys.exit(__doc__)

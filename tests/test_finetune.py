@@ -41,8 +41,9 @@ def run(argv) -> dict:
 @pytest.mark.slow
 def test_frozen_probes_reproduce_probe_py_on_its_splits(trained_checkpoint, export_dir, binary_labels, tmp_path):
     assert probe.main(["--ckpt", trained_checkpoint, "--labels", binary_labels, "--seeds", "3", "--vs_random",
+                       "--readouts", "mean_pool,attentive", "--no_reference",
                        "--json", str(tmp_path / "probe.json")]) == 0
-    expected = json.loads((tmp_path / "probe.json").read_text())
+    expected = json.loads((tmp_path / "probe.json").read_text())["tasks"]["label"]["encoders"]
     report = run(["--encoder", export_dir, "--labels", binary_labels, "--splits", "probe", "--repeats", "3",
                   "--modes", "frozen", "--vs_random", "--out", str(tmp_path / "ft")])
     encoder, random = report["arms"]["encoder"], report["arms"]["random init"]

@@ -14,7 +14,8 @@ import pytest
 from pydicom.encaps import generate_frames
 
 from dicom import JP2_SIGNATURE, OPT_SOP, unscramble_czm
-from phantom import LABELS, MARKER, STYLES, phantom_set_complete, synth_reflectivity, write_phantom, write_phantom_set
+from phantom import (LABELS, MARKER, STYLES, draw_eye, phantom_set_complete, synth_reflectivity, write_phantom,
+                     write_phantom_set)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -53,6 +54,18 @@ def test_pathology_is_local_not_a_global_intensity_change():
         sick = synth_reflectivity((16, 96, 96), np.random.default_rng(3), label)
         assert 0 < (sick != none).mean() < 0.05  # the same retina: only the voxels of the lesions differ
         assert abs(float(sick.mean() - none.mean())) < 0.02  # no trivial global cue for a linear probe
+
+
+def test_varied_eyes_move_the_retina_and_change_its_look():
+    def surface_row(img):  # the first depth row brighter than half the brightest row
+        profile = img.mean(axis=(0, 2))
+        return int(np.argmax(profile > 0.5 * profile.max()))
+
+    plain = [synth_reflectivity((8, 64, 64), np.random.default_rng(i)) for i in range(8)]
+    varied = [synth_reflectivity((8, 64, 64), np.random.default_rng(i), eye=draw_eye(np.random.default_rng([i, 11])))
+              for i in range(8)]
+    assert np.std([surface_row(v) for v in varied]) > 2 * np.std([surface_row(v) for v in plain])
+    assert np.std([v.mean() for v in varied]) > 2 * np.std([v.mean() for v in plain])  # brightness, contrast, ...
 
 
 def test_sixteen_bit_phantoms_use_the_raw_range(tmp_path):

@@ -11,6 +11,7 @@ import torch
 import probe
 from config import load_config
 from model import VJEPA3D, feature_std
+from phantom import VARIED_LABELS, Eye, draw_eye, synth_reflectivity, write_phantom_set
 from probe import rankme
 
 TINY = ["--image_size", "8,32,32", "--patch_size", "4,8,8", "--embed_dim", "24", "--depth", "1", "--num_heads", "2",
@@ -61,11 +62,25 @@ def test_stratified_split_holds_out_every_class_and_changes_with_the_seed():
     assert not np.array_equal(test, probe.stratified_split(labels, 0.4, seed=1)[1])
 
 
+GRID = (2, 4, 4)  # the token grid of tokens_with_signal: 32 tokens
+
+
 def test_probes_find_a_label_carried_by_a_few_tokens():
     tokens, labels = tokens_with_signal()
-    report = probe.probe_scores(tokens, labels, seeds=range(2))
-    assert report["mean_pool"]["auroc"]["mean"] > 0.9
-    assert report["attentive"]["auroc"]["mean"] > 0.9
+    report = probe.readout_scores(tokens, GRID, labels, probe.Task("label"), seeds=range(2))
+    for readout in probe.READOUTS:
+        assert report[readout]["auroc"]["mean"] > 0.9, readout
+
+
+def test_depth_rows_keep_where_along_the_a_scan_a_feature_is():
+    g = torch.Generator().manual_seed(0)
+    labels = np.repeat(np.arange(2), 20)
+    tokens = torch.randn(len(labels), 32, 16, generator=g) * 0.1
+    for i, c in enumerate(labels):  # the same feature in every volume, in the top depth row (0) or the bottom one (3)
+        tokens[i].view(*GRID, 16)[:, 3 * c, :, 0] += 1.0
+    report = probe.readout_scores(tokens, GRID, labels, probe.Task("label"), range(2), probe.LINEAR_READOUTS)
+    assert report["depth_rows"]["auroc"]["mean"] > 0.95
+    assert report["mean_pool"]["auroc"]["mean"] < 0.75  # the mean of the tokens is the same for both classes
 
 
 def test_linear_probe_scores_near_one_on_a_trivially_separable_set():
@@ -79,8 +94,8 @@ def test_linear_probe_scores_near_one_on_a_trivially_separable_set():
 def test_probe_on_constant_features_scores_chance():
     _, labels = tokens_with_signal()
     tokens = torch.ones(len(labels), 32, 16)  # a collapsed encoder: the same features for every volume
-    report = probe.probe_scores(tokens, labels, seeds=range(2))
-    for name in ("mean_pool", "attentive"):
+    report = probe.readout_scores(tokens, GRID, labels, probe.Task("label"), seeds=range(2))
+    for name in probe.READOUTS:
         assert report[name]["auroc"]["mean"] == pytest.approx(0.5)
         assert report[name]["balanced_accuracy"]["mean"] == pytest.approx(1 / 3)
 
@@ -106,7 +121,7 @@ def test_collapsed_encoder_scores_chance_and_is_flagged_by_the_collapse_metrics(
     collapsed_model_ = collapsed_model(cfg)
     collapsed = probe.probe_auroc(collapsed_model_, probe_set, "cpu")
     assert healthy["probe_auroc"] > 0.9
-    assert collapsed == {"probe_auroc": 0.5, "probe_bal_acc": 0.5}
+    assert collapsed == {"probe_auroc": 0.5, "probe_bal_acc": 0.5, "probe_rows_auroc": 0.5}
     tokens = collapsed_model_.encode(volumes[:4].float())
     assert float(feature_std(tokens)) < 1e-6
     assert rankme(tokens.flatten(0, 1)) < 1.5  # 1 = every token the same vector
@@ -120,7 +135,7 @@ def test_probe_auroc_leaves_the_model_as_it_found_it(phantom_dir):
     model = VJEPA3D.from_config(cfg)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     scores = probe.probe_auroc(model, probe_set, "cpu")
-    assert set(scores) == {"probe_auroc", "probe_bal_acc"} and 0 <= scores["probe_auroc"] <= 1
+    assert set(scores) == {"probe_auroc", "probe_bal_acc", "probe_rows_auroc"} and 0 <= scores["probe_auroc"] <= 1
     assert model.training and all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
@@ -135,8 +150,8 @@ def test_unreadable_labelled_files_are_counted_by_reason(tmp_path, phantom_dir):
     lines = [lines[0]] + [f"{phantom_dir}/{line}" for line in lines[1:]] + ["missing.dcm,none"]
     (tmp_path / "labels.csv").write_text("\n".join(lines) + "\n")
     (tmp_path / "missing.dcm").write_bytes(b"")
-    _, labels, _, skipped = probe.load_labelled_volumes(load_config(TINY), str(tmp_path / "labels.csv"))
-    assert len(labels) == 10 and skipped == {"empty_file": 1}
+    _, values, skipped = probe.load_labelled_volumes(load_config(TINY), str(tmp_path / "labels.csv"))
+    assert len(values["label"]) == 10 and skipped == {"empty_file": 1}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -159,7 +174,7 @@ def test_a_file_that_is_not_a_checkpoint_exits_2(capsys, tmp_path):
     assert code == 2 and "not a readable checkpoint" in err
     torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")
     code, err = run_cli(capsys, "--ckpt", str(tmp_path / "other.pt"))
-    assert code == 2 and "'model' and 'config'" in err
+    assert code == 2 and "not an octjepa checkpoint (no 'model')" in err
 
 
 def test_checkpoint_whose_weights_do_not_fit_its_config_exits_2(capsys, tmp_path):
@@ -197,12 +212,14 @@ def test_probe_of_a_checkpoint_reports_intervals_over_seeds(capsys, tmp_path, ph
     code = probe.main(["--ckpt", str(tmp_path / "c.pt"), "--data_root", phantom_dir, "--seeds", "2",
                        "--json", str(tmp_path / "probe.json"), "--device", "cpu"])
     assert code == 0
-    report = json.loads((tmp_path / "probe.json").read_text())
-    assert report["volumes"] == 10 and report["classes"] == ["drusen", "fluid", "none"]
-    for name in ("mean_pool", "attentive"):
-        auroc = report[name]["auroc"]
-        assert len(auroc["values"]) == 2 and auroc["low"] <= auroc["mean"] <= auroc["high"]
-    assert "mean_pool" in capsys.readouterr().out
+    task = json.loads((tmp_path / "probe.json").read_text())["tasks"]["label"]
+    assert task["volumes"] == 10 and list(task["class_counts"]) == ["drusen", "fluid", "none"]
+    for iv in [*(task["encoders"]["encoder"][r]["auroc"] for r in probe.READOUTS), task["supervised"]["auroc"],
+               *(task["handmade"][f]["auroc"] for f in probe.HANDMADE)]:  # the floor... and the ceiling and shortcut
+        assert len(iv["values"]) == 2 and iv["low"] <= iv["mean"] <= iv["high"]
+    assert task["best_handmade"] in probe.HANDMADE and isinstance(task["valid"], bool)
+    out = capsys.readouterr().out
+    assert "depth_rows" in out and "small 3D CNN" in out and "(best hand-made)" in out
 
 
 @pytest.mark.slow
@@ -216,14 +233,17 @@ def test_vs_random_probes_both_encoders_alike_and_plots_the_run(capsys, tmp_path
     (run / "metrics.jsonl").write_text("".join(json.dumps({"split": "probe", "step": s, "probe_auroc": a}) + "\n"
                                                for s, a in ((2, 0.5), (4, 0.6))))
     code = probe.main(["--ckpt", str(run / "checkpoints"), "--data_root", phantom_dir, "--seeds", "2", "--vs_random",
-                       "--json", str(tmp_path / "p.json"), "--plot", str(tmp_path / "p.png"), "--device", "cpu"])
+                       "--json", str(tmp_path / "p.json"), "--plot", str(tmp_path / "p.png"), "--device", "cpu",
+                       "--no_reference"])
     assert code == 0
     report = json.loads((tmp_path / "p.json").read_text())
     assert report["ckpt"].endswith("step_0000004.pt")
-    assert report["pretrained"] == report["random"]
-    assert report["beats_random"] == {"mean_pool": False, "attentive": False}
+    task = report["tasks"]["label"]
+    assert task["encoders"]["pretrained"] == task["encoders"]["random"]
+    assert {r: v["random"]["beats"] for r, v in task["versus"]["pretrained"].items()} == dict.fromkeys(probe.READOUTS, False)
+    assert "handmade" not in task and "supervised" not in task  # --no_reference
     assert (tmp_path / "p.png").stat().st_size > 0
-    assert "does NOT beat" in capsys.readouterr().out
+    assert "BEATS" not in capsys.readouterr().out
 
 
 def test_end_of_run_verdict_compares_with_a_random_init_on_the_same_splits(phantom_dir):
@@ -231,9 +251,11 @@ def test_end_of_run_verdict_compares_with_a_random_init_on_the_same_splits(phant
     probe_set = probe.prepare_probe_set(cfg, f"{phantom_dir}/labels.csv")
     torch.manual_seed(cfg.seed)
     same_as_random = probe.compare_with_random(VJEPA3D.from_config(cfg), cfg, probe_set, "cpu", seeds=3)
-    assert same_as_random["pretrained"] == same_as_random["random"] and not same_as_random["beats_random"]
+    assert same_as_random["pretrained"] == same_as_random["random"]
+    assert same_as_random["beats_random"] == dict.fromkeys(probe.LINEAR_READOUTS, False)
     collapsed = probe.compare_with_random(collapsed_model(cfg), cfg, probe_set, "cpu", seeds=3)
-    assert collapsed["pretrained"]["mean"] == 0.5 and not collapsed["beats_random"]
+    assert all(collapsed["pretrained"][r]["mean"] == 0.5 for r in probe.LINEAR_READOUTS)
+    assert not any(collapsed["beats_random"].values())
 
 
 def test_train_summary_says_whether_the_encoder_beats_a_random_one(tmp_path, smoke_phantoms, phantom_dir, capsys):
@@ -243,7 +265,93 @@ def test_train_summary_says_whether_the_encoder_beats_a_random_one(tmp_path, smo
                        "--max_steps", "3", "--summary_probe", "true",
                        "--probe_labels", f"{phantom_dir}/labels.csv"])
     assert code == 0
-    assert "vs random init" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "probe mean_pool" in out and "probe depth_rows" in out and "vs random init" in out and "verdict" in out
     events = [json.loads(line) for line in open(tmp_path / "r" / "events.jsonl")]
     verdict = [e for e in events if e["event"] == "summary_probe"]
     assert len(verdict) == 1 and set(verdict[0]) >= {"pretrained", "random", "beats_random"}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The suite: tasks that need 3D structure, the shortcut and the ceiling
+# ----------------------------------------------------------------------------------------------------------
+
+def lesion_volumes(eye_of, n=96):
+    """n normalized volumes [n,1,16,64,64] with lesions in every other one (labels [n]: 1 = lesion), eye_of(i) the
+    eye of volume i."""
+    volumes, labels = [], []
+    for i in range(n):
+        label = VARIED_LABELS[i % len(VARIED_LABELS)]
+        v = torch.from_numpy(synth_reflectivity((16, 64, 64), np.random.default_rng([9, i]), label, eye_of(i)))
+        volumes.append(((v - v.mean()) / v.std())[None])
+        labels.append(int(label != "none"))
+    return torch.stack(volumes), np.array(labels)
+
+
+def best_handmade_auroc(volumes, labels) -> float:
+    scores = probe.handmade_scores(volumes, labels, probe.Task("lesion", "lesion"), seeds=range(2))
+    return max(s["auroc"]["mean"] for s in scores.values())
+
+
+def test_handmade_features_read_lesions_that_sit_at_one_depth():
+    """The shortcut of the plain phantoms: the retina at one depth, so the lesions change the same rows."""
+    volumes, labels = lesion_volumes(lambda i: Eye(lesion_height=draw_eye(np.random.default_rng(0)).lesion_height))
+    assert best_handmade_auroc(volumes, labels) > 0.95
+
+
+def test_handmade_features_are_near_chance_on_the_varied_lesion_task():
+    """The same lesions in varied eyes (position, tilt, brightness, speckle...): no shortcut left."""
+    volumes, labels = lesion_volumes(lambda i: draw_eye(np.random.default_rng([9, i, 11])))
+    assert best_handmade_auroc(volumes, labels) < probe.VALID_SHORTCUT_MAX
+
+
+@pytest.fixture(scope="module")
+def varied_set(tmp_path_factory) -> str:
+    return write_phantom_set(str(tmp_path_factory.mktemp("varied") / "set"), n=8, shape=(8, 32, 32), varied=True)
+
+
+def test_suite_tasks_have_balanced_labels_and_reproducible_splits(varied_set, tmp_path):
+    rows = {c: np.array([r[1] for r in probe.read_labels(f"{varied_set}/labels.csv", (c,))])
+            for c in ("lesion", "retina_thickness")}
+    for task in probe.SUITE["varied"]:
+        targets, names = probe.task_targets(task, rows[task.column])
+        if task.regression:
+            assert len(set(targets)) == len(targets) and names == []  # a number per eye
+        else:
+            assert names == ["no", "yes"] and list(np.bincount(targets)) == [4, 4]  # balanced
+        train, test = probe.task_split(targets, task, seed=0)
+        again = probe.task_split(targets, task, seed=0)
+        assert np.array_equal(train, again[0]) and np.array_equal(test, again[1]) and not set(train) & set(test)
+    other = write_phantom_set(str(tmp_path / "again"), n=8, shape=(8, 32, 32), varied=True)
+    assert open(f"{other}/labels.csv").read() == open(f"{varied_set}/labels.csv").read()
+
+
+def test_few_shot_trains_on_shots_per_class_and_tests_on_the_full_task_split():
+    labels = np.repeat(np.arange(2), 50)
+    full = probe.Task("lesion", "lesion")
+    few = probe.Task("lesion_10shot", "lesion", shots=10)
+    for seed in range(3):
+        train, test = probe.task_split(labels, few, seed)
+        assert list(np.bincount(labels[train])) == [10, 10]
+        full_train, full_test = probe.task_split(labels, full, seed)
+        assert np.array_equal(test, full_test) and set(train) <= set(full_train)
+
+
+def test_regression_probes_score_concordance_and_r2():
+    rng = np.random.default_rng(0)
+    features = rng.normal(size=(80, 5))
+    targets = features[:, 0] * 2 + rng.normal(0, 0.1, 80)
+    task = probe.Task("thickness", "retina_thickness", regression=True)
+    train, test = probe.task_split(targets, task, seed=0)
+    scores = probe.linear_probe(features, targets, train, test, task)
+    assert scores["concordance"] > 0.9 and scores["r2"] > 0.9
+    assert probe.regression_scores(np.zeros(10), np.arange(10.0))["concordance"] == 0.5  # no ranking: chance
+
+
+def test_a_checkpoint_is_probed_with_its_own_phantom_folder_unless_one_is_given():
+    ckpt_cfg = load_config(TINY + ["--phantom_dir", "runs/elsewhere/phantoms", "--device", "cuda"])
+    cli = load_config(["--phantom_dir", "mine", "--device", "cpu"])
+    kept = probe.checkpoint_probe_config(ckpt_cfg, load_config([]), given=set())
+    assert kept.phantom_dir == "runs/elsewhere/phantoms" and kept.device == "auto"  # this machine's device
+    given = probe.checkpoint_probe_config(ckpt_cfg, cli, given={"phantom_dir", "device"})
+    assert given.phantom_dir == "mine" and given.device == "cpu" and given.embed_dim == ckpt_cfg.embed_dim

@@ -92,16 +92,22 @@ def test_a_gcs_outage_longer_than_gcsfs_retries_is_outlasted(tmp_path, smoke_pha
 @pytest.mark.slow
 def test_a_checkpoint_streams_into_its_file_or_object_without_a_copy_in_memory(tmp_path, gcs_emulator):
     size = 160 * 2**20
+    # The child's peak memory during the write, over its memory before it: Linux's peak (VmHWM) is reset just before
+    # (ru_maxrss would also count the pages of this process, which the child shared until its exec).
+    measure = (
+        "import sys, torch; sys.path.insert(0, sys.argv[1]); from runtime import save_checkpoint\n"
+        "def kib(field): return int(next(l for l in open('/proc/self/status') if l.startswith(field)).split()[1])\n"
+        "save_checkpoint(sys.argv[2].replace('0001', '0000'), {'model': {}}, 2, False)  # imports, connections\n"
+        "state = {'model': {'weights': torch.ones(int(sys.argv[3]) // 4)}}\n"
+        "open('/proc/self/clear_refs', 'w').write('5')  # resets VmHWM to the resident memory now\n"
+        "before = kib('VmRSS')\n"
+        "save_checkpoint(sys.argv[2], state, 2, True)\n"
+        "print((kib('VmHWM') - before) * 1024)")
     for path in (str(tmp_path / "step_0000001.pt"), f"gs://{gcs_emulator.bucket}/stream/step_0000001.pt"):
-        child = subprocess.run([sys.executable, "-c", (
-            "import resource, sys, torch; sys.path.insert(0, sys.argv[1]); from runtime import save_checkpoint\n"
-            "save_checkpoint(sys.argv[2].replace('0001', '0000'), {'model': {}}, 2, False)  # imports, connections\n"
-            "state = {'model': {'weights': torch.ones(int(sys.argv[3]) // 4)}}\n"
-            "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
-            "save_checkpoint(sys.argv[2], state, 2, True)\n"
-            "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)"),
-            str(REPO), path, str(size)], capture_output=True, text=True, timeout=600)
+        child = subprocess.run([sys.executable, "-c", measure, str(REPO), path, str(size)], capture_output=True,
+                               text=True, timeout=600)
         assert child.returncode == 0, child.stderr[-3000:]
-        assert int(child.stdout) < 0.25 * size, (path, int(child.stdout) / size)  # the old writer held 1-2x its size
+        assert int(child.stdout) < 0.5 * size, (path, int(child.stdout) / size)  # the old writer held 1-2x its size
         for written in (path, path.replace("step_0000001.pt", "best.pt")):
             assert read_checkpoint(written)["model"]["weights"].numel() == size // 4
+
