@@ -10,7 +10,11 @@ predictor, loss, backward, clipping, AdamW, EMA) on synthetic inputs at the conf
 compile_parts; not on XLA) interleaved, and compares their model FLOP/s with the peak of a large matmul
 measured in the same run and dtype (MFU) and with a plain ViT encoder of the same width. Memory: CUDA max
 allocated; CPU peak RSS growth. Targets: CPU fp32 demo >= 70% of the matmul peak; GPU bf16 production
->= 40%.
+>= 40%. With --shard fsdp (under torchrun, or on XLA) the two interleaved updates are unsharded and sharded
+instead, each with the weights, EMA target and AdamW state it holds per device (measured on the tensors) and, on
+CUDA, the peak its update adds to them:
+
+    torchrun --nproc_per_node=8 bench.py train --config configs/pretrain_vitl.yaml --shard fsdp
 
 `data` writes OCT volumes of a realistic size (Spectralis-like 49x496x512; --quick: 16x128x128) in each
 transfer syntax and measures, on one core (torch threads = 1): raw pydicom decode, the full uncached
@@ -42,6 +46,7 @@ import train
 from config import ScriptParser, given_flags, load_config, script_main
 from data import OCTDataset, load_prepared, make_loader, mask_generator_from_config
 from model import VJEPA3D, activation_bytes_per_sample, training_flops_per_sample, transformer_flops
+from runlog import size_text
 from phantom import STYLES, quantize, spacing_for, synth_reflectivity, write_oct
 
 SYNTAXES = (("uncompressed 8-bit", ExplicitVRLittleEndian, 8), ("uncompressed 16-bit", ExplicitVRLittleEndian, 16),
@@ -223,20 +228,27 @@ def plain_vit_flops(model: VJEPA3D, volume: torch.Tensor, cfg, rt: runtime.Runti
 
 def time_updates(cfg, rt: runtime.Runtime, batch: dict, warmup: int, repeats: int) -> dict:
     """{variant: its model, first update time (compiled: compilation included), peak memory, step and CPU times
-    of `repeats` updates and the last loss} for eager and (except on XLA) compiled training updates, timed
-    interleaved so that a change in the machine's load hits both alike; plus the load averages around the timing."""
+    of `repeats` updates and the last loss} for eager and (except on XLA) compiled training updates, or for
+    unsharded and sharded ones when rt is sharded (with the state each holds per device), timed interleaved so
+    that a change in the machine's load hits both alike; plus the load averages around the timing."""
     rss_before = peak_rss_bytes()
-    variants = {name: {} for name in (["eager"] if rt.kind == "xla" else ["eager", "compiled"])}
+    names = ["unsharded", "sharded"] if rt.sharded else ["eager"] if rt.kind == "xla" else ["eager", "compiled"]
+    variants = {name: {} for name in names}
     hp = schedules.Hyperparameters(cfg.base_lr, cfg.weight_decay, cfg.ema_base)
     for name, v in variants.items():
         torch.manual_seed(cfg.seed)
-        model = VJEPA3D.from_config(cfg).to(rt.device)
+        variant_rt = replace(rt, fsdp_size=1) if name == "unsharded" else rt
+        model = runtime.place_model(VJEPA3D.from_config(cfg), variant_rt)
         if name == "compiled":
             model.compile_parts()
-        optimizer = train.make_optimizer(model, cfg, rt)
+        optimizer = train.make_optimizer(model, cfg, variant_rt)
+        wrapped = runtime.wrap_ddp(model, variant_rt)
 
-        def update(model=model, optimizer=optimizer):
-            result = train.train_update(model, optimizer, [batch], hp, cfg, rt)
+        def update(model=wrapped, optimizer=optimizer, variant_rt=variant_rt):
+            if rt.kind == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+                v["resident"] = torch.cuda.memory_allocated()
+            result = train.train_update(model, optimizer, [batch], hp, cfg, variant_rt)
             runtime.mark_step(rt)
             return result
 
@@ -250,9 +262,11 @@ def time_updates(cfg, rt: runtime.Runtime, batch: dict, warmup: int, repeats: in
         for _ in range(warmup - 1):
             update()
         synchronize(rt)
-        # CPU: the process's RSS high-water mark, so only the eager update (built first) has its own figure.
+        # CPU: the process's RSS high-water mark, so only the variant built first has its own figure.
         v["memory"] = (torch.cuda.max_memory_allocated() if rt.kind == "cuda"
-                       else peak_rss_bytes() - rss_before if name == "eager" else None)
+                       else peak_rss_bytes() - rss_before if name == names[0] else None)
+        runtime.mark_step(rt)  # XLA: the state is materialised before it is measured
+        v["state_bytes"] = runtime.state_bytes_per_device(model, optimizer, variant_rt)
     load_before = os.getloadavg()
     for _ in range(repeats):
         for v in variants.values():
@@ -264,23 +278,27 @@ def time_updates(cfg, rt: runtime.Runtime, batch: dict, warmup: int, repeats: in
     load_after = os.getloadavg()
     for v in variants.values():
         v["loss"] = float(runtime.fetch_to_host([v["last"].stats], rt)[0][0])
+        if rt.kind == "cuda":  # the last update alone: what it added to the memory already held
+            v["update_peak_bytes"] = torch.cuda.max_memory_allocated() - v["resident"]
     return {"variants": variants, "load_average_1min": [load_before[0], load_after[0]]}
 
 
 def bench_train(cfg, warmup: int, repeats: int) -> dict:
     """Step time, samples/s, tokens/s, model FLOP/s and MFU, and peak memory of train.py's training update, eager
-    and (except on XLA, which compiles anyway) with compile_parts(). Top-level figures are the eager update's;
-    "compiled" holds the same figures for the compiled update and compiled_over_eager the ratios."""
+    and (except on XLA, which compiles anyway) with compile_parts(), or unsharded and sharded (cfg.shard fsdp).
+    Top-level figures are the first one's (eager, unsharded); "compiled" ("sharded") holds the same figures for the
+    second and compiled_over_eager (sharded_over_unsharded) the ratios."""
     rt = runtime.setup_runtime(cfg)
     dtype = torch.bfloat16 if cfg.use_bf16 else torch.float32
     batch = runtime.to_device(synthetic_batch(cfg, cfg.per_core_batch_size * rt.local_replicas), rt)
     batch_size = len(batch["path"])
     timed = time_updates(cfg, rt, batch, warmup, repeats)
     variants = timed["variants"]
+    first, *second = variants  # eager or unsharded; compiled or sharded (none on XLA unsharded)
     step = {name: float(np.median(v["times"])) for name, v in variants.items()}
     flops = training_flops_per_sample(cfg)["total"]
-    peak = matmul_peak_flops(rt, dtype, seconds=max(1.0, 3 * step["eager"]) if repeats > 3 else 0.5)
-    eager = variants["eager"]
+    peak = matmul_peak_flops(rt, dtype, seconds=max(1.0, 3 * step[first]) if repeats > 3 else 0.5)
+    eager = variants[first]
     plain = plain_vit_flops(eager["model"], batch["volume"], cfg, rt, warmup, repeats)
     n_context, n_target = cfg.token_counts()
     tokens = n_context + n_target
@@ -293,28 +311,34 @@ def bench_train(cfg, warmup: int, repeats: int) -> dict:
                 "cpu_time_s_median": float(np.median(v["cpu_times"])),
                 "first_update_s": v["first_update_s"], "samples_per_s": batch_size / step[name],
                 "tokens_per_s": batch_size * tokens / step[name], "achieved_flops": achieved, "mfu": achieved / peak,
-                "share_of_plain_vit_flops": achieved / plain, "peak_memory_bytes": v["memory"], "loss": v["loss"]}
+                "share_of_plain_vit_flops": achieved / plain, "peak_memory_bytes": v["memory"], "loss": v["loss"],
+                "state_bytes_per_device": v["state_bytes"], "update_peak_bytes": v.get("update_peak_bytes")}
 
     out = {"device": rt.kind, "dtype": str(dtype).replace("torch.", ""), "batch_size": batch_size,
            "parameters": eager["model"].num_trainable_params(), "tokens_per_sample": tokens,
            "context_tokens": n_context, "target_tokens": n_target, "repeats": repeats, "warmup": warmup,
            "model_flops_per_sample": flops, "matmul_peak_flops": peak, "plain_vit_flops": plain,
-           "plain_vit_mfu": plain / peak, **figures("eager"),
+           "plain_vit_mfu": plain / peak, "shard": cfg.shard, "fsdp_size": rt.fsdp_size, "variants": list(variants),
+           **figures(first),
            "peak_memory_bytes_per_sample": eager["memory"] / batch_size,
            "memory_measure": "cuda max_memory_allocated" if rt.kind == "cuda" else "peak RSS growth",
            "activation_bytes_per_sample_estimate": activation_bytes_per_sample(cfg),
            "one_layer_attention_matrix_bytes": tokens ** 2 * cfg.num_heads * (2 if cfg.use_bf16 else 4),
            "grad_checkpointing": cfg.grad_checkpointing, "load_average_1min": timed["load_average_1min"]}
-    if "compiled" in variants:
-        compiled_times, eager_times = variants["compiled"]["times"], eager["times"]
-        out["compiled"] = figures("compiled")
-        out["compiled"]["compile_time_s"] = variants["compiled"]["first_update_s"] - step["compiled"]
-        out["compiled_over_eager"] = {
-            "step_time_median": step["compiled"] / step["eager"],
-            "step_time_paired_median": float(np.median(np.array(compiled_times) / np.array(eager_times))),
-            "step_time_min": min(compiled_times) / min(eager_times),
-            "cpu_time_median": out["compiled"]["cpu_time_s_median"] / out["cpu_time_s_median"]}
-    print(format_train_report(out), flush=True)
+    for name in second:
+        times, first_times = variants[name]["times"], eager["times"]
+        out[name] = figures(name)
+        if name == "compiled":
+            out[name]["compile_time_s"] = variants[name]["first_update_s"] - step[name]
+        out[f"{name}_over_{first}"] = {
+            "step_time_median": step[name] / step[first],
+            "step_time_paired_median": float(np.median(np.array(times) / np.array(first_times))),
+            "step_time_min": min(times) / min(first_times),
+            "cpu_time_median": out[name]["cpu_time_s_median"] / out["cpu_time_s_median"],
+            "state_bytes_per_device": sum(out[name]["state_bytes_per_device"].values())
+            / sum(out["state_bytes_per_device"].values())}
+    if rt.is_master:
+        print(format_train_report(out), flush=True)
     return out
 
 
@@ -324,11 +348,22 @@ def format_train_report(out: dict) -> str:
     lines = [f"train update on {out['device']} ({out['dtype']}, batch {out['batch_size']}, {out['tokens_per_sample']} "
              f"tokens/sample, {out['parameters']:,} params, {out['model_flops_per_sample'] / 1e9:.2f} GFLOP/sample), "
              f"{out['repeats']} interleaved repeats, load average {load_before:.1f} -> {load_after:.1f}:"]
-    for name, f in [("eager", out)] + ([("compiled", out["compiled"])] if "compiled" in out else []):
+    first, *second = out["variants"]
+    for name, f in [(first, out)] + [(name, out[name]) for name in second]:
         lines.append(f"  {name:<9}{f['step_time_s_median'] * 1e3:9.1f} ms median ({f['step_time_s_min'] * 1e3:.1f}-"
                      f"{f['step_time_s_max'] * 1e3:.1f}), CPU time {f['cpu_time_s_median'] * 1e3:.1f} ms, "
                      f"{f['samples_per_s']:.2f} samples/s, {f['achieved_flops'] / 1e9:.1f} GFLOP/s = "
                      f"{100 * f['mfu']:.1f}% MFU, {100 * f['share_of_plain_vit_flops']:.0f}% of the plain ViT's FLOP/s")
+        held = f["state_bytes_per_device"]
+        lines.append(f"{'':11}per device: weights {size_text(held['weights'])}, EMA target "
+                     f"{size_text(held['ema_target'])}, AdamW {size_text(held['adamw'])}"
+                     + (f", its update adds {size_text(f['update_peak_bytes'])} at peak" if f["update_peak_bytes"]
+                        is not None else ""))
+    if "sharded" in out:
+        ratio = out["sharded_over_unsharded"]
+        lines.append(f"  sharded / unsharded over {out['fsdp_size']} devices: {ratio['step_time_median']:.3f}x median "
+                     f"time (paired {ratio['step_time_paired_median']:.3f}x, min {ratio['step_time_min']:.3f}x), "
+                     f"{ratio['state_bytes_per_device']:.3f}x the state per device")
     if "compiled" in out:
         ratio = out["compiled_over_eager"]
         lines.append(f"  compiled / eager: {ratio['step_time_median']:.3f}x median time "
@@ -338,7 +373,7 @@ def format_train_report(out: dict) -> str:
     memory = out["peak_memory_bytes"]
     lines.append(f"reference: {out['matmul_peak_flops'] / 1e9:.1f} GFLOP/s {out['dtype']} matmul peak; a plain ViT "
                  f"encoder of this width {out['plain_vit_flops'] / 1e9:.1f} GFLOP/s = {100 * out['plain_vit_mfu']:.1f}% "
-                 f"MFU\npeak memory (eager) {memory / 2 ** 30:.2f} GiB ({out['memory_measure']}), "
+                 f"MFU\npeak memory ({first}) {memory / 2 ** 30:.2f} GiB ({out['memory_measure']}), "
                  f"{out['peak_memory_bytes_per_sample'] / 2 ** 30:.2f} GiB/sample; one materialised attention matrix "
                  f"would be {out['one_layer_attention_matrix_bytes'] / 2 ** 30:.2f} GiB per layer")
     return "\n".join(lines)
@@ -372,7 +407,7 @@ def main(argv: List[str]) -> int:
         finally:
             if args.workdir is None:
                 shutil.rmtree(workdir, ignore_errors=True)
-    if args.json:
+    if args.json and os.environ.get("RANK", "0") == "0":  # torchrun: the first process writes it
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
         print(f"wrote {args.json}")

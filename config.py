@@ -135,6 +135,8 @@ class Config:
     wandb_entity: Optional[str] = None  # W&B entity (team); None = your default
     # --- run ---
     device: str = "auto"  # auto | cpu | cuda | xla
+    shard: Optional[str] = None  # None | fsdp: shard weights, gradients, AdamW state and the EMA target over the devices (FSDP2 under torchrun; SPMD on XLA)
+    fsdp_size: Optional[int] = None  # with shard fsdp: devices one copy of the weights is sharded over; None = all; fewer = a data x fsdp mesh
     seed: int = 0  # weights, data order, crops and masks all follow from it
     out_dir: str = "runs"  # run folders go here: out_dir/run_name/
     run_name: Optional[str] = None  # None = a timestamped name
@@ -411,6 +413,11 @@ def validate(cfg: Config) -> None:
     if cfg.schedule == "constant" and (cfg.warmup_steps or 0) > 0:
         raise ConfigError("warmup_steps: schedule 'constant' uses base_lr from the first update; "
                           "set warmup_steps to 0 or use schedule cosine.")
+    if cfg.shard not in (None, "fsdp"):
+        raise ConfigError(f"shard: {cfg.shard!r} is not fsdp or none (none: every device holds the whole model).")
+    if cfg.fsdp_size is not None and (cfg.shard != "fsdp" or cfg.fsdp_size < 1):
+        raise ConfigError(f"fsdp_size: {cfg.fsdp_size} needs shard fsdp and a value of at least 1 (the devices one copy "
+                          f"of the weights is sharded over); add --shard fsdp, or use --fsdp_size none.")
     if cfg.extend and cfg.resume is None:
         raise ConfigError("extend: lengthens a run that is resumed; add --resume auto (or a checkpoint path), "
                           "or drop --extend to start a new run.")

@@ -18,7 +18,7 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import safetensors.torch
 import torch
@@ -107,13 +107,17 @@ def check_volume(volume: torch.Tensor, image_size: Sequence[int]) -> None:
         raise ValueError(f"volume: expected a floating dtype, got {volume.dtype}")
 
 
-def run_blocks(blocks: nn.ModuleList, x: torch.Tensor, grad_checkpointing: bool) -> torch.Tensor:
+def run_blocks(blocks: nn.ModuleList, x: torch.Tensor, checkpoint_fn: Optional[Callable]) -> torch.Tensor:
+    """x through the blocks; with a checkpoint_fn(block, x) (grad checkpointing) each block's activations are
+    recomputed in backward instead of kept."""
     for block in blocks:
-        if grad_checkpointing and x.requires_grad:
-            x = checkpoint(block, x, use_reentrant=False)
-        else:
-            x = block(x)
+        x = checkpoint_fn(block, x) if checkpoint_fn is not None and x.requires_grad else block(x)
     return x
+
+
+def recompute_in_backward(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """torch's activation checkpointing of one block (the default checkpoint_fn)."""
+    return checkpoint(block, x, use_reentrant=False)
 
 
 class Encoder(nn.Module):
@@ -126,7 +130,7 @@ class Encoder(nn.Module):
         self.register_buffer("pos_embed", sincos_pos_embed_3d(dim, self.grid), persistent=False)
         self.blocks = nn.ModuleList([Block(dim, num_heads, mlp_ratio) for _ in range(depth)])
         self.norm = nn.LayerNorm(dim)
-        self.grad_checkpointing = False
+        self.checkpoint_fn: Optional[Callable] = None  # set_grad_checkpointing
 
     def forward(self, volume: torch.Tensor, keep_idx: Optional[torch.Tensor] = None) -> torch.Tensor:
         """volume [B,1,D,H,W] -> features [B,N,E], or [B*M,K,E] for only the tokens in keep_idx [B*M,K]
@@ -135,7 +139,7 @@ class Encoder(nn.Module):
         x = x + self.pos_embed
         if keep_idx is not None:
             x = gather_tokens(x.repeat_interleave(keep_idx.shape[0] // x.shape[0], dim=0), keep_idx)
-        return self.norm(run_blocks(self.blocks, x, self.grad_checkpointing))
+        return self.norm(run_blocks(self.blocks, x, self.checkpoint_fn))
 
 
 class Predictor(nn.Module):
@@ -149,7 +153,7 @@ class Predictor(nn.Module):
         self.blocks = nn.ModuleList([Block(dim, num_heads, mlp_ratio) for _ in range(depth)])
         self.norm = nn.LayerNorm(dim)
         self.proj = nn.Linear(dim, enc_dim)
-        self.grad_checkpointing = False
+        self.checkpoint_fn: Optional[Callable] = None  # set_grad_checkpointing
 
     def forward(self, context: torch.Tensor, context_idx: torch.Tensor, target_idx: torch.Tensor) -> torch.Tensor:
         """context [B,Nc,E], context_idx [B,Nc], target_idx [B,Nt] -> predictions [B,Nt,E]."""
@@ -157,7 +161,7 @@ class Predictor(nn.Module):
         pos = self.pos_embed.unsqueeze(0).expand(B, -1, -1)  # [B, N, P]
         x = self.embed(context) + gather_tokens(pos, context_idx)  # [B, Nc, P]
         masks = self.mask_token.expand(B, n_target, -1) + gather_tokens(pos, target_idx)  # [B, Nt, P]
-        x = run_blocks(self.blocks, torch.cat([x, masks], dim=1), self.grad_checkpointing)
+        x = run_blocks(self.blocks, torch.cat([x, masks], dim=1), self.checkpoint_fn)
         return self.proj(self.norm(x[:, -n_target:]))
 
 
@@ -190,10 +194,15 @@ class VJEPA3D(nn.Module):
         model.set_grad_checkpointing(cfg.grad_checkpointing)
         return model
 
-    def set_grad_checkpointing(self, enabled: bool) -> None:
-        """Recompute block activations in backward: less memory, about a third more compute."""
-        self.encoder.grad_checkpointing = enabled
-        self.predictor.grad_checkpointing = enabled
+    def set_grad_checkpointing(self, enabled: bool, checkpoint_fn: Callable = recompute_in_backward) -> None:
+        """Recompute block activations in backward: less memory, about a third more compute. checkpoint_fn(block, x)
+        does it (XLA needs torch_xla's: runtime.place_model sets it there)."""
+        self.encoder.checkpoint_fn = self.predictor.checkpoint_fn = checkpoint_fn if enabled else None
+
+    @property
+    def grad_checkpointing(self) -> bool:
+        """Whether block activations are recomputed in backward (set_grad_checkpointing)."""
+        return self.encoder.checkpoint_fn is not None
 
     def compile_parts(self) -> None:
         """torch.compile the encoders, the predictor and the loss in place. forward() itself stays eager, so its
@@ -271,6 +280,14 @@ class VJEPA3D(nn.Module):
         blocks.{i}.{norm1,attn.qkv,attn.proj,norm2,mlp.fc1,mlp.fc2}.{weight,bias}, norm.{weight,bias}."""
         return {k: v.detach().cpu().clone() for k, v in self.target_encoder.state_dict().items()}
 
+    def shard_units(self) -> List[nn.Module]:
+        """The modules that sharding (FSDP) gathers as one unit each, innermost first: every block of the context
+        encoder, predictor and target encoder (only one block's weights are whole at a time), then the target
+        encoder (its patch embedding and norm; as a unit of its own it is resharded after its no-grad forward, so
+        the EMA update meets shards on both sides). The rest (the context encoder's patch embedding and norm, the
+        predictor's embedding, mask token, norm and projection) is gathered with the model itself."""
+        return [*self.encoder.blocks, *self.predictor.blocks, *self.target_encoder.blocks, self.target_encoder]
+
     def param_groups(self) -> List[dict]:
         """AdamW groups of the trained parameters, `apply_wd` marking those weight decay applies to (weight
         matrices and kernels; not biases, norms, positions, mask tokens). train.optimizer_step applies it."""
@@ -336,12 +353,33 @@ def activation_bytes_per_sample(cfg) -> float:
 
     Per pre-norm block and token: norm in/out (2), qkv (3), attention out, residual, norm2 in/out (2) and the
     MLP hidden before and after GELU (2 x mlp_ratio) values of the width, in the compute dtype; with
-    grad_checkpointing only the block inputs are kept."""
+    grad_checkpointing only the block inputs are kept, plus all of one block's while backward recomputes it."""
     n_context, n_target = cfg.token_counts()
     bytes_per_value = 2 if cfg.use_bf16 else 4
-    per_block = 1 if cfg.grad_checkpointing else 9 + 2 * cfg.mlp_ratio  # values per token and width
-    values = (n_context * cfg.embed_dim * cfg.depth + (n_context + n_target) * cfg.pred_embed_dim * cfg.pred_depth)
-    return values * per_block * bytes_per_value + math.prod(cfg.image_size) * 4
+    full_block = 9 + 2 * cfg.mlp_ratio  # values per token and width
+    widths = n_context * cfg.embed_dim, (n_context + n_target) * cfg.pred_embed_dim  # per block: encoder, predictor
+    values = widths[0] * cfg.depth + widths[1] * cfg.pred_depth
+    values = values + max(widths) * full_block if cfg.grad_checkpointing else values * full_block
+    return values * bytes_per_value + math.prod(cfg.image_size) * 4
+
+
+def memory_per_device(cfg, model: VJEPA3D, fsdp: int, batch: int) -> dict:
+    """Estimated bytes per device during an update with the weights sharded over `fsdp` devices (1: not sharded),
+    at `batch` volumes per device: fp32 weights, gradients and AdamW moments of the trained parts, the EMA target,
+    what a sharded run holds whole while it computes (the unit of shard_units() in use, the next one being gathered
+    and one unit's gradients, plus the model's other weights and their gradients, whole for the update), and the
+    activations kept for backward (activation_bytes_per_sample)."""
+    trained = model.num_trainable_params()
+    target = sum(p.numel() for p in model.target_encoder.parameters())
+    seen, units = set(), []
+    for unit in model.shard_units():  # innermost first: each unit's own parameters
+        own = [p for p in unit.parameters() if id(p) not in seen]
+        seen |= {id(p) for p in own}
+        units.append(sum(p.numel() for p in own))
+    rest = sum(p.numel() for p in model.parameters() if id(p) not in seen)
+    return {"weights": 4 * trained / fsdp, "gradients": 4 * trained / fsdp, "adamw": 8 * trained / fsdp,
+            "ema_target": 4 * target / fsdp, "gathered": 0 if fsdp == 1 else 4 * (3 * max(units) + 2 * rest),
+            "activations": activation_bytes_per_sample(cfg) * batch}
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from matplotlib.figure import Figure
 from tqdm import tqdm
 
 from config import Config, RunPlan
-from model import activation_bytes_per_sample, training_flops_per_sample
+from model import VJEPA3D, activation_bytes_per_sample, memory_per_device, training_flops_per_sample
 from storage import write_atomic
 
 
@@ -81,6 +81,15 @@ class RunLog:
         if self.active:
             _append_jsonl(os.path.join(self.run_dir, "events.jsonl"),
                           {"event": kind, "step": step, "time": time.time(), **fields})
+
+    def device_memory(self, step: int, held: dict, rt) -> None:
+        """Log the measured bytes of weights, EMA target and AdamW state on the fullest device
+        (runtime.state_bytes_per_device) as a device_memory event; as a console line too when sharded."""
+        self.event("device_memory", step, fsdp_size=rt.fsdp_size, **held)
+        if rt.sharded:
+            self.print(f"sharded (fsdp) over {rt.fsdp_size} of {rt.world_size} devices; on the fullest device: "
+                       f"weights {size_text(held['weights'])}, EMA target {size_text(held['ema_target'])}, AdamW "
+                       f"{size_text(held['adamw'])}")
 
     def print(self, *args) -> None:
         """One console line on stdout, written above the progress bar."""
@@ -210,14 +219,15 @@ def start_wandb(cfg: Config, run_dir: str):
     return run
 
 
-def describe_run(cfg: Config, plan: RunPlan, model, train_ds, val_ds, rt, schedules: list, masks: str) -> str:
+def describe_run(cfg: Config, plan: RunPlan, train_ds, val_ds, rt, schedules: list, masks: str) -> str:
     """The dry run's preflight report: sizes, tokens, FLOPs, memory, the masks (`masks`: data.describe_masks's
     lines) and the schedules (schedules.Hyperparameters of every update) at milestones."""
+    with torch.device("meta"):  # the model's shapes only: no memory for weights (a ViT-g's would fill a laptop)
+        model = VJEPA3D.from_config(cfg)
     n_context, n_target = cfg.token_counts()
     flops = training_flops_per_sample(cfg)
-    act = activation_bytes_per_sample(cfg)
     params = model.num_trainable_params()
-    state_bytes = params * 4 * 4 + sum(p.numel() for p in model.target_encoder.parameters()) * 4
+    fsdp = (cfg.fsdp_size or rt.world_size) if cfg.shard == "fsdp" else 1
     lines = [
         f"device            {rt.kind} x {rt.world_size} replica(s), {rt.process_count} process(es)",
         f"data              {len(train_ds)} train / {len(val_ds)} val volumes",
@@ -229,8 +239,7 @@ def describe_run(cfg: Config, plan: RunPlan, model, train_ds, val_ds, rt, schedu
         f"FLOPs/sample      {flops['total'] / 1e9:.2f} GFLOP per training step "
         f"(context {flops['context_encoder'] / 1e9:.2f}, predictor {flops['predictor'] / 1e9:.2f}, "
         f"target {flops['target_encoder'] / 1e9:.2f})",
-        f"activations       ~{act / 2**20:.1f} MiB/sample, ~{act * plan.per_core_batch_size / 2**30:.2f} GiB per "
-        f"replica at batch {plan.per_core_batch_size} (+ {state_bytes / 2**30:.2f} GiB weights, grads, AdamW)",
+        describe_memory(cfg, model, fsdp, plan.per_core_batch_size),
     ]
     lines.append(masks)
     geometry = getattr(train_ds, "geometry_report", None)
@@ -241,6 +250,40 @@ def describe_run(cfg: Config, plan: RunPlan, model, train_ds, val_ds, rt, schedu
         s = schedules[step]
         lines.append(f"                  {step:<9d} {s.lr:<10.3g} {s.wd:<8.3g} {s.ema:.5f}")
     return "\n".join(lines)
+
+
+# Memory of some accelerators (GiB), for the dry run's "fits / will not fit".
+DEVICE_MEMORY_GIB = {"TPU v5e": 16, "L4": 24, "TPU v4": 32, "TPU v6e": 32, "A100 40GB": 40, "H100": 80,
+                     "TPU v5p": 95, "H200": 141}
+HEADROOM = 0.9  # share of a device's memory a run may plan to use (the rest: runtime, compiler, fragmentation)
+
+
+def describe_memory(cfg: Config, model, fsdp: int, batch: int) -> str:
+    """The dry run's memory lines: model.memory_per_device with the weights sharded over `fsdp` devices at `batch`
+    volumes per device, the named devices that fits (using HEADROOM of them) and will not fit, and the totals of
+    other fsdp sizes."""
+    parts = memory_per_device(cfg, model, fsdp, batch)
+    total = sum(parts.values())
+    named = {f"{name} ({size} GiB)": total <= HEADROOM * size * 2 ** 30 for name, size in DEVICE_MEMORY_GIB.items()}
+    fits, too_small = [n for n, ok in named.items() if ok], [n for n, ok in named.items() if not ok]
+    verdict = (f"will NOT fit {', '.join(too_small)}" + (f"; fits {', '.join(fits)}" if fits else "") if too_small
+               else f"fits every named device, the smallest {fits[0]}") + f" (using {HEADROOM:.0%} of a device)"
+    others = ", ".join(f"{n}: {size_text(sum(memory_per_device(cfg, model, n, batch).values()))}"
+                       for n in (1, 2, 4, 8, 16, 32, 64))
+    return "\n".join([
+        f"memory/device     ~{size_text(total)} at batch {batch} per device, "
+        + (f"weights sharded over {fsdp} devices (shard: fsdp)" if fsdp > 1 else "weights not sharded"),
+        f"                  weights {size_text(parts['weights'])}, gradients {size_text(parts['gradients'])}, AdamW "
+        f"{size_text(parts['adamw'])}, EMA target {size_text(parts['ema_target'])}, gathered whole "
+        f"{size_text(parts['gathered'])}, activations {size_text(parts['activations'])} "
+        f"({size_text(activation_bytes_per_sample(cfg))}/sample)",
+        f"                  {verdict}",
+        f"by fsdp size      per device at batch {batch}: {others}"])
+
+
+def size_text(n_bytes: float) -> str:
+    """Bytes as a short text in MiB or GiB (0.35 MiB, 12.4 GiB)."""
+    return f"{n_bytes / 2 ** 30:.1f} GiB" if n_bytes >= 2 ** 30 else f"{n_bytes / 2 ** 20:.2f} MiB"
 
 
 def save_schedule_plot(schedules: Dict[str, List[float]], path: str) -> None:

@@ -1,10 +1,10 @@
-"""Where the training update runs and what survives it: devices, processes, SPMD/DDP setup, the signals that stop
-a run, the collectives every process (DDP rank or XLA host) decides with, host<->device transfers, XLA counters,
-and checkpoints (files on local disk or gs:// through storage.py, their content, the timeline a resume continues,
-restore).
+"""Where the training update runs and what survives it: devices, processes, SPMD/DDP setup, sharding (FSDP2 and
+XLA SPMD), the signals that stop a run, the collectives every process (DDP rank or XLA host) decides with,
+host<->device transfers, XLA counters, and checkpoints (files on local disk or gs:// through storage.py, their
+content, the timeline a resume continues, restore).
 
 train.py runs the loop on these; probe.py and bench.py use them without importing the loop. Nothing here knows
-the model or the loss.
+the model or the loss (sharding asks the model for its shard_units()).
 """
 import atexit
 import contextlib
@@ -12,6 +12,7 @@ import gc
 import hashlib
 import io
 import json
+import math
 import os
 import random
 import re
@@ -19,11 +20,16 @@ import signal
 import threading
 import time
 import uuid
+import warnings
 from dataclasses import asdict, dataclass, replace
 from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.nn.parallel import DistributedDataParallel
 
 from config import Config, ConfigError, ExitError, RunPlan, StorageFailed, plan_run
 from storage import (copy_atomic, exists, glob_paths, is_transient, open_atomic, read_bytes, remove, remove_stale_tmp,
@@ -43,8 +49,9 @@ class Runtime:
     process_index: int  # DDP rank, or XLA host
     process_count: int  # DDP processes, or XLA hosts (one process each)
     local_replicas: int  # replicas fed by this process (XLA SPMD: its devices; DDP: 1)
-    mesh: object = None  # XLA SPMD: 1-D device mesh with the axis 'data'
+    mesh: object = None  # XLA SPMD: device mesh ('data', 'fsdp'); FSDP2: torch DeviceMesh of the sharded processes
     multi_host: bool = False  # processes on more than one machine (they share no local disk)
+    fsdp_size: int = 1  # devices one copy of the weights is sharded over (1: every device holds all of it)
     group: object = None  # the gloo process group of the collectives below; None: the default group (or none)
 
     @property
@@ -54,28 +61,34 @@ class Runtime:
 
     @property
     def ddp(self) -> bool:
-        """Several DDP processes: a torch.distributed process group joins them."""
+        """Several torch.distributed processes (DDP, or FSDP2 when sharded): a process group joins them."""
         return self.kind != "xla" and self.world_size > 1
+
+    @property
+    def sharded(self) -> bool:
+        """Weights, gradients, AdamW state and the EMA target are split over devices (shard: fsdp)."""
+        return self.fsdp_size > 1
 
 
 def setup_runtime(cfg: Config) -> Runtime:
     """Pick the device (device_kind) and join the process group if any."""
     kind = device_kind(cfg)
     if kind == "xla":
-        return _setup_xla()
+        return _setup_xla(cfg)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     if kind == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    group = None
+    fsdp, mesh, group = sharding_size(cfg, world), None, None
     if world > 1:
         torch.distributed.init_process_group("nccl" if kind == "cuda" else "gloo")
-        atexit.register(leave_process_group)
+        mesh = fsdp_mesh(kind, world, fsdp)
+        atexit.register(leave_process_group, mesh)
         if kind == "cuda":  # NCCL carries the gradients; the host-side collectives need no GPU
             group = torch.distributed.new_group(backend="gloo")
     device = torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device("cpu")
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # torchrun: processes on this machine
-    return Runtime(device, kind, world, rank, world, 1, multi_host=local_world < world, group=group)
+    return Runtime(device, kind, world, rank, world, 1, mesh, local_world < world, fsdp, group)
 
 
 def device_kind(cfg: Config, xla: bool = True) -> str:
@@ -89,15 +102,18 @@ def device_kind(cfg: Config, xla: bool = True) -> str:
     return kind
 
 
-def leave_process_group() -> None:
-    """Leave the DDP process group while the interpreter is still whole (setup_runtime registers this to run at
-    exit). Gloo's worker threads free a finished collective's tensors, which needs the GIL: left to interpreter
-    teardown, a thread still doing so aborts the process (SIGABRT, "terminate called without an active exception"),
-    and torchrun reports that signal instead of the exit code the run chose. The collection first frees the DDP
-    wrapper, so the process group's last owner is torch's own, which waits for those threads without the GIL."""
+def leave_process_group(mesh) -> None:
+    """Leave the DDP or FSDP2 process group while the interpreter is still whole (setup_runtime registers this to
+    run at exit, with FSDP2's device mesh or None). Gloo's worker threads free a finished collective's tensors,
+    which needs the GIL: left to interpreter teardown, a thread still doing so aborts the process (SIGABRT,
+    "terminate called without an active exception"), and torchrun reports that signal instead of the exit code the
+    run chose. The collection first frees the DDP wrapper, so the process group's last owner is torch's own, which
+    waits for those threads without the GIL."""
     if torch.distributed.is_initialized():
         gc.collect()
         torch.distributed.destroy_process_group()
+        if mesh is not None:  # DTensor's caches keep the mesh alive to the end, and the mesh its process groups
+            mesh._pg_registry.clear()
 
 
 def _xla_configured() -> bool:
@@ -110,9 +126,10 @@ def _xla_configured() -> bool:
     return True
 
 
-def _setup_xla() -> Runtime:
-    """SPMD data parallel: this process drives all of its host's devices; one 1-D 'data' mesh spans every device
-    of every host (one CPU device, CPU_NUM_DEVICES CPU devices, a TPU VM or all hosts of a pod). With several hosts
+def _setup_xla(cfg: Config) -> Runtime:
+    """SPMD: this process drives all of its host's devices; one ('data', 'fsdp') mesh spans every device of every
+    host (one CPU device, CPU_NUM_DEVICES CPU devices, a TPU VM or all hosts of a pod). The batch is split over both
+    axes; the weights over 'fsdp' (shard: fsdp, of size fsdp_size) or not at all ('fsdp' of size 1). With several hosts
     a gloo process group joins them (one process each) for the collectives below: host 0's address comes from the
     TPU metadata (torch_xla's xla:// rendezvous), or from MASTER_ADDR/MASTER_PORT.
 
@@ -130,12 +147,23 @@ def _setup_xla() -> Runtime:
     host, hosts, rendezvous = xr.process_index(), xr.process_count(), "xla://"
     if hosts == 1 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         host, hosts, rendezvous = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://"
+    devices, local = xr.global_runtime_device_count(), xr.addressable_runtime_device_count()
+    fsdp = sharding_size(cfg, devices)
+    if hosts > 1 and local % fsdp:
+        raise ConfigError(f"fsdp_size: {fsdp} spans several hosts; host 0 writes checkpoints from the shards on its "
+                          f"own devices, so one copy of the weights must lie within a host: use an fsdp_size that "
+                          f"divides the {local} devices of a host (e.g. --fsdp_size {local}).")
     if hosts > 1:
         torch.distributed.init_process_group("gloo", init_method=rendezvous)
-        atexit.register(leave_process_group)
-    devices, local = xr.global_runtime_device_count(), xr.addressable_runtime_device_count()
-    mesh = xs.Mesh(np.arange(devices), (devices,), ("data",))
-    return Runtime(torch_xla.device(), "xla", local * hosts, host, hosts, local, mesh, multi_host=hosts > 1)
+        atexit.register(leave_process_group, None)
+    mesh = xs.Mesh(np.arange(devices), (devices // fsdp, fsdp), ("data", "fsdp"))
+    return Runtime(torch_xla.device(), "xla", local * hosts, host, hosts, local, mesh, hosts > 1, fsdp)
+
+
+def wrap_ddp(model: torch.nn.Module, rt: Runtime) -> torch.nn.Module:
+    """The model in DistributedDataParallel when several processes each hold all of it; as it is otherwise (one
+    process, XLA SPMD, or sharded: FSDP2 averages the gradients over the processes itself)."""
+    return DistributedDataParallel(model, broadcast_buffers=False) if rt.ddp and not rt.sharded else model
 
 
 class StopSignals:
@@ -226,8 +254,9 @@ def master_decides(rt: Runtime, fn, *args):
 
 def probes_in_this_process(rt: Runtime) -> bool:
     """Whether this process computes the probe during pretraining: the master; on XLA every host, since an SPMD
-    graph that only one host runs would leave it waiting for the others."""
-    return rt.is_master or rt.kind == "xla"
+    graph that only one host runs would leave it waiting for the others; sharded, every process (each forward
+    gathers the weights from all of them)."""
+    return rt.is_master or rt.kind == "xla" or rt.sharded
 
 
 def check_ranks_agree(value, what: str, rt: Runtime) -> None:
@@ -244,7 +273,7 @@ def check_ranks_agree(value, what: str, rt: Runtime) -> None:
 
 def to_device(batch: dict, rt: Runtime) -> dict:
     """Tensors of a batch on the device. XLA: each host's local batch becomes its part of the global batch,
-    sharded over the 'data' mesh axis on the batch dimension (SPMD data parallel)."""
+    sharded over every device of the mesh on the batch dimension (SPMD data parallel)."""
     if rt.kind != "xla":
         return {k: (v.to(rt.device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
     import torch_xla.core.xla_model as xm
@@ -252,7 +281,7 @@ def to_device(batch: dict, rt: Runtime) -> dict:
     out = dict(batch)
     for key, value in batch.items():
         if isinstance(value, torch.Tensor):
-            spec = xs.ShardingSpec(rt.mesh, ("data",) + (None,) * (value.dim() - 1), minibatch=True)
+            spec = xs.ShardingSpec(rt.mesh, batch_spec(value), minibatch=True)
             (out[key],) = xm.send_cpu_data_to_device([value], rt.device, spec)
     return out
 
@@ -320,6 +349,226 @@ def to_cpu(obj):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Sharding (shard: fsdp): weights, gradients, AdamW state and the EMA target split over the devices of the mesh's
+# 'fsdp' axis; each device still computes on its own part of the batch. CPU/CUDA: FSDP2 (fully_shard; each process
+# holds a DTensor shard of every parameter and gathers one of model.shard_units() at a time). XLA: SPMD annotations
+# (each parameter's largest dimension split over 'fsdp', as torch_xla's FSDPv2 does; the compiler places the
+# gathers). The update, the EMA (local, on matching shards), clipping (torch's norm over all shards), weight decay,
+# the NaN guard and the checkpoint format are the same as unsharded.
+# ----------------------------------------------------------------------------------------------------------
+
+def sharding_size(cfg: Config, world: int) -> int:
+    """Devices one copy of the weights is sharded over: 1 unless shard fsdp; then fsdp_size (None: all `world`
+    devices). ConfigError when it does not divide the world size; a dry run, which shards nothing, may plan for
+    more devices than it has (its report uses cfg.fsdp_size)."""
+    if cfg.shard != "fsdp":
+        return 1
+    fsdp = cfg.fsdp_size or world
+    if world % fsdp:
+        if cfg.dry_run:
+            return 1
+        raise ConfigError(f"fsdp_size: {fsdp} does not divide the {world} devices of this run; use a divisor of "
+                          f"{world} (the devices form a data x fsdp mesh), or none to shard over all of them.")
+    return fsdp
+
+
+def fsdp_mesh(kind: str, world: int, fsdp: int):
+    """FSDP2's device mesh: ('fsdp',) over all processes, or ('data', 'fsdp') holding world / fsdp copies of the
+    weights, each sharded over fsdp processes (gradients are averaged over both axes); None when not sharded."""
+    if fsdp == 1:
+        return None
+    if fsdp == world:
+        return init_device_mesh(kind, (fsdp,), mesh_dim_names=("fsdp",))
+    return init_device_mesh(kind, (world // fsdp, fsdp), mesh_dim_names=("data", "fsdp"))
+
+
+def place_model(model: torch.nn.Module, rt: Runtime) -> torch.nn.Module:
+    """The model (built on the CPU) on this process's device: whole, or sharded without a whole copy of it on any
+    device. FSDP2 moves the parameters of each unit of model.shard_units(), then of the model, and keeps its shard
+    of each; XLA sends every device only its shards (place_xla_shards). On XLA, grad checkpointing recomputes
+    with torch_xla's checkpoint (use_xla_checkpoint)."""
+    if rt.kind == "xla":
+        use_xla_checkpoint(model)
+    if not rt.sharded:
+        return model.to(rt.device)
+    if rt.kind == "xla":
+        return place_xla_shards(model, rt)
+    for unit in model.shard_units():
+        fully_shard(unit, mesh=rt.mesh)
+    # JEPAOutput.pred is a view, which FSDP2 warns about in case it is changed in place; nothing changes it.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    return fully_shard(model, mesh=rt.mesh)
+
+
+def place_model_state(saved: dict, model: torch.nn.Module, rt: Runtime) -> dict:
+    """A checkpoint's model state (whole CPU tensors, from any run) laid out as this run holds the model: sharded,
+    each process or device gets only its shards (model.load_state_dict then copies them in place); unsharded, as
+    it is (load_state_dict moves it to the device)."""
+    if not rt.sharded:
+        return saved
+    live = model.state_dict()
+    return {k: place_like(v, live[k], rt) if k in live else v for k, v in saved.items()}
+
+
+def place_optimizer_state(saved: dict, optimizer: torch.optim.Optimizer, rt: Runtime) -> dict:
+    """A checkpoint's AdamW state laid out like this run's parameters (place_model_state for the moments; a step
+    count stays whole)."""
+    if not rt.sharded:
+        return saved
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    ids = [i for group in saved["param_groups"] for i in group["params"]]
+    state = {i: {k: place_like(v, p, rt) if v.shape == p.shape else v for k, v in saved["state"][i].items()}
+             for i, p in zip(ids, params) if i in saved["state"]}
+    return {**saved, "state": state}
+
+
+def place_like(value: torch.Tensor, like: torch.Tensor, rt: Runtime) -> torch.Tensor:
+    """A whole CPU tensor sharded as `like`, the live tensor it will replace: this process's DTensor shard (FSDP2)
+    or an XLA array of which every device receives only its own shard."""
+    if isinstance(like, DTensor):
+        return distribute_tensor(value.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
+    return xla_sharded(value, rt)
+
+
+def state_to_host(obj, rt: Runtime):
+    """A (nested) model or optimizer state as whole CPU tensors, for a checkpoint, put together from the shards one
+    tensor at a time: FSDP2 gathers each (every process takes part) and only the master, which writes, keeps it
+    (elsewhere the tensors are None); XLA copies each device's shard to the host (xla_whole), with no compile and
+    no whole copy on a device. Not sharded: fetch_to_host."""
+    if not rt.sharded:
+        return fetch_to_host(obj, rt)
+    if isinstance(obj, DTensor):
+        whole = obj.full_tensor()
+        return whole.cpu() if rt.is_master else None
+    if isinstance(obj, torch.Tensor):
+        return xla_whole(obj) if rt.kind == "xla" else to_cpu(obj) if rt.is_master else None
+    if isinstance(obj, dict):
+        return {k: state_to_host(v, rt) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(state_to_host(v, rt) for v in obj)
+    return obj
+
+
+def global_value(value: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor (FSDP2's total grad norm) as a plain tensor; any other tensor as it is."""
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def state_bytes_per_device(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rt: Runtime) -> dict:
+    """Measured bytes of the trained weights, the EMA target and AdamW's moments on the fullest device (over every
+    process and device): what sharding divides by fsdp_size."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    parts = {"weights": trained, "ema_target": [p for p in model.parameters() if not p.requires_grad],
+             "adamw": [v for p in trained for v in optimizer.state[p].values() if v.shape == p.shape]}
+    per_device = {name: sum(np.asarray(device_bytes(t, rt)) for t in tensors) for name, tensors in parts.items()}
+    fullest = int(np.argmax(sum(per_device.values())))
+    local = {name: int(np.asarray(b).reshape(-1)[fullest]) for name, b in per_device.items()}
+    every = gather_objects(local, rt)
+    return max(every, key=lambda b: sum(b.values()))
+
+
+def device_bytes(t: torch.Tensor, rt: Runtime) -> List[int]:
+    """Bytes of `t` on each device of this process: its FSDP2 shard, its XLA shard on each local device, or all
+    of it."""
+    if isinstance(t, DTensor):
+        return [t.to_local().numel() * t.element_size()]
+    if rt.kind == "xla" and rt.sharded:
+        return xla_shard_bytes(t)
+    return [t.numel() * t.element_size()]
+
+
+# --- XLA: the torch_xla code of sharding and grad checkpointing ---
+
+def fsdp_spec(t: torch.Tensor) -> tuple:
+    """XLA partition spec of a sharded weight or AdamW moment: its largest dimension split over 'fsdp'."""
+    spec = [None] * t.dim()
+    if spec:
+        spec[int(np.argmax(t.shape))] = "fsdp"
+    return tuple(spec)
+
+
+def batch_spec(t: torch.Tensor) -> tuple:
+    """XLA partition spec of a batch-first tensor: the batch split over every device (both mesh axes)."""
+    return (("data", "fsdp"),) + (None,) * (t.dim() - 1)
+
+
+def xla_sharded(value: torch.Tensor, rt: Runtime) -> torch.Tensor:
+    """A CPU tensor as an XLA array split as fsdp_spec says (whole on the devices only until it is split, one
+    tensor at a time; xm.send_cpu_data_to_device with a ShardingSpec fails on 1-d tensors in torch_xla 2.9)."""
+    import torch_xla.distributed.spmd as xs
+    out = value.to(rt.device)
+    xs.mark_sharding(out, rt.mesh, fsdp_spec(out))
+    return out
+
+
+def place_xla_shards(model: torch.nn.Module, rt: Runtime) -> torch.nn.Module:
+    """The model on the XLA devices with every parameter sharded (xla_sharded) and each unit of model.shard_units()
+    handing on activations split over the batch, as FSDP does (without it the compiler may choose to split them
+    over the width instead)."""
+    import torch_xla.distributed.spmd as xs
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            setattr(module, name, torch.nn.Parameter(xla_sharded(param.detach(), rt), param.requires_grad))
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            setattr(module, name, buffer.to(rt.device))
+
+    def split_over_batch(unit, args, out) -> None:
+        xs.mark_sharding(out, rt.mesh, batch_spec(out))
+
+    for unit in model.shard_units():
+        unit.register_forward_hook(split_over_batch)
+    return model
+
+
+def use_xla_checkpoint(model: torch.nn.Module) -> None:
+    """With grad checkpointing, recompute the blocks with torch_xla's checkpoint: torch's non-reentrant one fails on
+    XLA (it looks for a torch.xla device module), and torch_xla's keeps the recomputation in the compiled graph."""
+    import torch_xla.utils.checkpoint
+    if model.grad_checkpointing:
+        model.set_grad_checkpointing(True, torch_xla.utils.checkpoint.checkpoint)
+
+
+def adamw_state(p: torch.Tensor, rt: Runtime) -> dict:
+    """AdamW's state of parameter p before its first update: step 0 and both moments zero, on p's devices and split
+    over them like p. XLA sharded: the moments split as fsdp_spec says (zeros_like alone is whole on every device,
+    and the first update would compile for that layout); FSDP2: zeros_like of a DTensor has p's shards."""
+    state = {"step": torch.zeros((), dtype=torch.float32, device=p.device), "exp_avg": torch.zeros_like(p),
+             "exp_avg_sq": torch.zeros_like(p)}
+    if rt.sharded and rt.kind == "xla":
+        import torch_xla.distributed.spmd as xs
+        for moment in (state["exp_avg"], state["exp_avg_sq"]):
+            xs.mark_sharding(moment, rt.mesh, fsdp_spec(moment))
+    return state
+
+
+def xla_shard_bytes(t: torch.Tensor) -> List[int]:
+    """Bytes of a sharded XLA array on each local device (from its shards' index ranges: nothing is transferred)."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    xm.wait_device_ops()  # its data must not be in flight
+    pieces = torch_xla._XLAC._get_local_shard_replica_and_indices([t])[0]  # [(replica, [slice per dim])]
+    return [math.prod(s.stop - s.start for s in index) * t.element_size() for _, index in pieces]
+
+
+def xla_whole(t: torch.Tensor) -> torch.Tensor:
+    """A (sharded) XLA array as a whole CPU tensor, assembled on the host from its local devices' shards (a transfer
+    of the whole array would compile a gathering graph for every array, at every checkpoint). RuntimeError when
+    this host's devices do not hold all of it."""
+    import torch_xla
+    if torch_xla._XLAC._get_xla_sharding_type(t) in (None, 0):  # not sharded, or replicated
+        return to_cpu(t)
+    whole = torch.empty(t.shape, dtype=t.dtype)
+    shards = torch_xla._XLAC._get_local_shards([t])[0]  # [(CPU tensor, device)], padded at uneven ends
+    filled = set()
+    for (data, _), (_, index) in zip(shards, torch_xla._XLAC._get_local_shard_replica_and_indices([t])[0]):
+        whole[tuple(index)] = data[tuple(slice(0, s.stop - s.start) for s in index)]
+        filled.add(tuple((s.start, s.stop) for s in index))
+    if sum(math.prod(stop - start for start, stop in index) for index in filled) != t.numel():
+        raise RuntimeError(f"an array of shape {list(t.shape)} is not all on this host's devices")
+    return whole
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Checkpoints: files, content, the plan a resume continues, the run folder
 # ----------------------------------------------------------------------------------------------------------
 
@@ -375,10 +624,11 @@ def checkpoint_everywhere(path: str, model: torch.nn.Module, optimizer, state, p
                           best: bool, on_error: Optional[Callable[[Exception, float], None]] = None) -> Optional[str]:
     """Checkpoint the current update (`state`: train.TrainState; `plan`: the plan record) to `path`, with
     save_checkpoint's retries for ckpt_retry_minutes. The master builds the state and writes it (on XLA every host
-    takes part in fetching it: a sharded array needs them all); then every process learns how that went, so none
-    rolls back to a file not written yet. Returns the write's last error (repr) or None, the same in every process."""
+    takes part in fetching it, and every FSDP2 process in gathering it: a sharded array needs them all); then every
+    process learns how that went, so none rolls back to a file not written yet. Returns the write's last error
+    (repr) or None, the same in every process."""
     error = None
-    if rt.is_master or rt.kind == "xla":
+    if rt.is_master or rt.kind == "xla" or rt.sharded:
         ckpt = {**checkpoint_state(model, optimizer, state, cfg, rt), "plan": plan}
     if rt.is_master:
         try:
@@ -424,18 +674,19 @@ def set_rng_state(state: dict) -> None:
 def checkpoint_state(model: torch.nn.Module, optimizer, state, cfg: Config, rt: Runtime) -> dict:
     """Everything a resume needs (`state`: train.TrainState), as CPU tensors and plain types
     (torch.load(weights_only=True) reads it, on a machine with or without torch_xla)."""
-    model_state, optimizer_state = fetch_to_host([model.state_dict(), optimizer.state_dict()], rt)
+    model_state, optimizer_state = state_to_host([model.state_dict(), optimizer.state_dict()], rt)
     for group in optimizer_state["param_groups"]:
         group["lr"] = float(group["lr"])  # a device tensor on XLA
     return {"model": model_state, "optimizer": optimizer_state, "train_state": dict(vars(state)),
             "rng": rng_state(), "config": asdict(cfg), "version": 2}
 
 
-def restore(ckpt: dict, model: torch.nn.Module, optimizer, state) -> None:
+def restore(ckpt: dict, model: torch.nn.Module, optimizer, state, rt: Runtime) -> None:
     """Load weights, optimizer, schedule position, data position and RNG states from a checkpoint (written on any
-    device: make_optimizer's load hook keeps this device's AdamW implementation flags)."""
-    model.load_state_dict(ckpt["model"])
-    optimizer.load_state_dict(ckpt["optimizer"])
+    device, sharded or not: make_optimizer's load hook keeps this device's AdamW implementation flags, and a
+    sharded run takes only its shards)."""
+    model.load_state_dict(place_model_state(ckpt["model"], model, rt))
+    optimizer.load_state_dict(place_optimizer_state(ckpt["optimizer"], optimizer, rt))
     for key, value in ckpt["train_state"].items():
         setattr(state, key, value)
     set_rng_state(ckpt["rng"])

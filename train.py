@@ -34,10 +34,11 @@ from model import VJEPA3D
 from probe import compare_with_random, prepare_probe_set, probe_auroc, rankme
 from runlog import (RunLog, Throughput, describe_run, format_train_line, json_number, save_mask_plot,
                     save_schedule_plot, save_training_plot, summary)
-from runtime import (PendingDeviceStats, Runtime, StopSignals, any_process, check_checkpoint_folder, check_ranks_agree,
-                     checkpoint_everywhere, checkpoint_path, gather_objects, load_resume_checkpoint, mark_step,
-                     master_decides, plan_record, probes_in_this_process, read_checkpoint, reduce_mean,
-                     resolve_run_dir, restore, resumed_plan, setup_runtime, split_fingerprint, to_device, xla_counters)
+from runtime import (PendingDeviceStats, Runtime, StopSignals, adamw_state, any_process, check_checkpoint_folder,
+                     check_ranks_agree, checkpoint_everywhere, checkpoint_path, gather_objects, global_value,
+                     load_resume_checkpoint, mark_step, master_decides, place_model, plan_record,
+                     probes_in_this_process, read_checkpoint, reduce_mean, resolve_run_dir, restore, resumed_plan,
+                     setup_runtime, split_fingerprint, state_bytes_per_device, to_device, wrap_ddp, xla_counters)
 from schedules import Hyperparameters, describe_extension, hyperparameters_at
 
 EXIT_OK = 0  # the others: ConfigError 2, NoUsableData 3, Diverged 4, StorageFailed 74, Preempted 75
@@ -76,8 +77,7 @@ def make_optimizer(model: VJEPA3D, cfg: Config, rt: Runtime) -> torch.optim.Opti
                                   betas=tuple(cfg.adam_betas), **implementation)
     for group in optimizer.param_groups:
         for p in group["params"]:
-            optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
-                                  "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+            optimizer.state[p] = adamw_state(p, rt)
 
     def keep_this_devices_implementation(opt: torch.optim.Optimizer) -> None:
         # load_state_dict takes the param groups' flags from the checkpoint, i.e. from the device that wrote it.
@@ -140,10 +140,10 @@ def forward_backward(model, micro_batches: list, cfg: Config, rt: Runtime):
 
 
 def clip_and_measure(model: VJEPA3D, cfg: Config) -> torch.Tensor:
-    """Pre-clip total grad norm of this update, measured before the optimizer step and zero_grad (incident 1)."""
+    """Pre-clip total grad norm of this update (all shards), measured before the step and zero_grad (incident 1)."""
     params = [p for p in model.parameters() if p.grad is not None]
     max_norm = cfg.grad_clip if cfg.grad_clip is not None else math.inf
-    return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return global_value(torch.nn.utils.clip_grad_norm_(params, max_norm))
 
 
 @torch.no_grad()
@@ -304,7 +304,7 @@ def dry_run(run: "Run") -> int:
         os.makedirs(run.run_dir, exist_ok=True)
         schedules = [hyperparameters_at(step, cfg, plan) for step in range(plan.total_steps)]
         masks = mask_generator_from_config(cfg)
-        print(describe_run(cfg, plan, run.model, run.train_ds, run.val_ds, run.rt, schedules, describe_masks(masks)))
+        print(describe_run(cfg, plan, run.train_ds, run.val_ds, run.rt, schedules, describe_masks(masks)))
         save_schedule_plot({"lr": [s.lr for s in schedules], "weight decay": [s.wd for s in schedules],
                             "EMA momentum": [s.ema for s in schedules]}, os.path.join(run.run_dir, "schedules.png"))
         save_mask_plot(run.train_ds[(0, 0)], cfg, mask_stats(masks), os.path.join(run.run_dir, "mask.png"))
@@ -324,8 +324,8 @@ class Run:
     plan: RunPlan
     train_ds: object
     val_ds: object
-    model: VJEPA3D
-    optimizer: torch.optim.Optimizer
+    model: Optional[VJEPA3D]  # None in a dry run
+    optimizer: Optional[torch.optim.Optimizer]
     state: TrainState = field(default_factory=TrainState)
     plan_record: dict = field(default_factory=dict)  # stored in every checkpoint: a resume checks it continues it
     log: Optional[RunLog] = None
@@ -350,10 +350,10 @@ class Run:
 
     @property
     def val_volumes(self) -> int:
-        """The first val_batches x global_batch_size val volumes, the same on any number of processes (XLA: a multiple
-        of the device count, over which a batch is split); 0 turns validation off."""
+        """The first val_batches x global_batch_size val volumes, the same on any number of processes (XLA and sharded
+        runs: a multiple of the device count, as every device takes part in each forward); 0 turns validation off."""
         volumes = min(len(self.val_ds), self.cfg.val_batches * self.plan.global_batch_size)
-        return volumes - volumes % self.rt.world_size if self.rt.kind == "xla" else volumes
+        return volumes - volumes % self.rt.world_size if self.rt.kind == "xla" or self.rt.sharded else volumes
 
     @property
     def checkpoint_time_due(self) -> bool:
@@ -363,13 +363,13 @@ class Run:
 
 
 def prepare_run(cfg: Config, rt: Runtime) -> Run:
-    """The data and its train/val split (the same in every process), the plan, the model and its optimizer."""
+    """The data and train/val split (the same in every process), the plan, the model and optimizer (None: dry run)."""
     torch.manual_seed(cfg.seed)
     train_ds, val_ds = build_datasets(cfg)
     check_ranks_agree(split_fingerprint(train_ds, val_ds), "the train/val split (use an index_path)", rt)
     plan = plan_run(cfg, rt.world_size, len(train_ds))
-    model = VJEPA3D.from_config(cfg).to(rt.device)
-    return Run(cfg, rt, plan, train_ds, val_ds, model, make_optimizer(model, cfg, rt))
+    model = None if cfg.dry_run else place_model(VJEPA3D.from_config(cfg), rt)  # whole, or sharded (shard: fsdp)
+    return Run(cfg, rt, plan, train_ds, val_ds, model, None if cfg.dry_run else make_optimizer(model, cfg, rt))
 
 
 def resume(run: Run) -> Tuple[Optional[dict], List[dict]]:
@@ -382,7 +382,7 @@ def resume(run: Run) -> Tuple[Optional[dict], List[dict]]:
         if "plan" in ckpt:
             run.plan = resumed_plan(ckpt["plan"], cfg, run.plan, run.train_ds, run.val_ds,
                                     ckpt["train_state"]["step"], run.last_ckpt)
-        restore(ckpt, run.model, run.optimizer, run.state)
+        restore(ckpt, run.model, run.optimizer, run.state, rt)
         check_ranks_agree(run.state.step, f"the update they resume {run.last_ckpt} at", rt)
     run.plan_record = plan_record(cfg, run.plan, run.train_ds, run.val_ds)
     return ckpt, set_aside
@@ -436,14 +436,14 @@ def train(cfg: Config, rt: Runtime) -> int:
     run.log = open_log(run, ckpt, set_aside)
     with StopSignals() as signals:  # from here on a preemption loses no completed update
         compile_model(run.model, run.local_batch, cfg, rt, run.log)
-        # Wrapped after the restore: DDP starts every process from the same weights.
-        run.ddp_model = DistributedDataParallel(run.model, broadcast_buffers=False) if rt.ddp else run.model
+        run.ddp_model = wrap_ddp(run.model, rt)  # after the restore: DDP starts every process from the same weights
         if cfg.probe_every_steps is not None and probes_in_this_process(rt):
             run.probe_set = prepare_probe_set(cfg, cfg.probe_labels)  # loaded once; features recomputed at each probe
         if run.val_volumes:
             run.val_loader = make_val_loader(run.val_ds, run.val_volumes, run.local_batch, workers=cfg.workers,
                                              rank=rt.process_index, process_count=rt.process_count)
         mark_step(rt)  # XLA: weights and optimizer state materialised now: update 1 compiles the graph update 2 reuses
+        run.log.device_memory(run.state.step, state_bytes_per_device(run.model, run.optimizer, rt), rt)  # collective
         train_loop(run, signals)
     finish(run)
     return EXIT_OK
@@ -609,7 +609,7 @@ def rollback(run: Run, lr: float) -> None:
     failed_at = state.step + state.data_skip
     ckpt = read_checkpoint(run.last_ckpt, 60 * cfg.ckpt_retry_minutes)  # load_state_dict moves them to the device
     rollbacks, lr_scale, skipped = state.rollbacks + 1, state.lr_scale * cfg.rollback_lr_factor, state.nonfinite_skipped
-    restore(ckpt, run.model, run.optimizer, state)
+    restore(ckpt, run.model, run.optimizer, state, run.rt)
     state.rollbacks, state.lr_scale, state.nonfinite_skipped = rollbacks, lr_scale, skipped
     state.consecutive_nonfinite = 0
     state.data_skip = failed_at - state.step  # resume the data after the batches that failed

@@ -127,6 +127,9 @@ def test_wrong_type_names_the_field(argv, field):
     (dict(schedule="constant", warmup_steps=10), "warmup_steps"),
     (dict(schedule="cosin"), "schedule"),
     (dict(grad_clip=0.0), "grad_clip"),
+    (dict(shard="zero3"), "shard"),
+    (dict(fsdp_size=4), "fsdp_size"),  # without shard fsdp
+    (dict(shard="fsdp", fsdp_size=0), "fsdp_size"),
 ])
 def test_invalid_values_are_rejected_with_the_field_named(overrides, field):
     with pytest.raises(ConfigError, match=field):
@@ -174,7 +177,8 @@ def test_saved_config_loads_back_identically(tmp_path):
     assert load_config(["--config", str(tmp_path / "config.yaml")]) == cfg
 
 
-@pytest.mark.parametrize("name", ["demo", "smoke", "pretrain_single_domain", "pretrain_multi_domain"])
+@pytest.mark.parametrize("name", ["demo", "smoke", "pretrain_single_domain", "pretrain_multi_domain", "pretrain_vitl",
+                                  "pretrain_vitg"])
 def test_shipped_configs_are_valid(name):
     load_config(["--config", str(REPO / "configs" / f"{name}.yaml")])
 
@@ -184,6 +188,16 @@ def test_production_config_has_the_documented_settings():
     assert cfg.image_size == [64, 384, 384] and cfg.patch_size == [4, 16, 16] and cfg.mask_ratio == 0.6
     assert cfg.global_batch_size == 32 and cfg.base_lr == 1e-4 and cfg.weight_decay == 0.05
     assert cfg.ema_base == 0.996 and cfg.epochs == 150 and cfg.use_bf16
+
+
+def test_fsdp_size_must_divide_the_devices_of_the_run_except_in_a_dry_run_planning_for_more():
+    from runtime import sharding_size
+    assert sharding_size(load_config(["--shard", "fsdp"]), 8) == 8  # all devices
+    assert sharding_size(load_config(["--shard", "fsdp", "--fsdp_size", "4"]), 8) == 4  # a 2 x 4 data x fsdp mesh
+    assert sharding_size(load_config(["--shard", "none"]), 8) == 1
+    with pytest.raises(ConfigError, match="fsdp_size: 3 does not divide the 8 devices"):
+        sharding_size(load_config(["--shard", "fsdp", "--fsdp_size", "3"]), 8)
+    assert sharding_size(load_config(["--shard", "fsdp", "--fsdp_size", "16", "--dry_run"]), 1) == 1
 
 
 def test_readme_config_reference_is_every_field_as_config_py_defines_it():

@@ -32,6 +32,32 @@ def test_production_config_has_about_29_4m_trainable_parameters():
     assert abs(n - 29.4e6) / 29.4e6 < 0.03
 
 
+def test_dry_run_memory_says_a_vit_g_will_not_fit_a_16_gib_device_unless_sharded():
+    from runlog import describe_memory
+    cfg = load_config(["--config", "configs/pretrain_vitg.yaml"])
+    with torch.device("meta"):
+        model = VJEPA3D.from_config(cfg)
+    assert abs(model.num_trainable_params() - 1.0e9) / 1.0e9 < 0.05
+    whole = describe_memory(cfg, model, fsdp=1, batch=1)
+    print(whole)
+    assert "will NOT fit TPU v5e (16 GiB)" in whole and "fits L4 (24 GiB), TPU v4 (32 GiB)" in whole
+    sharded = describe_memory(cfg, model, fsdp=16, batch=1)
+    assert "weights sharded over 16 devices" in sharded and "fits every named device" in sharded
+
+
+def test_sharding_divides_the_weights_and_optimizer_state_but_not_the_activations():
+    from model import memory_per_device
+    cfg = load_config(["--config", "configs/pretrain_vitl.yaml"])
+    with torch.device("meta"):
+        model = VJEPA3D.from_config(cfg)
+    whole, sharded = (memory_per_device(cfg, model, fsdp, batch=2) for fsdp in (1, 8))
+    for part in ("weights", "gradients", "adamw", "ema_target"):
+        assert sharded[part] == whole[part] / 8
+    assert sharded["activations"] == whole["activations"] > 0
+    assert whole["gathered"] == 0 < sharded["gathered"] < whole["weights"] / 4  # a few blocks gathered at a time
+    assert whole["weights"] == 4 * model.num_trainable_params()
+
+
 def test_forward_returns_the_documented_output_with_loss_on_target_tokens():
     model = tiny_model()
     ctx, tgt = masks(model, 2)

@@ -339,9 +339,11 @@ def ddp_flags(tmp_path, phantoms, *flags):
 
 
 @pytest.mark.slow
-def test_ddp_processes_share_a_run_folder_roll_back_together_and_leave_the_group_at_exit(tmp_path, smoke_phantoms):
+@pytest.mark.parametrize("shard", ["none", "fsdp"])  # a sharded rollback restores each process's shards
+def test_ddp_processes_share_a_run_folder_roll_back_together_and_leave_the_group_at_exit(tmp_path, smoke_phantoms,
+                                                                                        shard):
     result = torchrun(tmp_path, "late_start,nan_5_7,exit_report", *ddp_flags(tmp_path, smoke_phantoms,
-                                                                             "--max_steps", "10"))
+                                                                             "--max_steps", "10", "--shard", shard))
     assert result.returncode == 0, result.stderr[-3000:]
     # Both left the process group before interpreter teardown, where a gloo thread can abort the process.
     assert result.stderr.count("gloo worker threads at exit: 0") == 2, result.stderr[-3000:]

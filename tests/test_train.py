@@ -377,7 +377,8 @@ def test_folder_without_usable_dicom_exits_3_with_the_reason_table(tmp_path):
 def test_dry_run_prints_the_preflight_and_saves_pictures(tmp_path, smoke_phantoms, capsys):
     assert main(smoke_flags(tmp_path, smoke_phantoms, "--dry_run")) == 0
     out = capsys.readouterr().out
-    for word in ("parameters", "tokens/sample", "FLOPs/sample", "activations", "schedule"):
+    for word in ("parameters", "tokens/sample", "FLOPs/sample", "memory/device", "activations", "by fsdp size",
+                 "schedule"):
         assert word in out
     run_dir = tmp_path / "runs" / "r"
     assert (run_dir / "schedules.png").exists() and (run_dir / "mask.png").exists()

@@ -15,6 +15,7 @@ import pytest
 
 import encoder
 from test_resume import free_port
+from test_shard import FLAGS, assert_holds_a_share, assert_same_state, final_checkpoint, losses
 from test_train import main, read_jsonl, smoke_flags, train_lines
 from runtime import list_checkpoints
 
@@ -79,17 +80,50 @@ def test_xla_step_compiles_once_and_reads_the_device_only_at_log_steps(tmp_path,
     assert np.diff(transfers).tolist() == [1] * (len(transfers) - 1), lines
 
 
-def test_spmd_over_4_devices_matches_1_device(tmp_path, smoke_phantoms, cache_dir, xla_python):
-    common = ("--device", "xla", "--max_steps", "8", "--log_every_steps", "1", "--ckpt_dir", "none",
-              "--global_batch_size", "4")
-    run_train(xla_python, flags_for(tmp_path / "one", smoke_phantoms, cache_dir, *common,
-                                    "--per_core_batch_size", "4"), devices=1)
-    four = run_train(xla_python, flags_for(tmp_path / "four", smoke_phantoms, cache_dir, *common,
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory, smoke_phantoms, cache_dir, xla_python):
+    """The XLA reference: one device, nothing sharded (FLAGS: 14 updates of 4 volumes, a checkpoint every 4). Its
+    run folder."""
+    out = tmp_path_factory.mktemp("one_device")
+    run_train(xla_python, flags_for(out, smoke_phantoms, cache_dir, *FLAGS, "--device", "xla",
+                                    "--per_core_batch_size", "4"))
+    return out / "runs" / "r"
+
+
+def test_spmd_over_4_devices_matches_1_device(tmp_path, smoke_phantoms, cache_dir, xla_python, one_device):
+    four = run_train(xla_python, flags_for(tmp_path, smoke_phantoms, cache_dir, *FLAGS, "--device", "xla",
                                            "--per_core_batch_size", "1"), devices=4)
     assert "xla x 4" in four.stdout
-    one, four = train_lines(tmp_path / "one" / "runs" / "r"), train_lines(tmp_path / "four" / "runs" / "r")
+    one, four = train_lines(one_device), train_lines(tmp_path / "runs" / "r")
     np.testing.assert_allclose([r["loss"] for r in four], [r["loss"] for r in one], rtol=1e-4)
     np.testing.assert_allclose([r["grad_norm"] for r in four], [r["grad_norm"] for r in one], rtol=1e-4)
+
+
+def test_fsdp_over_4_xla_devices_trains_like_1_device_on_a_quarter_of_the_memory_without_recompiles(
+        tmp_path, smoke_phantoms, cache_dir, xla_python, one_device):
+    # With grad checkpointing (torch_xla's: torch's fails on XLA), which changes no value.
+    run_train(xla_python, flags_for(tmp_path, smoke_phantoms, cache_dir, *FLAGS, "--device", "xla",
+                                    "--per_core_batch_size", "1", "--shard", "fsdp", "--grad_checkpointing", "true"),
+              devices=4)
+    sharded = tmp_path / "runs" / "r"
+    np.testing.assert_allclose(losses(sharded), losses(one_device), rtol=1e-5)
+    assert_same_state(final_checkpoint(sharded), final_checkpoint(one_device))  # written whole from the shards
+    assert_holds_a_share(sharded, one_device, 1 / 4)
+    # Nothing compiles again after the first update, checkpoints (at 4, 8, 12) included.
+    assert {r["xla_compiles"] for r in train_lines(sharded)[1:]} == {train_lines(sharded)[0]["xla_compiles"]}
+
+
+def test_a_data_x_fsdp_mesh_of_xla_devices_resumes_an_unsharded_checkpoint_and_continues_it_exactly(
+        tmp_path, smoke_phantoms, cache_dir, xla_python, one_device):
+    run_train(xla_python, flags_for(tmp_path, smoke_phantoms, cache_dir, *FLAGS, "--device", "xla",
+                                    "--per_core_batch_size", "1", "--shard", "fsdp", "--fsdp_size", "2",
+                                    "--resume", str(one_device / "checkpoints" / "step_0000004.pt")), devices=4)
+    sharded = tmp_path / "runs" / "r"  # 2 copies of the weights, each sharded over 2 devices
+    assert len(losses(sharded)) == 10
+    np.testing.assert_allclose(losses(sharded), losses(one_device, after=4), rtol=1e-5)
+    assert_same_state(final_checkpoint(sharded), final_checkpoint(one_device))
+    assert_holds_a_share(sharded, one_device, 1 / 2)
+    assert {r["xla_compiles"] for r in train_lines(sharded)[1:]} == {train_lines(sharded)[0]["xla_compiles"]}
 
 
 def test_nan_on_xla_is_skipped_on_the_device_without_a_recompile(tmp_path, smoke_phantoms, cache_dir, xla_python):
