@@ -33,7 +33,6 @@ fold.json (classes, task, the paths of each part, scores, the loss of every epoc
 device, seed (splits, probes, heads and the random init follow from it).
 """
 import copy
-import csv
 import json
 import math
 import os
@@ -56,7 +55,7 @@ from dicom import UnusableFile, read_volume
 from index import format_reason_table
 from model import PretrainedEncoder, load_encoder, random_encoder, save_encoder
 from probe import (TEST_FRACTION, AttentiveProbe, Task, classification_scores, encode_volumes, fit_attentive, interval,
-                   probe_device, split_scores, stratified_split)
+                   paired_difference, probe_device, read_label_rows, split_scores, stratified_split)
 from schedules import cosine_ramp
 
 CLI_FIELDS = ("device", "seed")
@@ -103,17 +102,12 @@ def read_label_table(path: str) -> Tuple[List[str], np.ndarray, List[str], str, 
     """(paths, targets, classes, task, patients or None) of a labels CSV: path,label (binary or multiclass: targets
     [M] class ids, classes sorted) or path,<class>,<class>... (multilabel: targets [M, C] of 0/1); an optional
     patient column. Paths are relative to the CSV's folder."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"labels: {path} not found; give a CSV with the header path,label or path,<class>,<class>...")
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
+    rows = read_label_rows(path, "give a CSV with the header path,label or path,<class>,<class>...")
     columns = list(rows[0]) if rows else []
     if "path" not in columns or len(set(columns) - {"path", PATIENT_COLUMN}) < 1:
         raise ConfigError(f"labels: {path} needs a header path,label (one class per volume) or path,<class>,<class>... "
                           f"(multi-label, 1 or 0 per class) and at least one row; found {columns}.")
-    root = os.path.dirname(os.path.abspath(path))
-    paths = [r["path"] if "://" in r["path"] or os.path.isabs(r["path"]) else os.path.join(root, r["path"])
-             for r in rows]
+    paths = [r["path"] for r in rows]
     patients = [r[PATIENT_COLUMN] for r in rows] if PATIENT_COLUMN in columns else None
     if "label" in columns:
         classes = sorted({r["label"] for r in rows})
@@ -410,8 +404,8 @@ def summarize(results: Dict[str, List[dict]]) -> dict:
 
 def paired_differences(a: dict, b: dict) -> dict:
     """Per mode of both summaries: mean and 95% t-interval of the per-fold differences a - b (the same folds)."""
-    return {mode: {m: interval([x[m] - y[m] for x, y in zip(a[mode]["folds"], b[mode]["folds"])])
-                   for m in ("auroc", "balanced_accuracy")} for mode in a if mode in b}
+    return {mode: {m: paired_difference(a[mode][m], b[mode][m]) for m in ("auroc", "balanced_accuracy")}
+            for mode in a if mode in b}
 
 
 def format_report(report: dict) -> str:

@@ -483,18 +483,27 @@ def comparisons(report: dict, scores: dict, readout: str) -> dict:
 # Labelled volumes and their features
 # ----------------------------------------------------------------------------------------------------------
 
-def read_labels(path: str, columns: Sequence[str] = ("label",)) -> List[Tuple[str, ...]]:
-    """(path, *columns) rows of a labels CSV with a header path,label,... (paths relative to the CSV's folder)."""
+def read_label_rows(path: str, header_hint: str) -> List[dict]:
+    """The rows of a labels CSV as dicts, their `path` made absolute (relative to the CSV's folder unless a URL or
+    absolute); a missing file is a ConfigError that adds header_hint (what the CSV should hold)."""
     if not os.path.isfile(path):
-        raise ConfigError(f"labels: {path} not found; give a CSV with the header path,label (paths relative to its "
-                          f"folder), or leave --labels and --data_root out to probe the built-in phantom suite.")
+        raise ConfigError(f"labels: {path} not found; {header_hint}.")
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f))
+    root = os.path.dirname(os.path.abspath(path))
+    for r in rows:
+        if r.get("path") is not None and "://" not in r["path"] and not os.path.isabs(r["path"]):
+            r["path"] = os.path.join(root, r["path"])
+    return rows
+
+
+def read_labels(path: str, columns: Sequence[str] = ("label",)) -> List[Tuple[str, ...]]:
+    """(path, *columns) rows of a labels CSV with a header path,label,... (paths relative to the CSV's folder)."""
+    rows = read_label_rows(path, "give a CSV with the header path,label (paths relative to its folder), or leave "
+                                 "--labels and --data_root out to probe the built-in phantom suite")
     if not rows or not {"path", *columns} <= set(rows[0]):
         raise ConfigError(f"labels: {path} needs a header line path,{','.join(columns)} and at least one row.")
-    root = os.path.dirname(os.path.abspath(path))
-    return [(r["path"] if "://" in r["path"] or os.path.isabs(r["path"]) else os.path.join(root, r["path"]),
-             *(r[c] for c in columns)) for r in rows]
+    return [(r["path"], *(r[c] for c in columns)) for r in rows]
 
 
 def phantom_labels(cfg: Config, varied: bool = False) -> str:
