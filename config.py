@@ -73,7 +73,7 @@ class Config:
     workers: int = 2  # DataLoader worker processes
     max_bad_fraction: float = 0.2  # stop (exit 3) when more than this share of files is unusable
     # --- masking ---
-    mask_type: str = "multiblock"  # multiblock (blocks clipped at the borders) | multiblock_inside (blocks fully inside: nominal size) | random
+    mask_type: str = "random"  # multiblock (blocks clipped at the borders) | multiblock_inside (blocks fully inside: nominal size) | random
     mask_ratio: float = 0.6  # share of tokens that are prediction targets (in each mask set)
     mask_block_scale: List[float] = field(default_factory=lambda: [0.1, 0.3])  # block size as share of tokens: [min, max] per mask set; more pairs = more mask sets per sample (V-JEPA short/long range)
     mask_block_aspect: float = 1.5  # max aspect ratio distortion of a block per axis pair
@@ -83,7 +83,7 @@ class Config:
     depth: int = 4  # encoder blocks
     num_heads: int = 4  # encoder attention heads (embed_dim must divide by it)
     pred_embed_dim: int = 64  # predictor width (narrower than the encoder)
-    pred_depth: int = 2  # predictor blocks
+    pred_depth: int = 4  # predictor blocks
     pred_num_heads: int = 4  # predictor attention heads
     mlp_ratio: float = 4.0  # MLP hidden width / block width
     loss: str = "l1"  # l1 | mse
@@ -92,7 +92,7 @@ class Config:
     global_batch_size: Optional[int] = 8  # volumes per optimizer update, over all devices and micro-batches
     per_core_batch_size: Optional[int] = 8  # volumes per device per micro-batch
     grad_accum_steps: Optional[int] = None  # derived from the two batch sizes and the world size when None
-    epochs: int = 30  # passes over the training split (sets the run length unless max_steps)
+    epochs: int = 120  # passes over the training split (sets the run length unless max_steps)
     max_steps: Optional[int] = None  # optimizer updates; overrides epochs when set
     base_lr: float = 5e-4  # peak LR, reached after warmup (sanity.py --lr_sweep measures a stable one)
     min_lr: float = 1e-5  # LR at the end of the cosine schedule (held after it)
@@ -102,7 +102,7 @@ class Config:
     weight_decay: float = 0.04  # AdamW decoupled decay on weight matrices (not biases, norms, mask token)
     weight_decay_end: Optional[float] = None  # cosine-ramped to this value; None = constant weight_decay
     adam_betas: List[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW [beta1, beta2]
-    ema_base: float = 0.996  # EMA momentum at step 0, ramped to ema_end
+    ema_base: float = 0.998  # EMA momentum at step 0, ramped to ema_end
     ema_end: float = 1.0  # EMA momentum at the end of the run (below 1: the target encoder keeps moving)
     ema_schedule: str = "cosine"  # cosine | linear: the ramp from ema_base to ema_end
     grad_clip: Optional[float] = 1.0  # max total grad norm; None = no clipping (the norm is still logged)

@@ -128,6 +128,19 @@ class Throughput:
                 "data_time_s": self.data_time / self.updates}
 
 
+def collapse_signs(history: List[dict], cfg: Config) -> Dict[tuple, tuple]:
+    """The collapse signs (CollapseWatch) still present at the end of a run's metrics: {(split, metric): (the best
+    value, the last one)}."""
+    watch = CollapseWatch(cfg)
+    for record in history:
+        watch.add(record)
+    signs = {}
+    for split, metric in sorted(watch.reported):
+        values = [r[metric] for r in history if r["split"] == split and r.get(metric) is not None]
+        signs[(split, metric)] = (max(values), values[-1])
+    return signs
+
+
 class CollapseWatch:
     """Collapse signs in each new metrics record: target_std or RankMe under its floor, or under half of its highest
     value of the last collapse_window_steps updates; the probe AUROC (probe_every_steps) back below half of its best
@@ -361,6 +374,11 @@ def summary(history: List[dict], run_dir: str, cfg: Config, state, versus_random
         lines.append(f"target_std        {train[0]['target_std']:.4f} -> {train[-1]['target_std']:.4f}")
     if val:
         lines.append(f"val loss          {val[0]['loss']:.4f} -> {val[-1]['loss']:.4f}, rankme {val[-1]['rankme']:.1f}")
+    collapsed = collapse_signs(history, cfg)
+    if collapsed:
+        lines.append("collapse          " + ", ".join(f"{split} {metric} {lowest:.3g} (best {best:.3g})"
+                                                      for (split, metric), (best, lowest) in collapsed.items())
+                     + " at the end (collapse_warning in events.jsonl)")
     if versus_random:
         beats = versus_random["beats_random"]
         for readout, won in beats.items():
@@ -371,8 +389,10 @@ def summary(history: List[dict], run_dir: str, cfg: Config, state, versus_random
         if all(beats.values()):
             verdict = f"the encoder BEATS a random init on {'both' if len(beats) == 2 else 'all'} probes"
         else:
+            fix = ("the target collapsed partly: a slower EMA (--ema_base 0.998) or a lower --base_lr"
+                   if any(metric == "target_std" for _, metric in collapsed) else "pretrain longer or on more data")
             verdict = (f"the encoder does NOT beat a random init on {', '.join(r for r, won in beats.items() if not won)}"
-                       f" (overlapping or lower 95% intervals): pretrain longer or on more data")
+                       f" (overlapping or lower 95% intervals): {fix}")
         lines.append(f"verdict           {verdict}")
     lines += [f"metrics           {run_dir}/metrics.jsonl (events: events.jsonl, plot: training.png)",
               f"checkpoints       {cfg.ckpt_dir if cfg.ckpt_dir else 'off (ckpt_dir null)'}", "=" * 72]

@@ -7,6 +7,9 @@ and experiments/reference.json (the hand-made features and the supervised CNN on
                                                              # 95% interval over seeds, and the runs that beat hand-made
     python experiments/table.py compare ARM_A ARM_B [READOUT]   # paired differences A - B over pretraining seeds
     python experiments/table.py reference                    # the floor's companions: hand-made features and CNN
+    python experiments/table.py demo ARM [ARM...]            # demo runs (experiments/demo.sh: experiments/demo/ARM_sK.json):
+                                                             # each seed's summary probe, and per arm the paired
+                                                             # difference to random init over the seeds
 
 Each run's value is the mean over its probe seeds (splits); an arm's interval is a t-interval over its pretraining
 seeds, paired by seed in `compare` (the seed also draws the init and the data order).
@@ -114,6 +117,30 @@ def reference_table() -> None:
               + f" | {cell(t['supervised'][m])} | {'yes' if t['valid'] else 'no'} |")
 
 
+def demo_table(arms: list) -> None:
+    readouts = ("mean_pool", "depth_rows")
+    print("| arm | seed | " + " | ".join(f"{r}: pretrained | {r}: random init" for r in readouts)
+          + " | beats both | last val target_std, RankMe | wall / CPU s |")
+    print("|---|---|" + "---|---|" * len(readouts) + "---|---|---|")
+    for arm in arms:
+        paths = sorted(glob.glob(os.path.join(HERE, "demo", f"{arm}_s*.json")), key=lambda p: int(p[:-5].rsplit("_s", 1)[1]))
+        differences = {r: [] for r in readouts}
+        for path in paths:
+            with open(path) as f:
+                run = json.load(f)
+            probe, val, time = run["summary_probe"], run["last_val"], run["pretrain"]
+            cells = []
+            for r in readouts:
+                cells += [cell(probe["pretrained"][r]), cell(probe["random"][r])]
+                differences[r].append(probe["pretrained"][r]["mean"] - probe["random"][r]["mean"])
+            print(f"| {arm} | {path[:-5].rsplit('_s', 1)[1]} | " + " | ".join(cells)
+                  + f" | {'yes' if all(probe['beats_random'].values()) else 'no'} | {val['target_std']:.2f}, "
+                  f"{val['rankme']:.1f} | {time['wall_s']:.0f} / {time['cpu_s']:.0f} |")
+        if len(paths) > 1:
+            print(f"| {arm}: pretrained - random init, paired, over the {len(paths)} seeds | | "
+                  + " | ".join(f"{signed(interval(differences[r]))} | " for r in readouts) + " | | |")
+
+
 if __name__ == "__main__":
     command, args = sys.argv[1], sys.argv[2:]
     if command == "runs":
@@ -124,5 +151,7 @@ if __name__ == "__main__":
         compare_table(args[0], args[1], args[2:] or list(READOUTS))
     elif command == "reference":
         reference_table()
+    elif command == "demo":
+        demo_table(args)
     else:
         sys.exit(__doc__)

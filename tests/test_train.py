@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -215,6 +216,22 @@ def test_collapse_warning_when_the_probe_loses_half_its_gain_over_chance(tmp_pat
         log.metrics({"split": "probe", "step": step, "probe_auroc": auroc})
     events = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "collapse_warning"]
     assert [(e["step"], e["metric"]) for e in events] == [(1500, "probe_auroc")]
+
+
+def test_the_summary_names_a_partial_collapse_and_its_fix_when_the_encoder_does_not_beat_random_init():
+    """A demo seed whose target_std fell from 0.46 to 0.19 did not beat random init; a slower EMA fixed it (README)."""
+    from runlog import summary
+    cfg = load_config(["--config", SMOKE])
+    state = SimpleNamespace(step=600, nonfinite_skipped=0, rollbacks=0)
+    history = [{"split": "val", "step": step, "loss": 0.1, "target_std": std, "rankme": 20.0}
+               for step, std in ((100, 0.46), (200, 0.26), (600, 0.19))]
+    auroc = {"mean": 0.56, "low": 0.54, "high": 0.57, "values": [0.56] * 5}
+    lost = {"pretrained": {"mean_pool": auroc}, "random": {"mean_pool": auroc}, "beats_random": {"mean_pool": False}}
+    text = summary(history, "run", cfg, state, lost)
+    assert "collapse          val target_std 0.19 (best 0.46)" in text
+    assert "the target collapsed partly: a slower EMA (--ema_base 0.998)" in text
+    healthy = summary([{**r, "target_std": 0.8} for r in history], "run", cfg, state, lost)
+    assert "collapse " not in healthy and "pretrain longer or on more data" in healthy
 
 
 def test_logging_a_metrics_line_costs_as_much_at_5k_lines_as_at_1k(tmp_path):
