@@ -79,6 +79,8 @@ def arms_table(arms: list) -> None:
     for arm in arms:
         names = seeds_of(arm)
         for task, t in load(names[0])["tasks"].items():
+            if task not in load("reference")["tasks"]:  # no hand-made features measured on these splits
+                continue
             ref = reference_scores(task)
             cells = []
             for r in READOUTS:
