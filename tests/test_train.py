@@ -402,6 +402,7 @@ def test_ddp_two_processes_match_one_process(tmp_path, smoke_phantoms):
 
 
 @pytest.mark.slow
+@pytest.mark.slowest
 def test_demo_run_completes_and_its_loss_falls(tmp_path):
     """`python train.py` with no arguments, as in the README (shortened a little by flags: same code path)."""
     result = run_cli(["--run_name", "demo"], cwd=tmp_path, timeout=900)
