@@ -15,7 +15,8 @@ sys.path.insert(0, str(REPO))  # `pytest` run from anywhere imports the repo's f
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # A worker per core (pytest.ini's -n): torch's threads in each worker, and in the runs its tests start, would
-    # contend for the cores, and torch's spinning threads slow training many times over (one test: 131 s, not 7 s).
+    # contend for the cores, where torch's spinning threads slow training many times over (measured on two busy
+    # cores: test_frozen_target_overfits_one_batch 131 s with two threads, 7 s with one).
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
