@@ -10,7 +10,7 @@ import torch
 
 from test_train import REPO, read_jsonl, run_cli, smoke_flags, train_lines
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("shard_unsharded")]  # one worker builds `unsharded` once
 
 # 14 updates of 4 volumes, a checkpoint every 4; one process with per_core_batch_size 4 is the reference.
 FLAGS = ("--max_steps", "14", "--ckpt_every_steps", "4", "--keep_last", "5", "--val_every_steps", "100",

@@ -419,6 +419,7 @@ def test_ddp_two_processes_match_one_process(tmp_path, smoke_phantoms):
 
 
 @pytest.mark.slow
+@pytest.mark.slowest
 def test_demo_run_completes_its_loss_falls_and_it_beats_a_random_init(tmp_path):
     """`python train.py` with no arguments, as in the README (a run name only). On 5 seeds of 5 the demo's encoder
     beat a random init on both summary probes (README, Does it learn); this is seed 0."""

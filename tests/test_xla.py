@@ -90,6 +90,7 @@ def one_device(tmp_path_factory, smoke_phantoms, cache_dir, xla_python):
     return out / "runs" / "r"
 
 
+@pytest.mark.xdist_group("xla_one_device")  # on the worker that built one_device (once)
 def test_spmd_over_4_devices_matches_1_device(tmp_path, smoke_phantoms, cache_dir, xla_python, one_device):
     four = run_train(xla_python, flags_for(tmp_path, smoke_phantoms, cache_dir, *FLAGS, "--device", "xla",
                                            "--per_core_batch_size", "1"), devices=4)
@@ -99,6 +100,7 @@ def test_spmd_over_4_devices_matches_1_device(tmp_path, smoke_phantoms, cache_di
     np.testing.assert_allclose([r["grad_norm"] for r in four], [r["grad_norm"] for r in one], rtol=1e-4)
 
 
+@pytest.mark.xdist_group("xla_one_device")  # on the worker that built one_device (once)
 def test_fsdp_over_4_xla_devices_trains_like_1_device_on_a_quarter_of_the_memory_without_recompiles(
         tmp_path, smoke_phantoms, cache_dir, xla_python, one_device):
     # With grad checkpointing (torch_xla's: torch's fails on XLA), which changes no value.
@@ -113,6 +115,7 @@ def test_fsdp_over_4_xla_devices_trains_like_1_device_on_a_quarter_of_the_memory
     assert {r["xla_compiles"] for r in train_lines(sharded)[1:]} == {train_lines(sharded)[0]["xla_compiles"]}
 
 
+@pytest.mark.xdist_group("xla_one_device")  # on the worker that built one_device (once)
 def test_a_data_x_fsdp_mesh_of_xla_devices_resumes_an_unsharded_checkpoint_and_continues_it_exactly(
         tmp_path, smoke_phantoms, cache_dir, xla_python, one_device):
     run_train(xla_python, flags_for(tmp_path, smoke_phantoms, cache_dir, *FLAGS, "--device", "xla",
