@@ -45,9 +45,9 @@ def reference_scores(task: str) -> dict:
     return {"best_handmade": (best, t["handmade"][best][t["metric"]]), "supervised": t["supervised"][t["metric"]]}
 
 
-def seeds_of(arm: str) -> list:
-    """The run names ARM_s<k> that have a report, by seed."""
-    names = [os.path.basename(p)[:-5] for p in glob.glob(os.path.join(HERE, f"{arm}_s*.json"))]
+def seeds_of(arm: str, folder: str = "") -> list:
+    """The run names ARM_s<k> that have a report (in experiments/FOLDER), by seed."""
+    names = [os.path.basename(p)[:-5] for p in glob.glob(os.path.join(HERE, folder, f"{arm}_s*.json"))]
     return sorted((n for n in names if re.fullmatch(rf"{re.escape(arm)}_s\d+", n)), key=lambda n: int(n.rsplit("s", 1)[1]))
 
 
@@ -125,21 +125,20 @@ def demo_table(arms: list) -> None:
           + " | beats both | last val target_std, RankMe | wall / CPU s |")
     print("|---|---|" + "---|---|" * len(readouts) + "---|---|---|")
     for arm in arms:
-        paths = sorted(glob.glob(os.path.join(HERE, "demo", f"{arm}_s*.json")), key=lambda p: int(p[:-5].rsplit("_s", 1)[1]))
+        names = seeds_of(arm, "demo")
         differences = {r: [] for r in readouts}
-        for path in paths:
-            with open(path) as f:
-                run = json.load(f)
+        for name in names:
+            run = load(os.path.join("demo", name))
             probe, val, time = run["summary_probe"], run["last_val"], run["pretrain"]
             cells = []
             for r in readouts:
                 cells += [cell(probe["pretrained"][r]), cell(probe["random"][r])]
                 differences[r].append(probe["pretrained"][r]["mean"] - probe["random"][r]["mean"])
-            print(f"| {arm} | {path[:-5].rsplit('_s', 1)[1]} | " + " | ".join(cells)
+            print(f"| {arm} | {name.rsplit('_s', 1)[1]} | " + " | ".join(cells)
                   + f" | {'yes' if all(probe['beats_random'].values()) else 'no'} | {val['target_std']:.2f}, "
                   f"{val['rankme']:.1f} | {time['wall_s']:.0f} / {time['cpu_s']:.0f} |")
-        if len(paths) > 1:
-            print(f"| {arm}: pretrained - random init, paired, over the {len(paths)} seeds | | "
+        if len(names) > 1:
+            print(f"| {arm}: pretrained - random init, paired, over the {len(names)} seeds | | "
                   + " | ".join(f"{signed(interval(differences[r]))} | " for r in readouts) + " | | |")
 
 
