@@ -100,7 +100,10 @@ def compare_table(a: str, b: str, readouts: list) -> None:
     print(f"{a} - {b}, paired over pretraining seeds {', '.join(common)}")
     print("| task | read-out | " + f"{a} | {b} | difference |")
     print("|---|---|---|---|---|")
-    for task, t in load(seeds_a[common[0]])["tasks"].items():
+    reports = [load(n) for s in common for n in (seeds_a[s], seeds_b[s])]
+    for task, t in reports[0]["tasks"].items():
+        if not all(task in r["tasks"] for r in reports):  # probed on some runs only
+            continue
         for r in readouts:
             va = [load(seeds_a[s])["tasks"][task]["encoders"]["pretrained"][r][t["metric"]]["mean"] for s in common]
             vb = [load(seeds_b[s])["tasks"][task]["encoders"]["pretrained"][r][t["metric"]]["mean"] for s in common]
