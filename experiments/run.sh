@@ -5,7 +5,7 @@
 #   PROBE="--seeds 10" experiments/run.sh NAME ...    # probe.py flags (default: --seeds 5 --no_reference)
 #   PHANTOMS=data/phantoms256v experiments/run.sh NAME --config configs/learn.yaml ...   # another pretraining set
 # PHANTOMS (default data/phantoms256, plain) must hold the kind of set the run asks for: learn.yaml pretrains on
-# varied phantoms (data/phantoms256v); its plain arm is --phantom_varied false --mask_type multiblock, the default.
+# varied phantoms (data/phantoms256v); its plain arm (--phantom_varied false --mask_type multiblock) the default folder.
 # Writes experiments/NAME.json (the probe report, with the pretraining run's wall and CPU seconds under "pretrain");
 # the run goes to experiments/runs/NAME and is not trained again when its last checkpoint is there. The probe sets
 # are the ones of data/phantoms256 for every run. The hand-made features and the supervised CNN do not depend on

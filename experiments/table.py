@@ -100,13 +100,14 @@ def compare_table(a: str, b: str, readouts: list) -> None:
     print(f"{a} - {b}, paired over pretraining seeds {', '.join(common)}")
     print("| task | read-out | " + f"{a} | {b} | difference |")
     print("|---|---|---|---|---|")
-    reports = [load(n) for s in common for n in (seeds_a[s], seeds_b[s])]
-    for task, t in reports[0]["tasks"].items():
-        if not all(task in r["tasks"] for r in reports):  # probed on some runs only
+    reports_a = [load(seeds_a[s]) for s in common]
+    reports_b = [load(seeds_b[s]) for s in common]
+    for task, t in reports_a[0]["tasks"].items():
+        if not all(task in r["tasks"] for r in reports_a + reports_b):  # probed on some runs only
             continue
         for r in readouts:
-            va = [load(seeds_a[s])["tasks"][task]["encoders"]["pretrained"][r][t["metric"]]["mean"] for s in common]
-            vb = [load(seeds_b[s])["tasks"][task]["encoders"]["pretrained"][r][t["metric"]]["mean"] for s in common]
+            va = [report["tasks"][task]["encoders"]["pretrained"][r][t["metric"]]["mean"] for report in reports_a]
+            vb = [report["tasks"][task]["encoders"]["pretrained"][r][t["metric"]]["mean"] for report in reports_b]
             diff = interval([x - y for x, y in zip(va, vb)])
             print(f"| {task} | {r} | {cell(interval(va))} | {cell(interval(vb))} | {signed(diff)} |")
 
