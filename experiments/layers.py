@@ -1,0 +1,71 @@
+"""Where along the encoder a probe task's signal is: probe.py's read-outs (its procedure, splits and seeds) on the
+target encoder's tokens after the tubelet embedding (+ positions), after each block, and after the final norm (the
+tokens probe.py reads). README "Does it learn" and experiments/NOTES.md section 9 quote it.
+
+    python experiments/layers.py CKPT [CKPT:random ...] [--task lesion] [--readouts attentive] [--seeds 5]
+
+CKPT: a train.py checkpoint file or its run's checkpoints folder; CKPT:random: the random init of that run's
+architecture and seed (as probe.py --vs_random builds it). The labelled phantoms are the suite's, next to
+data/phantoms256 as experiments/run.sh probes them, preprocessed for the first CKPT's image size.
+"""
+import argparse
+import dataclasses
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+from config import load_config  # noqa: E402  (the repo's flat modules)
+from probe import (READOUTS, SUITE, load_labelled_volumes, load_model, phantom_labels, readout_scores,  # noqa: E402
+                   resolve_checkpoint, task_targets)
+
+
+def layer_tokens(encoder: torch.nn.Module, volumes: torch.Tensor, batch_size: int = 8) -> list:
+    """[embedding, block 1, ..., block L, output]: the tokens [M, N, E] of volumes [M,1,D,H,W] at each layer."""
+    batches = []
+    with torch.no_grad():
+        for i in range(0, len(volumes), batch_size):
+            x = encoder.patch_embed(volumes[i:i + batch_size].float()).flatten(2).transpose(1, 2)  # [B, N, E]
+            layers = [x + encoder.pos_embed]
+            for block in encoder.blocks:
+                layers.append(block(layers[-1]))
+            layers.append(encoder.norm(layers[-1]))
+            batches.append(layers)
+    return [torch.cat(layer) for layer in zip(*batches)]
+
+
+def main() -> None:
+    tasks = {t.name: (kind, t) for kind, suite in SUITE.items() for t in suite}
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("ckpts", nargs="+", metavar="CKPT")
+    parser.add_argument("--task", default="lesion", choices=sorted(tasks))
+    parser.add_argument("--readouts", default="attentive", help=f"comma-separated, of {', '.join(READOUTS)}")
+    parser.add_argument("--seeds", type=int, default=5, help="probe seeds (splits), as probe.py --seeds")
+    args = parser.parse_args()
+    kind, task = tasks[args.task]
+    cfg = load_config(["--config", os.path.join(os.path.dirname(HERE), "configs/learn.yaml"),
+                       "--phantom_dir", "data/phantoms256"])
+    labels = phantom_labels(cfg, varied=kind == "varied")
+    volumes = None
+    for spec in args.ckpts:
+        model, model_cfg = load_model(resolve_checkpoint(spec.removesuffix(":random")), cfg)
+        if spec.endswith(":random"):
+            model, _ = load_model("random", model_cfg)
+        if volumes is None:
+            volumes, values, _ = load_labelled_volumes(
+                dataclasses.replace(model_cfg, phantom_dir=cfg.phantom_dir, cache_dir=cfg.cache_dir), labels,
+                columns=[task.column])
+            targets, _ = task_targets(task, values[task.column])
+        layers = layer_tokens(model.eval().target_encoder, volumes)
+        names = ["embedding"] + [f"block {i}" for i in range(1, len(layers) - 1)] + ["output"]
+        for name, tokens in zip(names, layers):
+            scores = readout_scores(tokens, model.grid, targets, task, range(args.seeds), args.readouts.split(","))
+            cells = ", ".join(f"{r} {s[task.metric]['mean']:.3f} [{s[task.metric]['low']:.3f}, "
+                              f"{s[task.metric]['high']:.3f}]" for r, s in scores.items())
+            print(f"{spec} | {args.task} | {name}: {cells}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
