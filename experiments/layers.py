@@ -18,22 +18,23 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 from config import load_config  # noqa: E402  (the repo's flat modules)
-from probe import (READOUTS, SUITE, load_labelled_volumes, load_model, phantom_labels, readout_scores,  # noqa: E402
-                   resolve_checkpoint, task_targets)
+from probe import (READOUTS, SUITE, encode_volumes, load_labelled_volumes, load_model, phantom_labels,  # noqa: E402
+                   readout_scores, resolve_checkpoint, task_targets)
 
 
-def layer_tokens(encoder: torch.nn.Module, volumes: torch.Tensor, batch_size: int = 8) -> list:
-    """[embedding, block 1, ..., block L, output]: the tokens [M, N, E] of volumes [M,1,D,H,W] at each layer."""
-    batches = []
-    with torch.no_grad():
-        for i in range(0, len(volumes), batch_size):
-            x = encoder.patch_embed(volumes[i:i + batch_size].float()).flatten(2).transpose(1, 2)  # [B, N, E]
-            layers = [x + encoder.pos_embed]
-            for block in encoder.blocks:
-                layers.append(block(layers[-1]))
-            layers.append(encoder.norm(layers[-1]))
-            batches.append(layers)
-    return [torch.cat(layer) for layer in zip(*batches)]
+def layer_tokens(model: torch.nn.Module, volumes: torch.Tensor) -> list:
+    """[embedding, block 1, ..., block L, output]: the target encoder's tokens [M, N, E] of volumes [M,1,D,H,W] at
+    each layer, read by hooks during probe.py's own encoding (the output is what probe.py reads)."""
+    blocks = model.target_encoder.blocks
+    calls = []  # per batch: [the first block's input, each block's output]
+    hooks = [blocks[0].register_forward_pre_hook(lambda block, args: calls.append([args[0]]))]
+    hooks += [block.register_forward_hook(lambda block, args, out: calls[-1].append(out)) for block in blocks]
+    try:
+        output = encode_volumes(model.eval(), volumes, "cpu")
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [torch.cat(layer)[:len(volumes)] for layer in zip(*calls)] + [output]  # the last batch is padded at its end
 
 
 def main() -> None:
@@ -58,7 +59,7 @@ def main() -> None:
                 dataclasses.replace(model_cfg, phantom_dir=cfg.phantom_dir, cache_dir=cfg.cache_dir), labels,
                 columns=[task.column])
             targets, _ = task_targets(task, values[task.column])
-        layers = layer_tokens(model.eval().target_encoder, volumes)
+        layers = layer_tokens(model, volumes)
         names = ["embedding"] + [f"block {i}" for i in range(1, len(layers) - 1)] + ["output"]
         for name, tokens in zip(names, layers):
             scores = readout_scores(tokens, model.grid, targets, task, range(args.seeds), args.readouts.split(","))
