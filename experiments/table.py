@@ -10,6 +10,8 @@ and experiments/reference.json (the hand-made features and the supervised CNN on
     python experiments/table.py demo ARM [ARM...]            # demo runs (experiments/demo.sh: experiments/demo/ARM_sK.json):
                                                              # each seed's summary probe, and per arm the paired
                                                              # difference to random init over the seeds
+    python experiments/table.py --reports splits10 arms vrlong   # the reports (and reference.json) of another folder
+                                                             # of experiments/: splits10 holds 10-split probes
 
 Each run's value is the mean over its probe seeds (splits); an arm's interval is a t-interval over its pretraining
 seeds, paired by seed in `compare` (the seed also draws the init and the data order).
@@ -21,12 +23,13 @@ import re
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+REPORTS = HERE  # where the reports are read: experiments/, or the folder of --reports
 sys.path.insert(0, os.path.dirname(HERE))
 from probe import READOUTS, interval  # noqa: E402  (the repo's flat modules)
 
 
 def load(name: str) -> dict:
-    with open(os.path.join(HERE, f"{name}.json")) as f:
+    with open(os.path.join(REPORTS, f"{name}.json")) as f:
         return json.load(f)
 
 
@@ -46,8 +49,8 @@ def reference_scores(task: str) -> dict:
 
 
 def seeds_of(arm: str, folder: str = "") -> list:
-    """The run names ARM_s<k> that have a report (in experiments/FOLDER), by seed."""
-    names = [os.path.basename(p)[:-5] for p in glob.glob(os.path.join(HERE, folder, f"{arm}_s*.json"))]
+    """The run names ARM_s<k> that have a report (in the reports' FOLDER), by seed."""
+    names = [os.path.basename(p)[:-5] for p in glob.glob(os.path.join(REPORTS, folder, f"{arm}_s*.json"))]
     return sorted((n for n in names if re.fullmatch(rf"{re.escape(arm)}_s\d+", n)), key=lambda n: int(n.rsplit("s", 1)[1]))
 
 
@@ -147,7 +150,10 @@ def demo_table(arms: list) -> None:
 
 
 if __name__ == "__main__":
-    command, args = sys.argv[1], sys.argv[2:]
+    argv = sys.argv[1:]
+    if argv[:1] == ["--reports"]:
+        REPORTS, argv = os.path.join(HERE, argv[1]), argv[2:]
+    command, args = argv[0], argv[1:]
     if command == "runs":
         runs_table(args)
     elif command == "arms":
