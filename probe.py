@@ -68,7 +68,8 @@ from data import load_val_sample
 from dicom import UnusableFile
 from model import VJEPA3D
 from phantom import ensure_phantom_set
-from runtime import device_kind, list_checkpoints, read_checkpoint
+from runtime import device_kind
+from checkpoint import list_checkpoints, read_checkpoint
 
 PROBE_PHANTOMS = 240  # volumes of the plain labelled phantom set (plain_lesion, and the probe during pretraining)
 PROBE_PHANTOM_SEED = 1  # the pretraining phantoms use seed 0

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from matplotlib.figure import Figure
 
+import checkpoint
 import runtime
 import schedules
 import train
@@ -350,12 +351,12 @@ def check_checkpoint(setup: Setup) -> Check:
     two_updates(model, optimizer)
     state = train.TrainState(step=2)
     with tempfile.TemporaryDirectory() as tmp:
-        path = runtime.checkpoint_path(tmp, state.step)
-        runtime.save_checkpoint(path, runtime.checkpoint_state(model, optimizer, state, setup.small, setup.rt), 1, False)
+        path = checkpoint.checkpoint_path(tmp, state.step)
+        checkpoint.save_checkpoint(path, checkpoint.checkpoint_state(model, optimizer, state, setup.small, setup.rt), 1, False)
         torch.manual_seed(setup.cfg.seed + 1)  # other initial weights: only the checkpoint can make them equal
         model2 = VJEPA3D.from_config(setup.small)
         optimizer2, state2 = train.make_optimizer(model2, setup.small, setup.rt), train.TrainState()
-        runtime.restore(runtime.read_checkpoint(path), model2, optimizer2, state2, setup.rt)
+        checkpoint.restore(checkpoint.read_checkpoint(path), model2, optimizer2, state2, setup.rt)
     expected, got = two_updates(model, optimizer), two_updates(model2, optimizer2)
     same_updates = all(torch.equal(a.loss, b.loss) and torch.equal(a.grad_norm, b.grad_norm)
                        for a, b in zip(expected, got))
@@ -364,7 +365,7 @@ def check_checkpoint(setup: Setup) -> Check:
     return Check(ok, "losses " + ", ".join(f"{float(a.loss):.6f}/{float(b.loss):.6f}" for a, b in zip(expected, got))
                  + ("" if same_weights else ", weights differ"), "identical after restore",
                  "a resumed run would not continue the same training: the checkpoint must hold the model (target "
-                 "encoder included), the optimizer state and the train state (runtime.checkpoint_state / restore)")
+                 "encoder included), the optimizer state and the train state (checkpoint.checkpoint_state / restore)")
 
 
 CHECKS = {  # the names --checks takes; the table shows them in this order

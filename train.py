@@ -1,5 +1,5 @@
-"""Train a 3D V-JEPA on OCT volumes. The loop is spelled out top to bottom in train(), one iteration per optimizer
-update; devices, processes and checkpoint files are in runtime.py, logs and pictures in runlog.py.
+"""Train a 3D V-JEPA on OCT volumes. The loop is spelled out top to bottom in train_loop(), one iteration per optimizer
+update; devices and processes are in runtime.py, checkpoint files in checkpoint.py, logs and pictures in runlog.py.
 
     python train.py                                   # the built-in demo (phantoms, CPU, a few minutes)
     python train.py --config configs/pretrain_single_domain.yaml --data_root gs://bucket/oct
@@ -34,11 +34,11 @@ from model import VJEPA3D
 from probe import compare_with_random, prepare_probe_set, probe_auroc, rankme
 from runlog import (RunLog, Throughput, describe_run, format_train_line, json_number, save_mask_plot,
                     save_schedule_plot, save_training_plot, summary)
-from runtime import (PendingDeviceStats, Runtime, StopSignals, adamw_state, any_process, check_checkpoint_folder,
-                     check_ranks_agree, checkpoint_everywhere, checkpoint_path, gather_objects, global_value,
-                     load_resume_checkpoint, mark_step, master_decides, place_model, plan_record,
-                     probes_in_this_process, read_checkpoint, reduce_mean, resolve_run_dir, restore, resumed_plan,
-                     setup_runtime, split_fingerprint, state_bytes_per_device, to_device, wrap_ddp, xla_counters)
+from checkpoint import (check_checkpoint_folder, checkpoint_everywhere, checkpoint_path, load_resume_checkpoint,
+                        plan_record, read_checkpoint, resolve_run_dir, restore, resumed_plan, split_fingerprint)
+from runtime import (PendingDeviceStats, Runtime, StopSignals, adamw_state, any_process, check_ranks_agree,
+                     gather_objects, global_value, mark_step, master_decides, place_model, probes_in_this_process,
+                     reduce_mean, setup_runtime, state_bytes_per_device, to_device, wrap_ddp, xla_counters)
 from schedules import Hyperparameters, describe_extension, hyperparameters_at
 
 EXIT_OK = 0  # the others: ConfigError 2, NoUsableData 3, Diverged 4, StorageFailed 74, Preempted 75
@@ -375,7 +375,7 @@ def prepare_run(cfg: Config, rt: Runtime) -> Run:
 def resume(run: Run) -> Tuple[Optional[dict], List[dict]]:
     """Restore the checkpoint that cfg.resume names, if any, in every process: weights, optimizer, position, RNG
     states and the plan it was written for (any change is refused; --extend lengthens it). Returns (the checkpoint
-    or None, what the start did to the run's files: runtime.choose_resume_checkpoint)."""
+    or None, what the start did to the run's files: checkpoint.choose_resume_checkpoint)."""
     cfg, rt = run.cfg, run.rt
     run.last_ckpt, ckpt, set_aside = load_resume_checkpoint(cfg, rt)
     if ckpt is not None:

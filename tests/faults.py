@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
 import dicom  # noqa: E402
-import runtime  # noqa: E402
+import checkpoint  # noqa: E402
 import train  # noqa: E402
 
 faults = set(sys.argv[1].split(","))
@@ -53,7 +53,7 @@ if "nan_5_7" in faults:
     train.forward_backward = forward_backward
 
 if rank == 1 and faults & {"read_once", "read_twice", "read_always"}:
-    real_read_bytes, reads = runtime.read_bytes, []
+    real_read_bytes, reads = checkpoint.read_bytes, []
 
     def read_bytes(path):
         reads.append(path)
@@ -61,7 +61,7 @@ if rank == 1 and faults & {"read_once", "read_twice", "read_always"}:
             raise OSError(f"injected read error for {path}")
         return real_read_bytes(path)
 
-    runtime.read_bytes = read_bytes
+    checkpoint.read_bytes = read_bytes
 
 if rank == 1 and faults & {"bad_files", "no_data"}:
     real_load = data.load_prepared
@@ -74,7 +74,7 @@ if rank == 1 and faults & {"bad_files", "no_data"}:
     data.load_prepared = load_prepared
 
 if "report" in faults:
-    real_resume, real_state, built = train.resume, runtime.checkpoint_state, []
+    real_resume, real_state, built = train.resume, checkpoint.checkpoint_state, []
 
     def resume(run):
         out = real_resume(run)
@@ -85,7 +85,7 @@ if "report" in faults:
         built.append(1)
         return real_state(*args, **kwargs)
 
-    train.resume, runtime.checkpoint_state = resume, checkpoint_state
+    train.resume, checkpoint.checkpoint_state = resume, checkpoint_state
     atexit.register(lambda: print(f"process {rank}: checkpoint states built: {len(built)}", file=sys.stderr,
                                   flush=True))
 

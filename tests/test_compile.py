@@ -12,7 +12,8 @@ from torch._dynamo.utils import counters
 from bench import synthetic_batch
 from config import ConfigError, load_config
 from model import VJEPA3D
-from runtime import Runtime, checkpoint_path, read_checkpoint
+from checkpoint import checkpoint_path, read_checkpoint
+from runtime import Runtime
 from schedules import Hyperparameters
 from train import make_optimizer, train_update, validate
 

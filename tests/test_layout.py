@@ -63,7 +63,7 @@ def test_no_module_imports_one_that_imports_it_back():
 
 
 def test_writing_a_checkpoint_or_a_log_line_does_not_load_the_dicom_reader():
-    for name in ("runtime", "runlog"):
+    for name in ("runtime", "checkpoint", "runlog"):
         assert not loaded_with(name) & READER, (name, sorted(loaded_with(name)))
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from runtime import checkpoint_path, list_checkpoints, step_of
+from checkpoint import checkpoint_path, list_checkpoints, step_of
 from test_resume import ddp_flags, events, metrics, torchrun
 from test_train import REPO, run_cli, smoke_flags
 

@@ -16,7 +16,8 @@ import torch
 import train
 from config import load_config, plan_run
 from data import split_by_patient
-from runtime import Runtime, list_checkpoints, probes_in_this_process
+from checkpoint import list_checkpoints
+from runtime import Runtime, probes_in_this_process
 from schedules import ema_at, lr_at, wd_at
 from train import main
 from test_train import REPO, SMOKE, read_jsonl, read_wandb_offline_history, smoke_flags

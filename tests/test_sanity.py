@@ -12,7 +12,7 @@ import torch
 
 import data
 import model
-import runtime
+import checkpoint
 import sanity
 import schedules
 import train
@@ -164,13 +164,13 @@ def test_sanity_fails_when_masks_are_dhw_grids_instead_of_index_lists(capsys, tm
 # --- checkpoints ---
 
 def test_sanity_fails_when_a_checkpoint_loses_the_optimizer_state(capsys, tmp_path, smoke_phantoms, monkeypatch):
-    save_state = runtime.checkpoint_state
+    save_state = checkpoint.checkpoint_state
 
     def without_optimizer_state(*args):
         state = save_state(*args)
         state["optimizer"]["state"] = {}
         return state
-    monkeypatch.setattr(runtime, "checkpoint_state", without_optimizer_state)
+    monkeypatch.setattr(checkpoint, "checkpoint_state", without_optimizer_state)
     code, out = run_sanity(capsys, tmp_path, smoke_phantoms, "--checks", "checkpoint")
     assert code == 1
     assert "weights differ" in row(out, "checkpoint") and "a resumed run would not continue" in out

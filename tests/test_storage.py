@@ -9,7 +9,7 @@ import time
 import pytest
 
 from conftest import GCSEmulator
-from runtime import list_checkpoints, read_checkpoint
+from checkpoint import list_checkpoints, read_checkpoint
 from test_resume import events, metrics
 from test_train import REPO, main, smoke_flags
 
@@ -95,7 +95,7 @@ def test_a_checkpoint_streams_into_its_file_or_object_without_a_copy_in_memory(t
     # The child's peak memory during the write, over its memory before it: Linux's peak (VmHWM) is reset just before
     # (ru_maxrss would also count the pages of this process, which the child shared until its exec).
     measure = (
-        "import sys, torch; sys.path.insert(0, sys.argv[1]); from runtime import save_checkpoint\n"
+        "import sys, torch; sys.path.insert(0, sys.argv[1]); from checkpoint import save_checkpoint\n"
         "def kib(field): return int(next(l for l in open('/proc/self/status') if l.startswith(field)).split()[1])\n"
         "save_checkpoint(sys.argv[2].replace('0001', '0000'), {'model': {}}, 2, False)  # imports, connections\n"
         "state = {'model': {'weights': torch.ones(int(sys.argv[3]) // 4)}}\n"

@@ -15,7 +15,8 @@ import torch
 
 import train
 from config import load_config, plan_run
-from runtime import Runtime, list_checkpoints, read_checkpoint
+from checkpoint import list_checkpoints, read_checkpoint
+from runtime import Runtime
 from schedules import Hyperparameters, ema_at, lr_at, wd_at
 from train import guarded_step, main, make_optimizer, optimizer_step, train_update
 
@@ -321,7 +322,7 @@ def test_sigkill_while_writing_a_checkpoint_keeps_the_previous_one_and_the_next_
     good = list_checkpoints(str(ckpt_dir))[0]
     # A writer killed mid-file (a large payload makes sure the kill lands during the write).
     writer = subprocess.Popen([sys.executable, "-c", (
-        "import sys, torch; sys.path.insert(0, sys.argv[1]); from runtime import save_checkpoint; "
+        "import sys, torch; sys.path.insert(0, sys.argv[1]); from checkpoint import save_checkpoint; "
         "save_checkpoint(sys.argv[2], {'big': torch.zeros(400_000_000, dtype=torch.uint8)}, 2, False)"),
         str(REPO), str(ckpt_dir / "step_0000009.pt")])
     while not any(p.name.startswith("step_0000009.pt.tmp") for p in ckpt_dir.iterdir()):

@@ -17,7 +17,7 @@ import encoder
 from test_resume import free_port
 from test_shard import FLAGS, assert_holds_a_share, assert_same_state, final_checkpoint, losses
 from test_train import main, read_jsonl, smoke_flags, train_lines
-from runtime import list_checkpoints
+from checkpoint import list_checkpoints
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.xla, pytest.mark.slow]

@@ -1,0 +1,322 @@
+"""Checkpoints and the run folder: the checkpoint file (local or gs://, through storage.py) and its content, the
+resume timeline (which file a resume continues from, what is set aside and why), restore, the plan a resume
+continues, and the run folder.
+
+train.py calls these; probe.py and encoder.py read checkpoints with read_checkpoint. runtime.py gives the devices,
+processes and collectives they run on.
+"""
+import contextlib
+import hashlib
+import io
+import json
+import os
+import random
+import re
+import time
+import uuid
+from dataclasses import asdict, replace
+from typing import Callable, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from config import Config, ConfigError, ExitError, RunPlan, StorageFailed, plan_run
+from runtime import (Runtime, broadcast_from_master, gather_objects, master_decides, place_model_state,
+                     place_optimizer_state, state_to_host)
+from storage import (copy_atomic, exists, glob_paths, is_transient, open_atomic, read_bytes, remove, remove_stale_tmp,
+                     rename, retry, storage_errors, write_atomic)
+
+
+def step_of(path: str) -> int:
+    """The update number in a step checkpoint's name (step_0000050.pt -> 50)."""
+    return int(re.search(r"step_(\d+)\.pt$", path).group(1))
+
+
+def list_checkpoints(ckpt_dir: str) -> List[str]:
+    """Step checkpoints in ckpt_dir, newest first (temp files of interrupted writes and set-aside files ignored)."""
+    paths = [p for p in glob_paths(ckpt_dir.rstrip("/") + "/step_*.pt") if re.search(r"step_\d+\.pt$", p)]
+    return sorted(paths, key=step_of, reverse=True)
+
+
+class UnreadableCheckpoint(Exception):
+    """A checkpoint whose content does not load: cut short, damaged, or not an octjepa checkpoint."""
+
+
+def read_checkpoint(path: str, retry_seconds: float = 0.0) -> dict:
+    """Load a checkpoint (local or gs://) to CPU tensors (weights_only: no code runs on load). A transient storage
+    error is retried for retry_seconds, then raised; content that does not load raises UnreadableCheckpoint."""
+    payload = retry(read_bytes, path, seconds=retry_seconds)
+    try:
+        ckpt = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise UnreadableCheckpoint(f"{path}: {e!r}"[:500]) from None
+    if not isinstance(ckpt, dict) or "model" not in ckpt:
+        raise UnreadableCheckpoint(f"{path}: not an octjepa checkpoint (no 'model')")
+    return ckpt
+
+
+def checkpoint_path(ckpt_dir: str, step: int) -> str:
+    """The step checkpoint of update `step` in ckpt_dir."""
+    return f"{ckpt_dir.rstrip('/')}/step_{step:07d}.pt"
+
+
+def save_checkpoint(path: str, state: dict, keep_last: int, best: bool, retry_seconds: float = 0.0,
+                    on_error: Optional[Callable[[Exception, float], None]] = None) -> None:
+    """Stream the checkpoint into its file or object atomically (and copy it to best.pt beside it), retrying a
+    transient storage error for retry_seconds (on_error is told of each); then delete the step checkpoints older than
+    it beyond keep_last. Never it, nor a newer one: the newest checkpoint is always the one just written."""
+    ckpt_dir = path.rsplit("/", 1)[0]
+    retry(_write_checkpoint, path, state, seconds=retry_seconds, on_error=on_error)
+    if best:
+        retry(copy_atomic, path, f"{ckpt_dir}/best.pt", seconds=retry_seconds, on_error=on_error)
+    older = [p for p in list_checkpoints(ckpt_dir) if step_of(p) < step_of(path)]
+    with contextlib.suppress(*storage_errors()):  # a file left over is deleted by the next checkpoint's pass
+        for old in older[keep_last - 1:]:
+            remove(old)
+
+
+def checkpoint_everywhere(path: str, model: torch.nn.Module, optimizer, state, plan: dict, cfg: Config, rt: Runtime,
+                          best: bool, on_error: Optional[Callable[[Exception, float], None]] = None) -> Optional[str]:
+    """Checkpoint the current update (`state`: train.TrainState; `plan`: the plan record) to `path`, with
+    save_checkpoint's retries for ckpt_retry_minutes. The master builds the state and writes it (on XLA every host
+    takes part in fetching it, and every FSDP2 process in gathering it: a sharded array needs them all); then every
+    process learns how that went, so none rolls back to a file not written yet. Returns the write's last error
+    (repr) or None, the same in every process."""
+    error = None
+    if rt.is_master or rt.kind == "xla" or rt.sharded:
+        ckpt = {**checkpoint_state(model, optimizer, state, cfg, rt), "plan": plan}
+    if rt.is_master:
+        try:
+            save_checkpoint(path, ckpt, cfg.keep_last, best, 60 * cfg.ckpt_retry_minutes, on_error)
+        except storage_errors() as e:
+            error = repr(e)
+    return broadcast_from_master(error, rt)
+
+
+def _write_checkpoint(path: str, state: dict) -> None:
+    with open_atomic(path) as f:
+        try:
+            torch.save(state, f)
+        except RuntimeError as e:  # torch's zip writer, closed after a failed write, hides the storage's error
+            if isinstance(e.__context__, storage_errors()):
+                raise e.__context__ from None
+            raise
+
+
+def rng_state() -> dict:
+    """torch, numpy and python RNG states as tensors and plain types (loadable with weights_only)."""
+    np_state = np.random.get_state()
+    py_version, py_internal, py_gauss = random.getstate()
+    return {"torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]),
+                      "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
+            "python": {"version": py_version, "internal": list(py_internal), "gauss": py_gauss}}
+
+
+def set_rng_state(state: dict) -> None:
+    """Set the torch, numpy and python RNGs to a state of rng_state()."""
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    p = state["python"]
+    random.setstate((p["version"], tuple(p["internal"]), p["gauss"]))
+
+
+def checkpoint_state(model: torch.nn.Module, optimizer, state, cfg: Config, rt: Runtime) -> dict:
+    """Everything a resume needs (`state`: train.TrainState), as CPU tensors and plain types
+    (torch.load(weights_only=True) reads it, on a machine with or without torch_xla)."""
+    model_state, optimizer_state = state_to_host([model.state_dict(), optimizer.state_dict()], rt)
+    for group in optimizer_state["param_groups"]:
+        group["lr"] = float(group["lr"])  # a device tensor on XLA
+    return {"model": model_state, "optimizer": optimizer_state, "train_state": dict(vars(state)),
+            "rng": rng_state(), "config": asdict(cfg), "version": 2}
+
+
+def restore(ckpt: dict, model: torch.nn.Module, optimizer, state, rt: Runtime) -> None:
+    """Load weights, optimizer, schedule position, data position and RNG states from a checkpoint (written on any
+    device, sharded or not: make_optimizer's load hook keeps this device's AdamW implementation flags, and a
+    sharded run takes only its shards)."""
+    model.load_state_dict(place_model_state(ckpt["model"], model, rt))
+    optimizer.load_state_dict(place_optimizer_state(ckpt["optimizer"], optimizer, rt))
+    for key, value in ckpt["train_state"].items():
+        setattr(state, key, value)
+    set_rng_state(ckpt["rng"])
+
+
+# What a resume must find unchanged (incident 2: a changed plan restarts or jumps the schedules).
+# The number of processes is not part of it: each update's global batch is the same set of volumes on any number.
+PLAN_FIELDS = ("total_steps", "warmup_steps", "steps_per_epoch", "global_batch_size")
+SCHEDULE_FIELDS = ("schedule", "base_lr", "min_lr", "weight_decay", "weight_decay_end", "ema_base", "ema_end",
+                   "ema_schedule", "seed")
+
+
+def split_fingerprint(train_ds, val_ds) -> str:
+    """A short hash of which volumes are in the train split and which in the val split."""
+    split = [sorted(r["paths"] for r in train_ds.records), sorted(r["paths"] for r in val_ds.records)]
+    return hashlib.sha256(json.dumps(split).encode()).hexdigest()[:16]
+
+
+def plan_record(cfg: Config, plan: RunPlan, train_ds, val_ds) -> dict:
+    """The run's plan, schedule settings, data-order seed and train/val split, as stored in its checkpoints."""
+    return {**{k: getattr(plan, k) for k in PLAN_FIELDS}, **{k: getattr(cfg, k) for k in SCHEDULE_FIELDS},
+            "train_volumes": len(train_ds), "val_volumes": len(val_ds), "split": split_fingerprint(train_ds, val_ds),
+            "extensions": plan.extensions}
+
+
+def resumed_plan(saved: dict, cfg: Config, plan: RunPlan, train_ds, val_ds, step: int, ckpt_path: str) -> RunPlan:
+    """The plan a resumed run continues: the checkpoint's, or with cfg.extend the same plan made longer from update
+    `step` on. Any other difference is a ConfigError that says what changed and how to proceed."""
+    reference = plan_run(replace(cfg, max_steps=saved["total_steps"]), plan.world_size, len(train_ds))
+    now = plan_record(cfg, reference, train_ds, val_ds)
+    changes = [f"{k}: {saved[k]} -> {now[k]}" for k in now if k != "extensions" and now[k] != saved.get(k)]
+    longer = plan.total_steps > saved["total_steps"]
+    if plan.total_steps != saved["total_steps"] and not (longer and cfg.extend):
+        changes.insert(0, f"total_steps: {saved['total_steps']} -> {plan.total_steps}")
+    if changes:
+        run_dir = os.path.join(cfg.out_dir, cfg.run_name)
+        raise ConfigError(
+            f"resume: {ckpt_path} was written for another plan:\n    " + "\n    ".join(changes) +
+            "\nA resume continues the plan it was started with (a changed plan would restart or jump the LR, EMA and "
+            f"data order). To continue this run: use its settings (--config {run_dir}/config.yaml --resume auto)."
+            + (" To train longer on purpose: add --extend true (the LR, weight decay and EMA continue from their "
+               "last values, never back up)." if longer and not cfg.extend and len(changes) == 1 else "")
+            + " To train with the new settings: start a new run (another --run_name).")
+    extensions = list(saved["extensions"])
+    if longer:
+        rewarm = ["rewarm"] if cfg.extend_schedule == "rewarm" else []
+        extensions.append([step, saved["total_steps"], plan.total_steps] + rewarm)
+    return replace(reference, total_steps=plan.total_steps, extensions=extensions)
+
+
+def set_aside(path: str, reason: str, why: str) -> dict:
+    """Rename a step checkpoint out of the run's timeline (list_checkpoints no longer sees it; nothing is deleted):
+    step_0000060.pt -> step_0000060.pt.<reason>-<time>. Returns what was done, for the console and events.jsonl."""
+    moved_to = f"{path}.{reason}-{time.strftime('%Y%m%d-%H%M%S')}"
+    rename(path, moved_to)
+    return {"event": f"{reason}_checkpoint", "path": path, "moved_to": moved_to,
+            "why": f"{why}; set aside as {moved_to}"}
+
+
+def choose_resume_checkpoint(cfg: Config) -> Tuple[Optional[str], Optional[dict], List[dict]]:
+    """The master's choice of what the run resumes from: (path, checkpoint), or (None, None) to start from scratch;
+    plus what it did to the run's files on the way ({event, path, why}). First the tmp files of writers stopped
+    mid-write go. resume auto: the newest step checkpoint that loads; each newer one whose content does not load is
+    set aside ('unreadable'). Then every step checkpoint past the resumed update is set aside ('abandoned': a
+    timeline left by resuming an earlier file), so neither a later `--resume auto` nor keep_last sees it. A storage
+    error that outlasts ckpt_retry_minutes is StorageFailed, with nothing set aside."""
+    retry_seconds = cfg.ckpt_retry_minutes * 60
+    path, ckpt = None, None
+    moved = [{"event": "stale_tmp_removed", "path": tmp, "why": "left by a writer stopped mid-write: removed"}
+             for folder in {os.path.join(cfg.out_dir, cfg.run_name), cfg.ckpt_dir} - {None}
+             for tmp in remove_stale_tmp(folder)]
+    try:
+        if cfg.resume == "auto":
+            for candidate in list_checkpoints(cfg.ckpt_dir):
+                try:
+                    ckpt = read_checkpoint(candidate, retry_seconds)
+                except UnreadableCheckpoint as e:
+                    moved.append(set_aside(candidate, "unreadable", str(e)))
+                    continue
+                path = candidate
+                break
+        elif cfg.resume is not None:
+            path = cfg.resume
+            ckpt = read_checkpoint(path, retry_seconds)
+        step = ckpt["train_state"]["step"] if ckpt is not None else 0
+        for later in list_checkpoints(cfg.ckpt_dir) if cfg.ckpt_dir is not None else []:
+            if step_of(later) > step and later != path:
+                moved.append(set_aside(later, "abandoned", f"past update {step}, where this run resumes"))
+    except FileNotFoundError as e:
+        raise ConfigError(f"resume: {cfg.resume} is not a checkpoint file ({e}); give the path of a step_*.pt or "
+                          f"best.pt, or auto.") from None
+    except UnreadableCheckpoint as e:
+        raise ConfigError(f"resume: {e}; choose another checkpoint (or auto: the newest that loads).") from None
+    except storage_errors() as e:
+        raise StorageFailed(f"resume: the checkpoints in {cfg.ckpt_dir or cfg.resume} could not be read for "
+                            f"{cfg.ckpt_retry_minutes:g} min ({e!r}); nothing was changed: run the same command "
+                            f"again when the storage is back.") from None
+    return path, ckpt, moved
+
+
+def load_resume_checkpoint(cfg: Config, rt: Runtime) -> Tuple[Optional[str], Optional[dict], List[dict]]:
+    """(path, checkpoint) that this run resumes from, or (None, None); plus what the master did to the run's files
+    (choose_resume_checkpoint). The master chooses
+    (choose_resume_checkpoint); every process loads that same file, retrying transient read errors for
+    ckpt_retry_minutes, or every process stops with StorageFailed."""
+    path = ckpt = error = None
+    moved = []
+    if rt.is_master:
+        try:
+            path, ckpt, moved = choose_resume_checkpoint(cfg)
+        except ExitError as e:
+            error = e
+    path, moved, error = broadcast_from_master((path, moved, error), rt)
+    if error is not None:
+        raise error
+    if path is not None and ckpt is None:
+        try:
+            ckpt = read_checkpoint(path, cfg.ckpt_retry_minutes * 60)
+        except (UnreadableCheckpoint, *storage_errors()) as e:
+            error = repr(e)
+    failed = [f"process {rank}: {e}" for rank, e in enumerate(gather_objects(error, rt)) if e is not None]
+    if failed:
+        raise StorageFailed(f"resume: {path} could not be read ({'; '.join(failed)}). Every process must start from "
+                            f"the same checkpoint, so none trains; run the same command again when the storage is "
+                            f"back.")
+    return path, ckpt, moved
+
+
+def resolve_run_dir(cfg: Config) -> Config:
+    """Fill run_name and ckpt_dir 'auto'; refuse to overwrite checkpoints of an earlier run by accident."""
+    if cfg.resume == "auto" and cfg.run_name is None:
+        raise ConfigError("resume: 'auto' continues the run named by --run_name; give --run_name.")
+    run_name = cfg.run_name or time.strftime("run-%Y%m%d-%H%M%S")
+    ckpt_dir = os.path.join(cfg.out_dir, run_name, "checkpoints") if cfg.ckpt_dir == "auto" else cfg.ckpt_dir
+    cfg = replace(cfg, run_name=run_name, ckpt_dir=ckpt_dir)
+    if cfg.resume == "auto" and ckpt_dir is None:
+        raise ConfigError("resume: 'auto' needs checkpoints, but ckpt_dir is null.")
+    if cfg.resume is None and ckpt_dir is not None and not cfg.dry_run and list_checkpoints(ckpt_dir):
+        raise ConfigError(f"run_name: {ckpt_dir} already holds checkpoints of an earlier run; pass --resume auto "
+                          f"to continue it or choose another --run_name.")
+    return cfg
+
+
+def check_checkpoint_folder(cfg: Config, rt: Runtime) -> None:
+    """Before anything trains: the master writes a small file into ckpt_dir and deletes it again. A folder that
+    cannot take it (read-only, no permission, a wrong path) is a ConfigError naming it; a storage error that outlasts
+    ckpt_retry_minutes is StorageFailed. Every process of a multi-machine run must resume from the same files:
+    ckpt_dir on gs://, or a local path declared shared with ckpt_dir_shared, where every process must see that file."""
+    if cfg.ckpt_dir is None or cfg.dry_run:  # a dry run writes nothing
+        return
+    shared = rt.multi_host and not cfg.ckpt_dir.startswith("gs://")
+    if shared and not cfg.ckpt_dir_shared:
+        raise ConfigError(f"ckpt_dir: {cfg.ckpt_dir} is local to each machine, but the processes of this run are on "
+                          f"several machines and must all resume from the same checkpoint; use a gs:// ckpt_dir, or "
+                          f"add --ckpt_dir_shared true if every machine mounts it.")
+    probe = master_decides(rt, write_probe, cfg)
+    blind = [rank for rank, seen in enumerate(gather_objects(exists(probe), rt)) if not seen] if shared else []
+    if rt.is_master:
+        retry(remove, probe, seconds=cfg.ckpt_retry_minutes * 60)
+    if blind:
+        raise ConfigError(f"ckpt_dir_shared: processes {blind} cannot see {probe}, written by process 0: "
+                          f"{cfg.ckpt_dir} is not shared by every machine; use a gs:// ckpt_dir or a filesystem that "
+                          f"all of them mount.")
+
+
+def write_probe(cfg: Config) -> str:
+    """A small file with a unique name in ckpt_dir (created if missing); its path. ConfigError when the folder
+    cannot take it, StorageFailed when the storage stayed unreachable for ckpt_retry_minutes."""
+    probe = f"{cfg.ckpt_dir.rstrip('/')}/.write-probe-{uuid.uuid4().hex}"
+    try:
+        retry(write_atomic, probe, b"octjepa", seconds=cfg.ckpt_retry_minutes * 60)
+    except storage_errors() as e:
+        if is_transient(e):
+            raise StorageFailed(f"ckpt_dir: {cfg.ckpt_dir} could not be written for {cfg.ckpt_retry_minutes:g} "
+                                f"min ({e!r}); run the same command again when the storage is back.") from None
+        raise ConfigError(f"ckpt_dir: cannot write checkpoints to {cfg.ckpt_dir} ({e!r}); make it writable, or "
+                          f"choose another --ckpt_dir (none: no checkpoints).") from None
+    return probe
