@@ -352,7 +352,8 @@ def check_checkpoint(setup: Setup) -> Check:
     state = train.TrainState(step=2)
     with tempfile.TemporaryDirectory() as tmp:
         path = checkpoint.checkpoint_path(tmp, state.step)
-        checkpoint.save_checkpoint(path, checkpoint.checkpoint_state(model, optimizer, state, setup.small, setup.rt), 1, False)
+        saved = checkpoint.checkpoint_state(model, optimizer, state, setup.small, setup.rt)
+        checkpoint.save_checkpoint(path, saved, 1, False)
         torch.manual_seed(setup.cfg.seed + 1)  # other initial weights: only the checkpoint can make them equal
         model2 = VJEPA3D.from_config(setup.small)
         optimizer2, state2 = train.make_optimizer(model2, setup.small, setup.rt), train.TrainState()
