@@ -3,6 +3,7 @@
 dry-run (`--dry_run`) on a small local phantom set standing in for `gs://my-bucket/oct` and with the run's folders in
 a temporary one; every other script's options must be ones its own `--help` lists (or config fields); the
 experiments' table scripts run for real on the committed reports."""
+import ast
 import contextlib
 import io
 import importlib
@@ -146,3 +147,49 @@ def test_the_experiment_table_commands_print_their_tables(capsys, monkeypatch):
             assert capsys.readouterr().out.count("|") > 10, (page, argv)
             ran += 1
     assert ran >= 3
+
+
+def heading_anchors(page: Path) -> set:
+    """GitHub's anchors of a markdown page's headings: lower case, punctuation dropped, spaces as dashes."""
+    headings = re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", page.read_text(), flags=re.S), re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+def test_every_link_of_the_pages_reaches_a_file_and_heading_that_exist():
+    broken = []
+    for page in PAGES + ["docs/config.md", "docs/incidents.md"]:
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)(#[^)\s]*)?\)", (REPO / page).read_text()):
+            if target.startswith(("http://", "https://")):
+                continue
+            path = (REPO / page).parent / target if target else REPO / page
+            if not path.exists():
+                broken.append(f"{page}: {target}")
+            elif anchor and path.suffix == ".md" and anchor[1:] not in heading_anchors(path):
+                broken.append(f"{page}: {target}{anchor}")
+    pending = {"README.md: docs/encoder.md", "experiments/README.md: ../docs/encoder.md"}  # issue 35's page
+    if set(broken) <= pending and broken and not (REPO / "docs" / "encoder.md").exists():
+        pytest.skip("docs/encoder.md is written on another branch")
+    assert not broken, broken
+
+
+def defined_names(path: Path) -> set:
+    """Module-level functions, classes and assignments of a file, and Class.method for the methods."""
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+            names |= {f"{node.name}.{n.name}" for n in node.body if isinstance(n, ast.FunctionDef)}
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            names |= {t.id for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                      if isinstance(t, ast.Name)}
+    return names
+
+
+def test_every_place_the_readme_says_to_change_exists_where_it_says():
+    readme = (REPO / "README.md").read_text()
+    table = readme[readme.index("## Where to change what"):readme.index("## Files")]
+    places = re.findall(r"\[`(\w+\.py):([\w.]+)`\]\((\w+\.py)\)", table)
+    assert len(places) >= 30, places
+    missing = [f"{file}:{name}" for file, name, link in places
+               if link != file or name not in defined_names(REPO / file)]
+    assert not missing, missing
