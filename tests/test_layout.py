@@ -132,7 +132,8 @@ def test_every_file_in_experiments_is_referenced_from_its_readme_notes_or_a_scri
         folders = [str(parent) + "/" for parent in Path(path).parents if str(parent) not in (".", "experiments")]
         arm = re.fullmatch(r"(.+)_s\d+\.json", Path(path).name)
         named = path in text or path.removeprefix("experiments/") in text
-        in_named_folder = any(f in text for f in folders) and (arm is None or re.search(rf"\b{re.escape(arm.group(1))}\b", notebooks))
+        arm_named = arm is None or re.search(rf"\b{re.escape(arm.group(1))}\b", notebooks)
+        in_named_folder = any(f in text for f in folders) and arm_named
         if path not in ("experiments/README.md", "experiments/NOTES.md") and not (named or in_named_folder):
             orphans.append(path)
     assert not orphans, f"refer to these in experiments/README.md (or delete them): {orphans}"

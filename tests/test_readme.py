@@ -26,7 +26,8 @@ TABLES = ("experiments/table.py", "experiments/finetune_table.py")  # cheap: the
 def commands(page: str) -> list:
     """The `python SCRIPT.py ARGS` commands of a page's bash blocks and inline code spans: [SCRIPT.py, ARGS...]."""
     text = (REPO / page).read_text()
-    lines = [line for block in re.findall(r"```bash\n(.*?)```", text, re.S) for line in block.replace("\\\n", " ").splitlines()]
+    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
+    lines = [line for block in blocks for line in block.replace("\\\n", " ").splitlines()]
     lines += re.findall(r"`((?:python|torchrun) [^`]+)`", text.replace("\n", " "))
     found = []
     for line in lines:
@@ -132,8 +133,9 @@ def test_every_option_of_the_commands_is_one_the_script_has():
         if script.startswith("experiments/"):
             continue
         text = script_help(script, argv[1:]) if script != "train.py" else ""  # train.py: config flags only
-        unknown += [(page, script, word) for word in argv[1:] if word.startswith("--")
-                    and word[2:].split("=")[0] not in FIELD_NAMES + ["config"] and not re.search(rf"{word.split('=')[0]}\b", text)]
+        options = [word.split("=")[0] for word in argv[1:] if word.startswith("--")]
+        unknown += [(page, script, option) for option in options
+                    if option[2:] not in FIELD_NAMES + ["config"] and not re.search(rf"{option}\b", text)]
     assert not unknown, unknown
 
 
