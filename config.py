@@ -188,7 +188,7 @@ def _unwrap_optional(tp):
 
 def _unknown_key_error(key: str, where: str, script_options: Iterable[str] = ()) -> ConfigError:
     close = difflib.get_close_matches(key, FIELD_NAMES + list(script_options), n=1, cutoff=0.5)
-    hint = f" Did you mean '{close[0]}'?" if close else " See README 'Config reference' for the fields."
+    hint = f" Did you mean '{close[0]}'?" if close else " See docs/config.md for the fields."
     return ConfigError(f"unknown {where} '{key}'.{hint}")
 
 
@@ -494,7 +494,7 @@ def plan_run(cfg: Config, world_size: int, train_volumes: int) -> RunPlan:
 
 
 def reference_table() -> str:
-    """The README's config reference (a test keeps them equal): every field, its default and its comment here."""
+    """The config reference table: every field, its default and its comment here."""
     import inspect
     defaults = dataclasses.asdict(Config())
     rows = ["| field | default | meaning |", "|---|---|---|"]
@@ -510,6 +510,23 @@ def reference_table() -> str:
     return "\n".join(rows)
 
 
+REFERENCE_INTRO = """# Config reference
+
+Generated from the `Config` dataclass in `config.py` (each field's default and comment): after changing a field,
+run `python config.py > docs/config.md`; tests/test_config.py fails while this page and the code differ.
+
+Every field is a flag (`--base_lr 1e-4`, `--base_lr=1e-4`, lists `--image_size 64,384,384`, `none` for an
+optional field, a bare `--dry_run` for a bool) and a YAML key (`--config file.yaml`; flags win). An
+unknown name is an error that suggests the closest one. In YAML, `null` (unquoted) leaves a path unset;
+the string `"None"` is an error, never a path. `runs/<run>/config.yaml` is a run's resolved config.
+"""
+
+
+def reference_page() -> str:
+    """docs/config.md: the config reference page (a test keeps it equal to this)."""
+    return f"{REFERENCE_INTRO}\n{reference_table()}\n"
+
+
 def save_config(cfg: Config, path: str) -> None:
     """Write the resolved config as YAML that load_config reads back to the same Config."""
     with open(path, "w") as f:
@@ -521,7 +538,7 @@ def save_config(cfg: Config, path: str) -> None:
 # ----------------------------------------------------------------------------------------------------------
 
 CONFIG_FLAGS_HELP = ("Every Config field is also a flag: --base_lr 1e-4, --image_size 64,384,384, none for an\n"
-                     "optional field; --config FILE reads fields from YAML (see README 'Config reference').")
+                     "optional field; --config FILE reads fields from YAML (see docs/config.md).")
 
 
 class ScriptParser(argparse.ArgumentParser):
@@ -570,3 +587,7 @@ def script_main(main):
             print(f"{e.prefix}{e}", file=sys.stderr)
             return e.exit_code
     return run
+
+
+if __name__ == "__main__":  # python config.py > docs/config.md
+    print(reference_page(), end="")

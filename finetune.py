@@ -13,7 +13,7 @@ Labels: probe.py's CSV (paths relative to the CSV's folder; a series folder is o
 Modes: `frozen` runs probe.py's probes (probe.split_scores: logistic regression on mean-pooled tokens, attentive
 probe; the budget probe.py uses) on the frozen encoder. `full` fine-tunes the whole encoder, starting from those
 attentive probes (linear probing, then fine-tuning: a fresh head trained in batches of 8 did not even fit the
-training volumes of the labelled phantoms, see README): AdamW, layer-wise LR decay (block i of L at
+training volumes of the labelled phantoms, experiments/README.md): AdamW, layer-wise LR decay (block i of L at
 lr * layer_decay ** (L - i), the patch embedding at lr * layer_decay ** (L + 1), heads and final norm at lr), one
 warmup epoch then cosine, the augmentation the encoder was pretrained with (crop jitter, flip, intensity jitter),
 early stopping on the loss of a validation part of each fold's training patients (--val_fraction) after --patience

@@ -1,5 +1,5 @@
 """Does pretraining work? Probes of frozen target-encoder features beside a floor, a shortcut and a ceiling
-(incident 12; README "Does it learn").
+(incident 12; the evidence: experiments/README.md).
 
     python probe.py --ckpt runs/learn/checkpoints --vs_random     # the built-in suite: the run's last checkpoint
     python probe.py --ckpt random                                 # a random init of the config's architecture
@@ -314,7 +314,7 @@ def fit_attentive(tokens: torch.Tensor, targets: np.ndarray, train_idx: np.ndarr
                   steps: int = 300, lr: float = 1e-2, weight_decay: float = 1e-2) -> AttentiveProbe:
     """An AttentiveProbe trained full-batch on the tokens [M, N, E] of train_idx for a fixed budget, the same for
     every encoder. Standardizing the features raised the AUROC; early stopping on a fifth of the training volumes
-    lowered it and doubled its spread over probe seeds (README, Does it learn)."""
+    lowered it and doubled its spread over probe seeds (experiments/README.md)."""
     torch.manual_seed(seed)
     probe = AttentiveProbe(tokens.shape[-1], output_dim(task, targets))
     probe.set_standardization(tokens[train_idx])
@@ -412,7 +412,7 @@ CNN_STEPS, CNN_BATCH, CNN_LR = 600, 16, 2e-3  # the supervised reference's fixed
 def fit_cnn(volumes: torch.Tensor, targets: np.ndarray, train_idx: np.ndarray, task: Task, seed: int,
             steps: int = CNN_STEPS, batch_size: int = CNN_BATCH, lr: float = CNN_LR) -> SmallCNN:
     """A SmallCNN trained from scratch on the volumes [M, 1, D, H, W] of train_idx (random lateral flips) for a
-    fixed budget. Early stopping on a fifth of the training volumes lowered the AUROC (README, Does it learn)."""
+    fixed budget. Early stopping on a fifth of the training volumes lowered the AUROC (experiments/README.md)."""
     torch.manual_seed(seed)
     cnn = SmallCNN(output_dim(task, targets))
     y = training_targets(task, targets, train_idx)

@@ -1,6 +1,6 @@
 #!/bin/bash
-# Full fine-tuning of pretrained encoders against a random init with the same budget (README "Fine-tune on
-# labelled volumes"): pretrain configs/learn.yaml with seeds 0, 1, 2 and export each encoder; export the random init
+# Full fine-tuning of pretrained encoders against a random init with the same budget (experiments/README.md,
+# "Fine-tuning"): pretrain configs/learn.yaml with seeds 0, 1, 2 and export each encoder; export the random init
 # of the same architecture (model.random_encoder, seed 0: the one finetune.py --vs_random uses); run finetune.py on
 # the 240 labelled phantoms (patient-level 5-fold CV, the same folds for all) for each; then the tables.
 # OMP_NUM_THREADS=1: on a CPU shared with other jobs, torch's 2 threads ran 10x slower than one.
@@ -20,6 +20,6 @@ save_encoder(r.state_dict(), {k: v for k, v in e.config.items() if k != 'weights
 for name in random learn-s0 learn-s1 learn-s2; do
   python finetune.py --encoder $runs/$name/encoder --labels $labels --out $runs/finetune-$name \
     > $runs/finetune-$name.log 2>&1
-  cp $runs/finetune-$name/report.json experiments/finetune_$name.json
+  cp $runs/finetune-$name/report.json experiments/finetune/$name.json
 done
-python experiments/finetune_table.py experiments/finetune_random.json experiments/finetune_learn-s{0,1,2}.json
+python experiments/finetune_table.py experiments/finetune/random.json experiments/finetune/learn-s{0,1,2}.json

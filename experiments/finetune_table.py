@@ -1,4 +1,4 @@
-"""Markdown tables of the README's fine-tuning results from finetune.py reports (experiments/finetune.sh):
+"""Markdown tables of experiments/README.md's fine-tuning results from finetune.py reports (experiments/finetune.sh):
     python experiments/finetune_table.py RANDOM.json REPORT.json [REPORT.json ...]
 RANDOM.json is the report of finetune.py on an export of the random init (model.random_encoder), the others of the
 pretrained encoders; all must have the same folds (the same labels, --seed, --folds and --repeats), so that each

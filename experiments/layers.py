@@ -1,6 +1,6 @@
 """Where along the encoder a probe task's signal is: probe.py's read-outs (its procedure, splits and seeds) on the
 target encoder's tokens after the tubelet embedding (+ positions), after each block, and after the final norm (the
-tokens probe.py reads). README "Does it learn" and experiments/NOTES.md section 9 quote it.
+tokens probe.py reads). experiments/README.md and experiments/NOTES.md section 9 quote it.
 
     python experiments/layers.py CKPT [CKPT:random ...] [--task lesion] [--readouts attentive] [--seeds 5]
 

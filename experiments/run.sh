@@ -6,11 +6,11 @@
 #   PHANTOMS=data/phantoms256v experiments/run.sh NAME --config configs/learn.yaml ...   # another pretraining set
 # PHANTOMS (default data/phantoms256, plain) must hold the kind of set the run asks for: learn.yaml pretrains on
 # varied phantoms (data/phantoms256v); its plain arm (--phantom_varied false --mask_type multiblock) the default folder.
-# Writes experiments/NAME.json (the probe report, with the pretraining run's wall and CPU seconds, flags and
+# Writes experiments/learn/NAME.json (the probe report, with the pretraining run's wall and CPU seconds, flags and
 # pretraining phantom folder under "pretrain");
 # the run goes to experiments/runs/NAME and is not trained again when its last checkpoint is there. The probe sets
 # are the ones of data/phantoms256 for every run. The hand-made features and the supervised CNN do not depend on
-# the encoder: experiments/reference.json holds them (experiments/run.sh reference, below).
+# the encoder: experiments/learn/reference.json holds them (experiments/run.sh reference, below).
 # OMP_NUM_THREADS=1: on a CPU shared with other jobs, torch's 2 threads ran 10x slower than one.
 set -e
 cd "$(dirname "$0")/.."
@@ -20,7 +20,7 @@ mkdir -p experiments/runs
 log="experiments/runs/$name.log"
 if [ "$name" = reference ]; then  # hand-made features and the supervised CNN on the suite's splits, once
   nice -n 5 python probe.py --ckpt random --config configs/learn.yaml --phantom_dir data/phantoms256 \
-    ${PROBE:---seeds 5} --readouts mean_pool --json experiments/reference.json "$@" > "$log" 2>&1
+    ${PROBE:---seeds 5} --readouts mean_pool --json experiments/learn/reference.json "$@" > "$log" 2>&1
   tail -40 "$log"
   exit
 fi
@@ -31,12 +31,12 @@ if [ ! -e "experiments/runs/$name/checkpoints/done" ]; then
   touch "experiments/runs/$name/checkpoints/done"
 fi
 nice -n 5 python probe.py --ckpt "experiments/runs/$name/checkpoints" --phantom_dir data/phantoms256 --vs_random \
-  ${PROBE:---seeds 5 --no_reference} --json "experiments/$name.json" >> "$log" 2>&1
+  ${PROBE:---seeds 5 --no_reference} --json "experiments/learn/$name.json" >> "$log" 2>&1
 python - "$name" "${PHANTOMS:-data/phantoms256}" "$@" <<'PY'
 import json, sys
 name, phantoms = sys.argv[1:3]
-report = json.load(open(f"experiments/{name}.json"))
+report = json.load(open(f"experiments/learn/{name}.json"))
 report["pretrain"] = {**json.load(open(f"experiments/runs/{name}.time")), "args": sys.argv[3:], "phantoms": phantoms}
-json.dump(report, open(f"experiments/{name}.json", "w"), indent=1)
+json.dump(report, open(f"experiments/learn/{name}.json", "w"), indent=1)
 PY
 tail -30 "$log"

@@ -1,5 +1,5 @@
-"""Markdown tables of the README's "Does it learn" from the probe reports experiments/NAME.json (experiments/run.sh)
-and experiments/reference.json (the hand-made features and the supervised CNN on the same splits).
+"""Markdown tables of experiments/README.md from the probe reports experiments/learn/NAME.json (experiments/run.sh)
+and experiments/learn/reference.json (the hand-made features and the supervised CNN on the same splits).
 
     python experiments/table.py runs NAME [NAME...]          # one row per run and task: every read-out, + random init
     python experiments/table.py arms ARM [ARM...]            # one row per arm (runs ARM_s0, ARM_s1, ...) and task:
@@ -11,7 +11,7 @@ and experiments/reference.json (the hand-made features and the supervised CNN on
                                                              # each seed's summary probe, and per arm the paired
                                                              # difference to random init over the seeds
     python experiments/table.py --reports splits10 arms vrlong   # the reports (and reference.json) of another folder
-                                                             # of experiments/: splits10 holds 10-split probes
+                                                             # of experiments/ than learn/: 10-split probes
 
 Each run's value is the mean over its probe seeds (splits); an arm's interval is a t-interval over its pretraining
 seeds, paired by seed in `compare` (the seed also draws the init and the data order).
@@ -23,13 +23,15 @@ import re
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPORTS = HERE  # where the reports are read: experiments/, or the folder of --reports
+REPORTS = os.path.join(HERE, "learn")  # where the reports are read: experiments/learn, or the folder of --reports
+DEMO = os.path.join(HERE, "demo")  # the demo's reports (experiments/demo.sh)
 sys.path.insert(0, os.path.dirname(HERE))
 from probe import READOUTS, interval  # noqa: E402  (the repo's flat modules)
 
 
-def load(name: str) -> dict:
-    with open(os.path.join(REPORTS, f"{name}.json")) as f:
+def load(name: str, folder: str = "") -> dict:
+    """The report NAME.json in FOLDER (default: the reports' folder)."""
+    with open(os.path.join(folder or REPORTS, f"{name}.json")) as f:
         return json.load(f)
 
 
@@ -42,15 +44,15 @@ def signed(iv: dict) -> str:
 
 
 def reference_scores(task: str) -> dict:
-    """{"best_handmade": (name, interval), "supervised": interval} of a task from experiments/reference.json."""
+    """{"best_handmade": (name, interval), "supervised": interval} of a task from the reports' reference.json."""
     t = load("reference")["tasks"][task]
     best = t["best_handmade"]
     return {"best_handmade": (best, t["handmade"][best][t["metric"]]), "supervised": t["supervised"][t["metric"]]}
 
 
 def seeds_of(arm: str, folder: str = "") -> list:
-    """The run names ARM_s<k> that have a report (in the reports' FOLDER), by seed."""
-    names = [os.path.basename(p)[:-5] for p in glob.glob(os.path.join(REPORTS, folder, f"{arm}_s*.json"))]
+    """The run names ARM_s<k> that have a report in FOLDER (default: the reports' folder), by seed."""
+    names = [os.path.basename(p)[:-5] for p in glob.glob(os.path.join(folder or REPORTS, f"{arm}_s*.json"))]
     return sorted((n for n in names if re.fullmatch(rf"{re.escape(arm)}_s\d+", n)), key=lambda n: int(n.rsplit("s", 1)[1]))
 
 
@@ -132,10 +134,10 @@ def demo_table(arms: list) -> None:
           + " | beats both | last val target_std, RankMe | wall / CPU s |")
     print("|---|---|" + "---|---|" * len(readouts) + "---|---|---|")
     for arm in arms:
-        names = seeds_of(arm, "demo")
+        names = seeds_of(arm, DEMO)
         differences = {r: [] for r in readouts}
         for name in names:
-            run = load(os.path.join("demo", name))
+            run = load(name, DEMO)
             probe, val, time = run["summary_probe"], run["last_val"], run["pretrain"]
             cells = []
             for r in readouts:

@@ -1,7 +1,9 @@
 """The code stays readable the way a researcher reads it: flat modules without import cycles, each a size one can
 read, every function and the loop on one screen, and low modules (storage, checkpoints, logs) that do not load the
-DICOM reader."""
+DICOM reader. The README stays a front door, and experiments/ holds only evidence that something refers to."""
 import ast
+import re
+import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -10,6 +12,8 @@ SCREEN = 80  # lines
 MODULE_LINES = 900  # the largest module, dicom.py (the whole reader), is under this
 CHECKLISTS = {"config.py:validate"}  # flat lists of independent rules or cases
 READER = {"dicom", "index", "data"}  # index.py imports dicom.py, data.py both
+README_LINES = 300  # nanoGPT's README is 234 lines; the manual is docs/, the evidence experiments/README.md
+ABSOLUTE_PATH = re.compile(r"(?<![\w/:.~-])/(?:tmp|work|home|root|Users|mnt)/")  # a machine's path, not the repo's
 
 
 def all_imports(path: Path) -> set:
@@ -92,5 +96,44 @@ def test_every_function_outside_the_flat_checklists_fits_on_one_screen():
 def test_the_training_loop_reads_in_one_file_of_a_few_hundred_lines():
     train = MODULES["train"].read_text()
     assert len(train.splitlines()) < 650
-    (loop,) = [n for n in ast.walk(ast.parse(train)) if isinstance(n, ast.While)]  # train(): one update per iteration
+    (loop,) = [n for n in ast.walk(ast.parse(train)) if isinstance(n, ast.While)]  # train_loop: one update each
     assert loop.end_lineno - loop.lineno < 100
+
+
+def test_the_readme_is_a_front_door_not_a_manual():
+    lines = len((REPO / "README.md").read_text().splitlines())
+    assert lines <= README_LINES, f"README.md has {lines} lines: move the manual to docs/, the evidence to experiments/"
+
+
+def experiment_files() -> list:
+    """The files under experiments/ that git tracks or would add (not the ignored runs/ and logs), repo-relative."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "experiments"],
+                            cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    return sorted(p for p in set(listed) if (REPO / p).is_file())
+
+
+def test_no_report_in_experiments_holds_a_path_of_the_machine_it_was_made_on():
+    found = {}
+    for path in experiment_files():
+        data = (REPO / path).read_bytes()
+        if b"\0" not in data:  # text files only
+            found.update({path: m.group(0) for m in [ABSOLUTE_PATH.search(data.decode("utf-8", "replace"))] if m})
+    assert not found, f"absolute paths (write them relative to the repository): {found}"
+
+
+def test_every_file_in_experiments_is_referenced_from_its_readme_notes_or_a_script():
+    """A file counts as referenced when its path (experiments/...) is named, or its folder's is and, for a report
+    ARM_sS.json, the arm code ARM is named in experiments/README.md (its table of arm codes) or NOTES.md."""
+    notebooks = (REPO / "experiments" / "README.md").read_text() + (REPO / "experiments" / "NOTES.md").read_text()
+    scripts = [p for p in experiment_files() if p.endswith((".sh", ".py"))]
+    text = "\n".join((REPO / p).read_text() for p in ["experiments/README.md", "experiments/NOTES.md"] + scripts)
+    orphans = []
+    for path in experiment_files():
+        folders = [str(parent) + "/" for parent in Path(path).parents if str(parent) not in (".", "experiments")]
+        arm = re.fullmatch(r"(.+)_s\d+\.json", Path(path).name)
+        named = path in text or path.removeprefix("experiments/") in text
+        arm_named = arm is None or re.search(rf"\b{re.escape(arm.group(1))}\b", notebooks)
+        in_named_folder = any(f in text for f in folders) and arm_named
+        if path not in ("experiments/README.md", "experiments/NOTES.md") and not (named or in_named_folder):
+            orphans.append(path)
+    assert not orphans, f"refer to these in experiments/README.md (or delete them): {orphans}"

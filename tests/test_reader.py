@@ -370,10 +370,10 @@ def test_whatever_scan_accepts_is_read_by_read_volume_the_loader_and_prepare(tmp
         assert dataset[(0, index)]["volume"].shape == (1, 8, 32, 32)
 
 
-def test_the_readme_lists_every_reason_with_its_meaning():
-    readme = (REPO / "README.md").read_text()
+def test_the_data_page_lists_every_reason_with_its_meaning():
+    page = (REPO / "docs" / "data.md").read_text()
     for reason, meaning in REASONS.items():
-        assert f"| `{reason}` | {meaning}" in readme, reason
+        assert f"| `{reason}` | {meaning}" in page, reason
 
 
 # --- stack order, per-frame groups, line scans, damaged files ---

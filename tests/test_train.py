@@ -213,14 +213,15 @@ def test_collapse_warning_when_the_probe_loses_half_its_gain_over_chance(tmp_pat
     log = RunLog(str(tmp_path), cfg, active=True)
     for step, auroc in ((250, 0.77), (500, 0.78), (750, 0.82), (1000, 0.81), (1250, 0.80)):  # healthy: no warning
         log.metrics({"split": "probe", "step": step, "probe_auroc": auroc})
-    for step, auroc in ((1500, 0.64), (1750, 0.55)):  # what a partial collapse did to the probe (README, Does it learn)
+    for step, auroc in ((1500, 0.64), (1750, 0.55)):  # what a partial collapse did to the probe (experiments/README.md)
         log.metrics({"split": "probe", "step": step, "probe_auroc": auroc})
     events = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "collapse_warning"]
     assert [(e["step"], e["metric"]) for e in events] == [(1500, "probe_auroc")]
 
 
 def test_the_summary_names_a_partial_collapse_and_its_fix_when_the_encoder_does_not_beat_random_init():
-    """A demo seed whose target_std fell from 0.46 to 0.19 did not beat random init; a slower EMA fixed it (README)."""
+    """A demo seed whose target_std fell from 0.46 to 0.19 did not beat random init; a slower EMA fixed it
+    (experiments/README.md)."""
     from runlog import summary
     cfg = load_config(["--config", SMOKE])
     state = SimpleNamespace(step=600, nonfinite_skipped=0, rollbacks=0)
@@ -423,7 +424,7 @@ def test_ddp_two_processes_match_one_process(tmp_path, smoke_phantoms):
 @pytest.mark.slowest
 def test_demo_run_completes_its_loss_falls_and_it_beats_a_random_init(tmp_path):
     """`python train.py` with no arguments, as in the README (a run name only). On 5 seeds of 5 the demo's encoder
-    beat a random init on both summary probes (README, Does it learn); this is seed 0."""
+    beat a random init on both summary probes (experiments/README.md); this is seed 0."""
     result = run_cli(["--run_name", "demo"], cwd=tmp_path, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = train_lines(tmp_path / "runs" / "demo")
