@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from config import Config, ConfigError, ExitError, ScriptParser, load_config, script_main
+from config import Config, ConfigError, NoUsableData, ScriptParser, load_config, script_main
 from dicom import BENIGN_REASONS, TRANSIENT_REASONS, UnusableFile, Volume, read_volume, source_paths
 from index import (format_reason_table, format_scan_report, index_source, list_sources, read_index,
                    read_index_with_source, reason_counts, source_identity, update_index, write_index)
@@ -368,12 +368,6 @@ def load_prepared(paths: Sequence[str], cfg: Config, sources: Optional[Sequence[
 VAL_EPOCH = 2 ** 32 - 1  # validation samples: sample_rng(seed, VAL_EPOCH, index), the same every time
 ORDER_EPOCH = 2 ** 32 - 2  # the permutation of epoch e: sample_rng(seed, ORDER_EPOCH, e)
 MAX_TRIES = 8  # files tried for one sample before the loader gives up
-
-
-class NoUsableData(ExitError):
-    """Nothing (or too little) to train on; the message holds the per-reason table."""
-    exit_code = 3
-    prefix = "no usable data:\n"
 
 
 class OCTDataset(torch.utils.data.Dataset):

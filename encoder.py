@@ -15,16 +15,18 @@ embed writes one row per usable volume to an .npz (numpy only): path (the file, 
 files, patient (the index's hash of PatientID), study, series, laterality, manufacturer, model, spacing [dz,dy,dx]
 mm (nan when unknown), shape [D,H,W] as stored, embedding [M,E] (--pool mean_pool) or [M, gh*E] (--pool depth_rows:
 the mean of each depth row of tokens; model.pool_tokens, as probe.py's read-outs of those names); and skipped_path,
-skipped_reason, skipped_detail for every file the reader or the preprocessing could not use (the reason codes of `python data.py scan`). Every --save_every volumes the rows done
-are saved in OUT.partial/: the same command started again after a kill computes only the rest, and its file equals
-an uninterrupted run's byte for byte. Static shapes (the last batch is padded): it runs on cpu, cuda and xla.
+skipped_reason, skipped_detail for every file the reader or the preprocessing could not use (the reason codes of
+`python data.py scan`). Every --save_every volumes the rows done are saved in OUT.partial/: the same command started
+again after a kill computes only the rest, and its file equals an uninterrupted run's byte for byte. Static shapes
+(the last batch is padded): it runs on cpu, cuda and xla.
 
 show draws, for one labelled volume of each class and for the encoder beside a random init of its architecture: a
 B-scan and the en-face view of the input, the first three principal components of the patch features as RGB on
 both, and where an attentive probe (probe.py) trained on the labelled volumes looks.
 
 The config flags that apply: device, cache_dir, workers and (embed) data_root, manifest_path, index_path; the export
-brings its own model and preprocessing. Exit codes: 0 done, 2 bad arguments or export, 3 no usable volume.
+brings its own model and preprocessing. Exit codes (config.EXIT_CODES): 0 done, 2 bad arguments or export, 3 no
+usable volume.
 """
 import io
 import json
@@ -43,8 +45,8 @@ from matplotlib.figure import Figure
 from sklearn.decomposition import PCA
 from tqdm import tqdm
 
-from config import Config, ConfigError, ScriptParser, given_flags, load_config, script_main
-from data import NoUsableData, index_records, load_prepared, to_sample
+from config import Config, ConfigError, NoUsableData, ScriptParser, given_flags, load_config, script_main
+from data import index_records, load_prepared, to_sample
 from dicom import UnusableFile
 from index import format_reason_table
 from model import (CONFIG_FILE, POOL_ALIASES, POOLS, VJEPA3D, ExportError, PretrainedEncoder, export_config,
