@@ -46,9 +46,9 @@ from sklearn.decomposition import PCA
 from tqdm import tqdm
 
 from config import Config, ConfigError, NoUsableData, ScriptParser, given_flags, load_config, script_main
-from data import index_records, load_prepared, to_sample
+from data import load_prepared, to_sample
 from dicom import UnusableFile
-from index import format_reason_table
+from index import format_reason_table, index_records
 from model import (CONFIG_FILE, POOL_ALIASES, POOLS, VJEPA3D, ExportError, PretrainedEncoder, export_config,
                    load_encoder, pool_name, random_encoder, save_encoder)
 from probe import (Task, encode_volumes, fit_attentive, load_labelled_volumes, probe_device, read_model_checkpoint,

@@ -25,10 +25,9 @@ from pydicom.uid import JPEGBaseline8Bit
 from config import load_config
 from corpora import _patch, write_odd_cases
 from data import main as data_main
-from data import (OCTDataset, build_datasets, cache_path, crop_starts, index_records, load_prepared, resample_and_clip,
-                  to_sample)
+from data import OCTDataset, build_datasets, cache_path, crop_starts, load_prepared, resample_and_clip, to_sample
 from dicom import REASONS, UnusableFile, read_volume, unscramble_czm
-from index import find_files, read_index, scan_files
+from index import find_files, index_records, read_index, scan_files
 from phantom import STYLES, _item, _jp2_file, czm_scramble, quantize, synth_reflectivity, write_oct, write_phantom
 
 REPO = Path(__file__).resolve().parents[1]
