@@ -6,22 +6,26 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 MODULES = {p.stem: p for p in REPO.glob("*.py")}
+TESTS = {p.stem: p for p in (REPO / "tests").glob("*.py")}
 SCREEN = 80  # lines
 MODULE_LINES = 900  # the largest module, dicom.py (the whole reader), is under this
 CHECKLISTS = {"config.py:validate"}  # flat lists of independent rules or cases
 READER = {"dicom", "index", "data"}  # index.py imports dicom.py, data.py both
 
 
+def names_imported(node: ast.AST) -> set:
+    """The top-level package names an import statement imports (none for any other node)."""
+    if isinstance(node, ast.Import):
+        return {a.name.split(".")[0] for a in node.names}
+    if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        return {node.module.split(".")[0]}
+    return set()
+
+
 def all_imports(path: Path) -> set:
     """The top-level names of every package or module a file imports, anywhere in it (function-level imports
     included)."""
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names |= {a.name.split(".")[0] for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module.split(".")[0])
-    return names
+    return set().union(*(names_imported(node) for node in ast.walk(ast.parse(path.read_text()))))
 
 
 def imported_modules(path: Path) -> set:
@@ -94,3 +98,31 @@ def test_the_training_loop_reads_in_one_file_of_a_few_hundred_lines():
     assert len(train.splitlines()) < 650
     (loop,) = [n for n in ast.walk(ast.parse(train)) if isinstance(n, ast.While)]  # train(): one update per iteration
     assert loop.end_lineno - loop.lineno < 100
+
+
+def test_tests_share_code_through_helpers_not_through_each_other_or_private_names():
+    """tests/helpers.py (and tests/corpora.py) hold what tests share; a test module imports no other test module
+    and no private (_name) function of the project."""
+    found = []
+    for path in TESTS.values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                module = node.module.split(".")[0]
+                if module.startswith("test_") or module == "conftest":
+                    found.append(f"{path.name}:{node.lineno} imports {module}")
+                if module in MODULES or module in TESTS:
+                    found += [f"{path.name}:{node.lineno} imports {module}.{a.name}" for a in node.names
+                              if a.name.startswith("_")]
+            elif isinstance(node, ast.Import):
+                found += [f"{path.name}:{node.lineno} imports {a.name}" for a in node.names
+                          if a.name.startswith("test_") or a.name == "conftest"]
+    assert not found, found
+
+
+def test_torch_xla_is_imported_in_one_place():
+    """runtime.xla_modules loads torch_xla for every function that needs it (a machine without it imports all)."""
+    places = [f"{path.name}:{node.name}" for path in MODULES.values() for node in ast.walk(ast.parse(path.read_text()))
+              if isinstance(node, ast.FunctionDef) and any("torch_xla" in names_imported(n) for n in ast.walk(node))]
+    top_level = [path.name for path in MODULES.values() if "torch_xla" in
+                 {name for n in ast.parse(path.read_text()).body for name in names_imported(n)}]
+    assert places == ["runtime.py:xla_modules"] and not top_level, (places, top_level)
