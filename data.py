@@ -7,7 +7,7 @@ source into an index; this module turns what they give into batches of static sh
 
 SRC is a folder (recursive), a glob, a gs:// prefix or glob, or a manifest (--manifest_path, a TSV/CSV with a
 `filepath` column relative to SRC). gs:// goes through gcsfs (storage.py); set STORAGE_EMULATOR_HOST to use a local
-emulator. A sample is: read the DICOM (dicom.read_volume: any maker, multi-frame or one file per B-scan, Zeiss
+emulator. A sample is: read the DICOM (volumes.read_volume: any maker, multi-frame or one file per B-scan, Zeiss
 Cirrus unscrambled; only one stack of parallel, evenly spaced B-scans is a volume) -> resample to target_spacing (or
 resize to image_size) -> robust percentile clip, stored as uint8 (8-bit sources) or uint16 (what the cache holds)
 -> crop and pad to image_size, axially centred on the retina (random elsewhere and jittered for train, centred
@@ -38,10 +38,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from config import Config, ConfigError, NoUsableData, ScriptParser, load_config, script_main
-from dicom import BENIGN_REASONS, UnusableFile, Volume, read_volume, source_paths
+from dicom import BENIGN_REASONS, UnusableFile
 from index import (format_reason_table, format_scan_report, index_records, index_source, list_sources,
                    reason_counts, source_identity, update_index, write_index)
 from storage import write_atomic
+from volumes import Volume, read_volume, source_paths
 
 # ----------------------------------------------------------------------------------------------------------
 # Patch masks

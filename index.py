@@ -1,6 +1,6 @@
 """The files of a source and its scan index: find the candidate files of a source, scan them into index records
 (one per volume or rejected file, with its reason) and keep an index up to date. `python data.py scan SRC` is this
-module's command. Which files make a volume, and why the others cannot be used, is decided by dicom.units, the rule
+module's command. Which files make a volume, and why the others cannot be used, is decided by volumes.units, the rule
 that read_volume follows too, so a scan and the loader cannot disagree.
 
 Finding files: a folder (recursive), a glob, a gs:// prefix or glob, or a manifest (a TSV/CSV with a `filepath`
@@ -23,9 +23,10 @@ import numpy as np
 from tqdm import tqdm
 
 from config import Config, ConfigError
-from dicom import REASONS, TRANSIENT_REASONS, Unit, UnusableFile, folder_files, inspect_file, is_candidate, units
+from dicom import REASONS, TRANSIENT_REASONS, UnusableFile, folder_files, inspect_file, is_candidate
 from phantom import ensure_phantom_set
 from storage import exists, gcs_filesystem, read_bytes, write_atomic
+from volumes import Unit, units
 
 # ----------------------------------------------------------------------------------------------------------
 # Finding files
@@ -98,7 +99,7 @@ def source_identity(path: str) -> str:
 
 def scan_files(files: Sequence[str], sop_classes: str = "oct", progress: bool = False, threads: int = 8,
                identities: Optional[Dict[str, str]] = None) -> List[dict]:
-    """Index records, one per dicom.units verdict (a volume: a multi-frame file or the single-frame files of one
+    """Index records, one per volumes.units verdict (a volume: a multi-frame file or the single-frame files of one
     series; or files rejected together), so every file appears exactly once. A record has paths, sources
     (source_identity of each), ok, reason (None when ok), detail, manufacturer, model, series, shape [D,H,W], spacing
     [dz,dy,dx] or None, spacing_issue, patient, study, laterality. `identities` ({path: source_identity}, e.g. from list_sources) saves
@@ -119,7 +120,7 @@ def scan_files(files: Sequence[str], sop_classes: str = "oct", progress: bool = 
 
 
 def _record(unit: Unit, identities: Dict[str, str]) -> dict:
-    """The index record of a dicom.units verdict."""
+    """The index record of a volumes.units verdict."""
     sources = [identities.get(p, "") for p in unit.paths]
     if unit.error is not None:
         e = unit.error

@@ -8,9 +8,10 @@ REPO = Path(__file__).resolve().parents[1]
 MODULES = {p.stem: p for p in REPO.glob("*.py")}
 TESTS = {p.stem: p for p in (REPO / "tests").glob("*.py")}
 SCREEN = 80  # lines
-MODULE_LINES = 900  # the largest module, dicom.py (the whole reader), is under this
+MODULE_LINES = 800  # a module one reads in a sitting; over it, split along a seam (dicom.py / volumes.py)
+OVER_MODULE_LINES = {"probe.py"}  # allowed for now: probe.py is split after the probes being added to it land
 CHECKLISTS = {"config.py:validate"}  # flat lists of independent rules or cases
-READER = {"dicom", "index", "data"}  # index.py imports dicom.py, data.py both
+READER = {"dicom", "volumes", "index", "data"}  # volumes.py imports dicom.py, index.py both, data.py all three
 
 
 def names_imported(node: ast.AST) -> set:
@@ -83,7 +84,7 @@ def test_storage_is_low_it_loads_neither_torch_nor_the_reader():
 
 def test_every_module_is_a_size_one_can_read():
     long = {p.name: n for p in MODULES.values() if (n := len(p.read_text().splitlines())) > MODULE_LINES}
-    assert not long, long
+    assert set(long) <= OVER_MODULE_LINES, long
 
 
 def test_every_function_outside_the_flat_checklists_fits_on_one_screen():

@@ -26,9 +26,10 @@ from config import load_config
 from corpora import patch_bytes, write_odd_cases
 from data import main as data_main
 from data import OCTDataset, build_datasets, cache_path, crop_starts, load_prepared, resample_and_clip, to_sample
-from dicom import REASONS, UnusableFile, read_volume, unscramble_czm
+from dicom import REASONS, UnusableFile, unscramble_czm
 from index import find_files, index_records, read_index, scan_files
-from phantom import STYLES, item_of, jp2_file, czm_scramble, quantize, synth_reflectivity, write_oct, write_phantom
+from phantom import STYLES, czm_scramble, item_of, jp2_file, quantize, synth_reflectivity, write_oct, write_phantom
+from volumes import read_volume
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.filterwarnings("ignore:End of file reached before delimiter", "ignore::UserWarning")
