@@ -25,8 +25,8 @@ B-scan and the en-face view of the input, the first three principal components o
 both, and where an attentive probe (probe.py) trained on the labelled volumes looks.
 
 The config flags that apply: device, cache_dir, workers and (embed) data_root, manifest_path, index_path; the export
-brings its own model and preprocessing. Exit codes (config.EXIT_CODES): 0 done, 2 bad arguments or export, 3 no
-usable volume.
+brings its own model and preprocessing. Exit codes: config.EXIT_CODES (a bad argument or export is a ConfigError,
+no usable volume NoUsableData).
 """
 import io
 import json

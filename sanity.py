@@ -9,7 +9,8 @@ real data or hardware.
 The LR and EMA schedules are checked for the full configured run. Everything else runs the config's masking,
 loss, optimizer and clipping on a scaled-down model (tiny width, a volume of 2 x 4 x 4 patches, CPU, fp32); the
 data are the built-in phantoms unless --data_root (or --manifest_path) is given, then a sample of those files.
-Exit codes (config.EXIT_CODES): 0 all checks passed (sweep: an LR was recommended), 1 a check failed, 2 bad config.
+Exit codes (config.EXIT_CODES): EXIT_OK when all checks passed (sweep: an LR was recommended), EXIT_FAILED when a
+check failed, ConfigError's for a bad config.
 """
 import math
 import os

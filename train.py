@@ -7,7 +7,7 @@ update; devices and processes are in runtime.py, checkpoint files in checkpoint.
     torchrun --standalone --nproc_per_node=8 train.py --config ...   # DDP on one machine
 
 Outputs go to out_dir/run_name/: config.yaml, metrics.jsonl, events.jsonl, checkpoints/, plots.
-Exit codes: config.EXIT_CODES (0 done, 2 bad config, 3 no usable data, 4 diverged, 74 storage failed, 75 preempted).
+Exit codes: config.EXIT_CODES, the one table (0 done; ConfigError, NoUsableData, Diverged, StorageFailed, Preempted).
 "incident N" in the comments: the failures of the previous system listed in docs/incidents.md.
 """
 import contextlib
