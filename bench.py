@@ -169,8 +169,7 @@ def synchronize(rt: runtime.Runtime) -> None:
     if rt.kind == "cuda":
         torch.cuda.synchronize()
     elif rt.kind == "xla":
-        import torch_xla
-        torch_xla.sync(wait=True)
+        runtime.xla_modules().torch_xla.sync(wait=True)
 
 
 def matmul_peak_flops(rt: runtime.Runtime, dtype: torch.dtype, seconds: float) -> float:

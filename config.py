@@ -4,12 +4,9 @@ Precedence: dataclass defaults < YAML file (--config FILE) < command-line flags.
 Every field is a flag: `--base_lr 1e-4`, `--base_lr=1e-4`, lists as `--image_size 64,384,384`,
 `none`/`null` (any case) for an optional field, a bare `--dry_run` for a bool.
 Problems raise ConfigError naming the field and the fix; every script's main (script_main) turns that into exit 2.
-The end of this file is the command line that every script shares: ScriptParser, script_main, ExitError.
+The end of this file is the command line that every script shares: ScriptParser, script_main.
 
-Exit codes of every script (README "Run outputs"): 0 done; 2 ConfigError; 3 data.NoUsableData; 4 train.Diverged;
-74 StorageFailed (checkpoint storage stayed unwritable or unreadable after retries); 75 Preempted (SIGTERM/SIGINT:
-stopped after a checkpoint; run the same command with --resume auto). 74 and 75 are sysexits' EX_IOERR and
-EX_TEMPFAIL, which job schedulers read as "I/O error" and "temporary failure: try again".
+Exit codes of every script: EXIT_CODES, the one table (0 done; the ExitError subclasses below, each with its code).
 """
 import argparse
 import dataclasses
@@ -27,28 +24,52 @@ from typing import Iterable, List, Optional, Set, Tuple
 import yaml
 
 
+# Exit codes of every script: EXIT_CODES (below the error classes) is the one table that docs and docstrings point to
+EXIT_OK = 0  # done
+EXIT_FAILED = 1  # a check of sanity.py failed
+
+
 class ExitError(Exception):
     """An error that ends a script: script_main prints `prefix` and the message on stderr and returns exit_code."""
-    exit_code = 1
+    exit_code = EXIT_FAILED
     prefix = "error: "
 
 
 class ConfigError(ExitError, ValueError):
-    """A configuration problem: the message names the field and how to fix it."""
+    """A configuration problem (a flag, config, checkpoint, export or labels file): the message names the field and
+    how to fix it."""
     exit_code = 2
     prefix = "config error: "
 
 
+class NoUsableData(ExitError):
+    """Nothing (or too little) to train on or embed; the message holds the per-reason table."""
+    exit_code = 3
+    prefix = "no usable data:\n"
+
+
+class Diverged(ExitError):
+    """Training cannot recover from non-finite updates; the message is the diagnosis."""
+    exit_code = 4
+    prefix = "training diverged beyond recovery:\n"
+
+
 class StorageFailed(ExitError):
     """Checkpoint storage stayed unwritable (or a checkpoint unreadable) after retrying for ckpt_retry_minutes."""
-    exit_code = 74  # sysexits EX_IOERR
+    exit_code = 74  # sysexits EX_IOERR: what job schedulers read as "I/O error"
     prefix = "checkpoint storage failed: "
 
 
 class Preempted(ExitError):
-    """SIGTERM or SIGINT stopped the run at an update boundary, after a checkpoint of that update: resume me."""
-    exit_code = 75  # sysexits EX_TEMPFAIL: a temporary failure, the same command (with --resume auto) continues
+    """SIGTERM or SIGINT stopped the run at an update boundary, after a checkpoint of that update; the same command with
+    --resume auto continues exactly there."""
+    exit_code = 75  # sysexits EX_TEMPFAIL: what job schedulers read as "temporary failure: try again"
     prefix = "preempted: "
+
+
+EXIT_CODES = {EXIT_OK: "done", EXIT_FAILED: "a sanity.py check failed",  # code -> meaning, of every script
+              **{e.exit_code: f"{e.__name__}: {' '.join(e.__doc__.split())}"
+                 for e in (ConfigError, NoUsableData, Diverged, StorageFailed, Preempted)}}
 
 
 @dataclass

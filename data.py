@@ -7,7 +7,7 @@ source into an index; this module turns what they give into batches of static sh
 
 SRC is a folder (recursive), a glob, a gs:// prefix or glob, or a manifest (--manifest_path, a TSV/CSV with a
 `filepath` column relative to SRC). gs:// goes through gcsfs (storage.py); set STORAGE_EMULATOR_HOST to use a local
-emulator. A sample is: read the DICOM (dicom.read_volume: any maker, multi-frame or one file per B-scan, Zeiss
+emulator. A sample is: read the DICOM (volumes.read_volume: any maker, multi-frame or one file per B-scan, Zeiss
 Cirrus unscrambled; only one stack of parallel, evenly spaced B-scans is a volume) -> resample to target_spacing (or
 resize to image_size) -> robust percentile clip, stored as uint8 (8-bit sources) or uint16 (what the cache holds)
 -> crop and pad to image_size, axially centred on the retina (random elsewhere and jittered for train, centred
@@ -37,12 +37,12 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from config import Config, ConfigError, ExitError, ScriptParser, load_config, script_main
-from dicom import BENIGN_REASONS, TRANSIENT_REASONS, UnusableFile, Volume, read_volume, source_paths
-from index import (format_reason_table, format_scan_report, index_source, list_sources, read_index,
-                   read_index_with_source, reason_counts, source_identity, update_index, write_index)
-from phantom import ensure_phantom_set
-from storage import exists, write_atomic
+from config import Config, ConfigError, NoUsableData, ScriptParser, load_config, script_main
+from dicom import BENIGN_REASONS, UnusableFile
+from index import (format_reason_table, format_scan_report, index_records, index_source, list_sources,
+                   reason_counts, source_identity, update_index, write_index)
+from storage import write_atomic
+from volumes import Volume, read_volume, source_paths
 
 # ----------------------------------------------------------------------------------------------------------
 # Patch masks
@@ -370,12 +370,6 @@ ORDER_EPOCH = 2 ** 32 - 2  # the permutation of epoch e: sample_rng(seed, ORDER_
 MAX_TRIES = 8  # files tried for one sample before the loader gives up
 
 
-class NoUsableData(ExitError):
-    """Nothing (or too little) to train on; the message holds the per-reason table."""
-    exit_code = 3
-    prefix = "no usable data:\n"
-
-
 class OCTDataset(torch.utils.data.Dataset):
     """Samples of usable index records, keyed (epoch, index).
 
@@ -487,31 +481,6 @@ def leave_stop_signals_to_main(worker_id: int) -> None:
     workers itself (a worker that died first would end the run with "DataLoader worker exited unexpectedly")."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-
-
-def index_records(cfg: Config) -> List[dict]:
-    """The index of cfg's data. With cfg.index_path: the index there is reused when it was built from the same
-    data_root, manifest, sop_classes and listing; else only what is new, changed or failed in passing (read errors)
-    is scanned again, and the index is rewritten. With neither data_root nor manifest_path: the built-in phantom
-    set (or, when index_path exists, that index as it is)."""
-    root = cfg.data_root
-    if root is None and cfg.manifest_path is None:
-        if cfg.index_path is not None and exists(cfg.index_path):
-            return read_index(cfg.index_path)
-        root = ensure_phantom_set(cfg.phantom_dir, cfg.phantom_count, varied=cfg.phantom_varied)
-    identities = list_sources(root, cfg.manifest_path)
-    built_from = index_source(root, cfg.manifest_path, cfg.sop_classes, identities)
-    old_from, records = (None, [])
-    if cfg.index_path is not None and exists(cfg.index_path):
-        old_from, records = read_index_with_source(cfg.index_path)
-    if old_from == built_from and not any(r["reason"] in TRANSIENT_REASONS for r in records):
-        return records
-    same_source = old_from is not None and all(old_from[k] == built_from[k] for k in ("data_root", "manifest_path",
-                                                                                     "sop_classes"))
-    records = update_index(records if same_source else [], identities, cfg.sop_classes, progress=True)
-    if cfg.index_path is not None:
-        write_index(records, cfg.index_path, built_from)
-    return records
 
 
 def val_draw(seed: int, patient: str) -> float:

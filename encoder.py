@@ -2,7 +2,7 @@
 
     python encoder.py export --ckpt runs/learn/checkpoints --out runs/learn/encoder   # safetensors + config.json
     python encoder.py embed --encoder runs/learn/encoder --data_root /data/oct --out oct.npz
-    python encoder.py embed --encoder DIR --data_root gs://bucket/oct --out oct.npz --pool axial --device cuda
+    python encoder.py embed --encoder DIR --data_root gs://bucket/oct --out oct.npz --pool depth_rows --device cuda
     python encoder.py show --encoder runs/learn/encoder --labels data/phantoms_learn_probe/labels.csv --out show.png
 
 Fine-tuning on labelled volumes is finetune.py. An export is a folder: encoder.safetensors (the EMA target encoder,
@@ -13,18 +13,20 @@ as the contract says.
 
 embed writes one row per usable volume to an .npz (numpy only): path (the file, or the folder of a series' files),
 files, patient (the index's hash of PatientID), study, series, laterality, manufacturer, model, spacing [dz,dy,dx]
-mm (nan when unknown), shape [D,H,W] as stored, embedding [M,E] (--pool mean) or [M, gh*E] (--pool axial: the mean
-of each depth row of tokens); and skipped_path, skipped_reason, skipped_detail for every file the reader or the
-preprocessing could not use (the reason codes of `python data.py scan`). Every --save_every volumes the rows done
-are saved in OUT.partial/: the same command started again after a kill computes only the rest, and its file equals
-an uninterrupted run's byte for byte. Static shapes (the last batch is padded): it runs on cpu, cuda and xla.
+mm (nan when unknown), shape [D,H,W] as stored, embedding [M,E] (--pool mean_pool) or [M, gh*E] (--pool depth_rows:
+the mean of each depth row of tokens; model.pool_tokens, as probe.py's read-outs of those names); and skipped_path,
+skipped_reason, skipped_detail for every file the reader or the preprocessing could not use (the reason codes of
+`python data.py scan`). Every --save_every volumes the rows done are saved in OUT.partial/: the same command started
+again after a kill computes only the rest, and its file equals an uninterrupted run's byte for byte. Static shapes
+(the last batch is padded): it runs on cpu, cuda and xla.
 
 show draws, for one labelled volume of each class and for the encoder beside a random init of its architecture: a
 B-scan and the en-face view of the input, the first three principal components of the patch features as RGB on
 both, and where an attentive probe (probe.py) trained on the labelled volumes looks.
 
 The config flags that apply: device, cache_dir, workers and (embed) data_root, manifest_path, index_path; the export
-brings its own model and preprocessing. Exit codes: 0 done, 2 bad arguments or export, 3 no usable volume.
+brings its own model and preprocessing. Exit codes: config.EXIT_CODES (a bad argument or export is a ConfigError,
+no usable volume NoUsableData).
 """
 import io
 import json
@@ -43,12 +45,12 @@ from matplotlib.figure import Figure
 from sklearn.decomposition import PCA
 from tqdm import tqdm
 
-from config import Config, ConfigError, ScriptParser, given_flags, load_config, script_main
-from data import NoUsableData, index_records, load_prepared, to_sample
+from config import Config, ConfigError, NoUsableData, ScriptParser, given_flags, load_config, script_main
+from data import load_prepared, to_sample
 from dicom import UnusableFile
-from index import format_reason_table
-from model import (CONFIG_FILE, POOLS, VJEPA3D, ExportError, PretrainedEncoder, export_config, load_encoder,
-                   random_encoder, save_encoder)
+from index import format_reason_table, index_records
+from model import (CONFIG_FILE, POOL_ALIASES, POOLS, VJEPA3D, ExportError, PretrainedEncoder, export_config,
+                   load_encoder, pool_name, random_encoder, save_encoder)
 from probe import (Task, encode_volumes, fit_attentive, load_labelled_volumes, probe_device, read_model_checkpoint,
                    resolve_checkpoint, task_targets)
 from runtime import fetch_to_host, setup_runtime, to_device
@@ -133,7 +135,8 @@ def read_chunk(path: str, keys: List[str], settings: dict):
             chunk = {k: saved[k] for k in saved.files}
     except (OSError, ValueError, EOFError, zipfile.BadZipFile):
         return None
-    if json.loads(str(chunk["settings"])) != settings:
+    saved = json.loads(str(chunk["settings"]))
+    if {**saved, "pool": POOL_ALIASES.get(saved.get("pool"), saved.get("pool"))} != settings:  # old pool names too
         raise ConfigError(f"out: {os.path.dirname(path)} holds rows embedded with other settings "
                           f"({str(chunk['settings'])}, now {json.dumps(settings)}); rerun with those, or delete that "
                           f"folder to start over.")
@@ -226,11 +229,12 @@ def embedding_table(records: List[dict], embeddings: np.ndarray, reasons: list, 
             "skipped_detail": np.array([s[2] for s in skipped], dtype=str)}
 
 
-def embed(encoder_dir: str, out: str, cli: Config, pool: str = "mean", batch_size: int = 8,
+def embed(encoder_dir: str, out: str, cli: Config, pool: str = "mean_pool", batch_size: int = 8,
           save_every: int = 256) -> Tuple[dict, int]:
     """Embed every usable volume of cli's data_root / manifest_path (with its device, cache_dir, workers,
     index_path) with an export and write `out` (.npz); returns its arrays and how many volumes were computed now.
     Resumes from out.partial/ (see embed_records), removed once `out` is written."""
+    pool = pool_name(pool)
     if not out.endswith(".npz") or out.startswith("gs://"):
         raise ConfigError(f"out: {out} must be a local file ending in .npz (one array per column; np.load reads it); "
                           f"copy it to a bucket afterwards.")
@@ -360,7 +364,8 @@ def main(argv: List[str]) -> int:
     em = commands.add_parser("embed", help="one embedding per volume of a folder, manifest or gs:// prefix")
     em.add_argument("--encoder", required=True, help="an export folder")
     em.add_argument("--out", required=True, help="the .npz to write (OUT.partial/ holds the rows done so far)")
-    em.add_argument("--pool", default="mean", choices=POOLS, help="mean: [E]; axial: each depth row's mean [gh*E]")
+    em.add_argument("--pool", default="mean_pool", choices=POOLS + tuple(POOL_ALIASES),
+                    help="mean_pool: [E]; depth_rows: each depth row's mean [gh*E] (mean, axial: their old names)")
     em.add_argument("--batch_size", type=int, default=8, help="volumes per forward pass (default 8)")
     em.add_argument("--save_every", type=int, default=256, help="save the rows done every N volumes (default 256)")
     sh = commands.add_parser("show", help="PNG: PCA of the patch features and an attentive probe's attention")

@@ -51,12 +51,13 @@ from tqdm import tqdm
 
 from config import Config, ConfigError, ScriptParser, given_flags, load_config, script_main
 from data import resample_and_clip, to_sample
-from dicom import UnusableFile, read_volume
+from dicom import UnusableFile
 from index import format_reason_table
 from model import PretrainedEncoder, load_encoder, random_encoder, save_encoder
 from probe import (TEST_FRACTION, AttentiveProbe, Task, classification_scores, encode_volumes, fit_attentive, interval,
                    paired_difference, probe_device, read_label_rows, split_scores, stratified_split)
 from schedules import cosine_ramp
+from volumes import read_volume
 
 CLI_FIELDS = ("device", "seed")
 MODES = ("frozen", "full")

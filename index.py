@@ -1,12 +1,13 @@
 """The files of a source and its scan index: find the candidate files of a source, scan them into index records
 (one per volume or rejected file, with its reason) and keep an index up to date. `python data.py scan SRC` is this
-module's command. Which files make a volume, and why the others cannot be used, is decided by dicom.units, the rule
+module's command. Which files make a volume, and why the others cannot be used, is decided by volumes.units, the rule
 that read_volume follows too, so a scan and the loader cannot disagree.
 
 Finding files: a folder (recursive), a glob, a gs:// prefix or glob, or a manifest (a TSV/CSV with a `filepath`
 column); hidden files and sidecars are left out. The index (one JSON line per volume or rejected file) records what
 it was built from, and update_index scans again only new and changed files, read errors and the series a new file
-joins.
+joins. index_records(cfg) is the index of a config's data (the built-in phantoms without data_root), reused or
+brought up to date.
 """
 import csv
 import glob
@@ -21,9 +22,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 from tqdm import tqdm
 
-from config import ConfigError
-from dicom import REASONS, TRANSIENT_REASONS, Unit, UnusableFile, folder_files, inspect_file, is_candidate, units
-from storage import gcs_filesystem, read_bytes, write_atomic
+from config import Config, ConfigError
+from dicom import REASONS, TRANSIENT_REASONS, UnusableFile, folder_files, inspect_file, is_candidate
+from phantom import ensure_phantom_set
+from storage import exists, gcs_filesystem, read_bytes, write_atomic
+from volumes import Unit, units
 
 # ----------------------------------------------------------------------------------------------------------
 # Finding files
@@ -96,7 +99,7 @@ def source_identity(path: str) -> str:
 
 def scan_files(files: Sequence[str], sop_classes: str = "oct", progress: bool = False, threads: int = 8,
                identities: Optional[Dict[str, str]] = None) -> List[dict]:
-    """Index records, one per dicom.units verdict (a volume: a multi-frame file or the single-frame files of one
+    """Index records, one per volumes.units verdict (a volume: a multi-frame file or the single-frame files of one
     series; or files rejected together), so every file appears exactly once. A record has paths, sources
     (source_identity of each), ok, reason (None when ok), detail, manufacturer, model, series, shape [D,H,W], spacing
     [dz,dy,dx] or None, spacing_issue, patient, study, laterality. `identities` ({path: source_identity}, e.g. from list_sources) saves
@@ -117,7 +120,7 @@ def scan_files(files: Sequence[str], sop_classes: str = "oct", progress: bool = 
 
 
 def _record(unit: Unit, identities: Dict[str, str]) -> dict:
-    """The index record of a dicom.units verdict."""
+    """The index record of a volumes.units verdict."""
     sources = [identities.get(p, "") for p in unit.paths]
     if unit.error is not None:
         e = unit.error
@@ -182,6 +185,31 @@ def update_index(records: Sequence[dict], identities: Dict[str, str], sop_classe
         fresh = [r for r in fresh if r.get("series") not in joined] + scan_files(sorted(again), sop_classes,
                                                                                   identities=identities)
     return sorted(keep + fresh, key=lambda r: r["paths"][0])
+
+
+def index_records(cfg: Config) -> List[dict]:
+    """The index of cfg's data. With cfg.index_path: the index there is reused when it was built from the same
+    data_root, manifest, sop_classes and listing; else only what is new, changed or failed in passing (read errors)
+    is scanned again, and the index is rewritten. With neither data_root nor manifest_path: the built-in phantom
+    set (or, when index_path exists, that index as it is)."""
+    root = cfg.data_root
+    if root is None and cfg.manifest_path is None:
+        if cfg.index_path is not None and exists(cfg.index_path):
+            return read_index(cfg.index_path)
+        root = ensure_phantom_set(cfg.phantom_dir, cfg.phantom_count, varied=cfg.phantom_varied)
+    identities = list_sources(root, cfg.manifest_path)
+    built_from = index_source(root, cfg.manifest_path, cfg.sop_classes, identities)
+    old_from, records = (None, [])
+    if cfg.index_path is not None and exists(cfg.index_path):
+        old_from, records = read_index_with_source(cfg.index_path)
+    if old_from == built_from and not any(r["reason"] in TRANSIENT_REASONS for r in records):
+        return records
+    same_source = old_from is not None and all(old_from[k] == built_from[k] for k in ("data_root", "manifest_path",
+                                                                                     "sop_classes"))
+    records = update_index(records if same_source else [], identities, cfg.sop_classes, progress=True)
+    if cfg.index_path is not None:
+        write_index(records, cfg.index_path, built_from)
+    return records
 
 
 def format_reason_table(counts: Dict[str, int]) -> str:

@@ -399,7 +399,8 @@ PREPROCESSING_STEPS = (  # what data.load_val_sample does with the fields above;
     "crop or zero-pad to image_size: centred, and axially centred on the retina (intensity-weighted mean row)",
     "normalize: zero mean and unit standard deviation over the cropped volume",
 )
-POOLS = ("mean", "axial")
+POOLS = ("mean_pool", "depth_rows")  # pool_tokens: export's embed, encoder.py embed --pool and probe.py's read-outs
+POOL_ALIASES = {"mean": "mean_pool", "axial": "depth_rows"}  # the names embed --pool took before; still accepted
 
 
 class ExportError(ConfigError):
@@ -449,22 +450,27 @@ def export_settings(config: dict, where: str = CONFIG_FILE) -> Config:
         raise ExportError(f"{where}: {e}") from None
 
 
-def pool_tokens(tokens: torch.Tensor, grid: Sequence[int], pool: str = "mean") -> torch.Tensor:
-    """A volume embedding of tokens [B,N,E] on a (gd,gh,gw) grid. 'mean': the mean token [B,E]. 'axial': the mean of
-    each axial (depth) row of tokens over B-scans and lateral positions, concatenated [B, gh*E]: what lies at which
-    depth survives the pooling."""
-    if pool == "mean":
+def pool_name(pool: str) -> str:
+    """The POOLS name of a pool given by that name or an old one (POOL_ALIASES); ValueError for any other."""
+    name = POOL_ALIASES.get(pool, pool)
+    if name not in POOLS:
+        raise ValueError(f"pool: expected one of {', '.join(POOLS)} (or {', '.join(POOL_ALIASES)}), got {pool!r}")
+    return name
+
+
+def pool_tokens(tokens: torch.Tensor, grid: Sequence[int], pool: str = "mean_pool") -> torch.Tensor:
+    """A volume embedding of tokens [B,N,E] on a (gd,gh,gw) grid (pool: a POOLS name, or an old one). 'mean_pool': the
+    mean token [B,E]. 'depth_rows': the mean of each axial (depth) row of tokens over B-scans and lateral positions,
+    concatenated [B, gh*E]: what lies at which depth survives the pooling."""
+    if pool_name(pool) == "mean_pool":
         return tokens.mean(1)
-    if pool == "axial":
-        B, _, E = tokens.shape
-        return tokens.view(B, *grid, E).mean(dim=(1, 3)).flatten(1)  # [B,gd,gh,gw,E] -> [B,gh,E] -> [B,gh*E]
-    raise ValueError(f"pool: expected one of {', '.join(POOLS)}, got {pool!r}")
+    return tokens.unflatten(1, tuple(grid)).mean(dim=(1, 3)).flatten(1)  # [B,gd,gh,gw,E] -> [B,gh,E] -> [B,gh*E]
 
 
 class PretrainedEncoder(Encoder):
     """An exported encoder: model.Encoder with its export's settings. forward: volume [B,1,D,H,W], preprocessed as
     `settings` says (data.load_val_sample(path, encoder.settings)), -> tokens [B,N,E]; embed: -> [B,E]
-    (pool 'mean') or [B, gh*E] ('axial'). Its state_dict keys are those of encoder.safetensors."""
+    (pool 'mean_pool') or [B, gh*E] ('depth_rows'). Its state_dict keys are those of encoder.safetensors."""
 
     def __init__(self, config: dict, where: str = CONFIG_FILE):
         s = export_settings(config, where)
@@ -479,13 +485,13 @@ class PretrainedEncoder(Encoder):
         check_volume(volume, self.image_size)
         return super().forward(volume, keep_idx)
 
-    def embed(self, volume: torch.Tensor, pool: str = "mean") -> torch.Tensor:
+    def embed(self, volume: torch.Tensor, pool: str = "mean_pool") -> torch.Tensor:
         """The pooled embedding of a volume [B,1,D,H,W] (pool_tokens)."""
         return pool_tokens(self(volume), self.grid, pool)
 
-    def embedding_size(self, pool: str = "mean") -> int:
-        """The width of embed(volume, pool): E for 'mean', gh*E for 'axial'."""
-        return self.embed_dim * (self.grid[1] if pool == "axial" else 1)
+    def embedding_size(self, pool: str = "mean_pool") -> int:
+        """The width of embed(volume, pool): E for 'mean_pool', gh*E for 'depth_rows'."""
+        return self.embed_dim * (self.grid[1] if pool_name(pool) == "depth_rows" else 1)
 
     @torch.no_grad()
     def encode(self, volume: torch.Tensor) -> torch.Tensor:

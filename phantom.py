@@ -233,15 +233,18 @@ def spacing_for(style: Style, shape: Sequence[int]) -> Tuple[float, float, float
     return tuple(round(f / n, 6) for f, n in zip(style.fov_mm, shape))
 
 
-def _item(**tags) -> Dataset:
+def item_of(**tags) -> Dataset:
+    """A DICOM dataset of these tags, as an item of a sequence (DicomSequence([item_of(...)]))."""
     ds = Dataset()
     for key, value in tags.items():
         setattr(ds, key, value)
     return ds
 
 
-def _base_dataset(sop_class: str, sop_uid: str, transfer_syntax: UID, patient_id: str, maker: str,
-                  model: str, series_uid: str) -> Dataset:
+def base_dataset(sop_class: str, sop_uid: str, transfer_syntax: UID, patient_id: str, maker: str,
+                 model: str, series_uid: str) -> Dataset:
+    """A DICOM dataset without pixels holding what every phantom file has: file meta, SOP class and instance,
+    patient, study, series and device (set_pixels and save_dicom make it a file; tests/corpora.py builds on it)."""
     ds = Dataset()
     ds.file_meta = FileMetaDataset()
     ds.file_meta.MediaStorageSOPClassUID = sop_class
@@ -255,8 +258,8 @@ def _base_dataset(sop_class: str, sop_uid: str, transfer_syntax: UID, patient_id
     return ds
 
 
-def _set_pixels(ds: Dataset, frames: np.ndarray, transfer_syntax: UID, photometric: str = "MONOCHROME2",
-                obfuscate: bool = False, czm: bool = False) -> None:
+def set_pixels(ds: Dataset, frames: np.ndarray, transfer_syntax: UID, photometric: str = "MONOCHROME2",
+               obfuscate: bool = False, czm: bool = False) -> None:
     """Store frames [F,H,W] (uint8/uint16) as PixelData in `transfer_syntax` (scrambled JP2 files when `czm`)."""
     F, H, W = frames.shape
     bits = frames.dtype.itemsize * 8
@@ -282,7 +285,7 @@ def _set_pixels(ds: Dataset, frames: np.ndarray, transfer_syntax: UID, photometr
     elif transfer_syntax == ExplicitVRBigEndian:
         ds.PixelData = frames.astype(frames.dtype.newbyteorder(">")).tobytes()
     if czm:
-        ds.PixelData = encapsulate([czm_scramble(_jp2_file(frame)) for frame in frames])
+        ds.PixelData = encapsulate([czm_scramble(jp2_file(frame)) for frame in frames])
         ds.file_meta.TransferSyntaxUID = JPEG2000Lossless
     if obfuscate:
         # An unknown obfuscation: the frames are real JPEG 2000 codestreams with scrambled main headers.
@@ -297,7 +300,7 @@ def _set_pixels(ds: Dataset, frames: np.ndarray, transfer_syntax: UID, photometr
 CZM_MIN_BYTES = 1694  # the scheme moves fixed blocks up to byte 1016 and needs the JP2 header at >= 3/5 of the frame
 
 
-def _jp2_file(frame: np.ndarray) -> bytes:
+def jp2_file(frame: np.ndarray) -> bytes:
     """A lossless JP2 file (boxes around a JPEG 2000 codestream) of one frame [H,W], at least CZM_MIN_BYTES long:
     a small frame gets a `free` box before its codestream box, which decoders skip."""
     import openjpeg
@@ -338,7 +341,9 @@ def _czm_pixel_spacing(dy: float, dx: float) -> RawDataElement:
     return RawDataElement(Tag("PixelSpacing"), "DS", len(value), value, 0, False, True)
 
 
-def _save(ds: Dataset, path: str) -> None:
+def save_dicom(ds: Dataset, path: str) -> None:
+    """Write a dataset as a DICOM file (its folders made), in the byte order and VR encoding its transfer syntax
+    says."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     big_endian = ds.file_meta.TransferSyntaxUID == ExplicitVRBigEndian
     with warnings.catch_warnings():  # pydicom's note on a garbled value written on purpose (Cirrus PixelSpacing)
@@ -349,7 +354,7 @@ def _save(ds: Dataset, path: str) -> None:
 
 def _pixel_measures(spacing, czm: bool = False) -> Dataset:
     dz, dy, dx = spacing
-    item = _item(PixelSpacing=[dy, dx], SliceThickness=dz, SpacingBetweenSlices=dz)
+    item = item_of(PixelSpacing=[dy, dx], SliceThickness=dz, SpacingBetweenSlices=dz)
     if czm:
         item[Tag("PixelSpacing")] = _czm_pixel_spacing(dy, dx)
     return item
@@ -382,8 +387,8 @@ def write_oct(path: str, voxels: np.ndarray, spacing: Optional[Sequence[float]],
         order = np.random.default_rng(zlib.crc32(uid_seed.encode())).permutation(D)  # file names say nothing
         paths = []
         for k in range(D):
-            ds = _base_dataset(sop_class, uid_for("sop", uid_seed, k), syntax, patient_id, style.manufacturer,
-                               style.model, series_uid)
+            ds = base_dataset(sop_class, uid_for("sop", uid_seed, k), syntax, patient_id, style.manufacturer,
+                              style.model, series_uid)
             common(ds)
             ds.InstanceNumber = k + 1
             if spacing is not None:
@@ -391,17 +396,17 @@ def write_oct(path: str, voxels: np.ndarray, spacing: Optional[Sequence[float]],
                 ds.PixelSpacing, ds.SliceThickness = [dy, dx], dz
                 ds.ImagePositionPatient = [0.0, round(k * dz, 6), 0.0]
                 ds.ImageOrientationPatient = ORIENTATION
-            _set_pixels(ds, stored[k:k + 1], syntax, photometric, obfuscate)
+            set_pixels(ds, stored[k:k + 1], syntax, photometric, obfuscate)
             paths.append(os.path.join(path, f"bscan_{order[k]:03d}.dcm"))
-            _save(ds, paths[-1])
+            save_dicom(ds, paths[-1])
         return paths
 
-    ds = _base_dataset(sop_class, uid_for("sop", uid_seed), syntax, patient_id, style.manufacturer, style.model,
-                       series_uid)
+    ds = base_dataset(sop_class, uid_for("sop", uid_seed), syntax, patient_id, style.manufacturer, style.model,
+                      series_uid)
     common(ds)
     ds.InstanceNumber = 1
     stack = list(range(D))[::-1] if style.reverse_frames else list(range(D))  # stack position of each frame
-    shared = _item(PlaneOrientationSequence=DicomSequence([_item(ImageOrientationPatient=ORIENTATION)]))
+    shared = item_of(PlaneOrientationSequence=DicomSequence([item_of(ImageOrientationPatient=ORIENTATION)]))
     if spacing is not None and style.spacing_tags == "shared":
         shared.PixelMeasuresSequence = DicomSequence([_pixel_measures(spacing)])
     if spacing is not None and style.spacing_tags == "top_level":
@@ -409,18 +414,18 @@ def write_oct(path: str, voxels: np.ndarray, spacing: Optional[Sequence[float]],
     ds.SharedFunctionalGroupsSequence = DicomSequence([shared])
     per_frame = []
     for k in stack:
-        item = _item(FrameContentSequence=DicomSequence([_item(InStackPositionNumber=k + 1, StackID="1",
-                                                               DimensionIndexValues=[1, k + 1])]))
+        item = item_of(FrameContentSequence=DicomSequence([item_of(InStackPositionNumber=k + 1, StackID="1",
+                                                                   DimensionIndexValues=[1, k + 1])]))
         if spacing is not None:
             position = [0.0, round(k * spacing[0], 6), 0.0]
-            item.PlanePositionSequence = DicomSequence([_item(ImagePositionPatient=position)])
+            item.PlanePositionSequence = DicomSequence([item_of(ImagePositionPatient=position)])
             if style.spacing_tags == "per_frame":
                 item.PixelMeasuresSequence = DicomSequence([_pixel_measures(spacing, style.czm)])
         per_frame.append(item)
     ds.PerFrameFunctionalGroupsSequence = DicomSequence(per_frame)
-    ds.DimensionOrganizationSequence = DicomSequence([_item(DimensionOrganizationUID=uid_for("dim", uid_seed))])
-    _set_pixels(ds, stored[stack], syntax, photometric, obfuscate, czm=style.czm and transfer_syntax is None)
-    _save(ds, path)
+    ds.DimensionOrganizationSequence = DicomSequence([item_of(DimensionOrganizationUID=uid_for("dim", uid_seed))])
+    set_pixels(ds, stored[stack], syntax, photometric, obfuscate, czm=style.czm and transfer_syntax is None)
+    save_dicom(ds, path)
     return [path]
 
 

@@ -66,7 +66,7 @@ from sklearn.preprocessing import StandardScaler
 from config import Config, ConfigError, ScriptParser, given_flags, load_config, script_main
 from data import load_val_sample
 from dicom import UnusableFile
-from model import VJEPA3D
+from model import POOLS, VJEPA3D, pool_tokens
 from phantom import ensure_phantom_set
 from runtime import device_kind
 from checkpoint import list_checkpoints, read_checkpoint
@@ -80,8 +80,8 @@ PROBE_SET_VOLUMES = 240  # at most this many volumes are kept in memory for prob
 CKPT_FIELDS = ("phantom_dir", "cache_dir", "device")  # the config flags that apply to a checkpoint
 LINEAR_CS = (0.003, 0.03, 0.3, 3.0)  # logistic regression: inverse L2 strengths tried by cross-validation
 RIDGE_ALPHAS = tuple(np.logspace(-1, 4, 11))  # ridge regression: L2 strengths tried (leave-one-out)
-READOUTS = ("mean_pool", "depth_rows", "attentive")
-LINEAR_READOUTS = ("mean_pool", "depth_rows")  # the cheap ones: the end-of-run verdict and the in-training probe
+READOUTS = (*POOLS, "attentive")  # POOLS: model.pool_tokens of the tokens, then a linear model
+LINEAR_READOUTS = POOLS  # the cheap ones: the end-of-run verdict and the in-training probe
 HANDMADE = ("depth_profile", "histogram", "pooled_voxels", "profile_histogram")
 HISTOGRAM_BINS = 32  # over [-3, 3] standard deviations of the normalized volume
 POOLED_GRID = (4, 8, 8)  # raw voxels average-pooled to this [D, H, W] grid
@@ -196,16 +196,6 @@ def scores_of(task: Task, outputs: np.ndarray, targets: np.ndarray) -> dict:
 # ----------------------------------------------------------------------------------------------------------
 # Read-outs of frozen tokens
 # ----------------------------------------------------------------------------------------------------------
-
-def pool_tokens(tokens: torch.Tensor, grid: Sequence[int], readout: str) -> np.ndarray:
-    """Features [M, F] of tokens [M, N, E] laid out on the (gd, gh, gw) token grid: mean_pool (F = E) or depth_rows
-    (the mean per depth row gh, over B-scans and lateral positions: F = gh * E)."""
-    if readout == "mean_pool":
-        return tokens.mean(1).numpy()
-    if readout == "depth_rows":
-        return tokens.unflatten(1, tuple(grid)).mean((1, 3)).flatten(1).numpy()  # [M, gd, gh, gw, E] -> [M, gh*E]
-    raise ValueError(f"readout: {readout!r} is not one of {LINEAR_READOUTS}")
-
 
 def fit_linear(x: np.ndarray, y: np.ndarray, regression: bool = False):
     """A scikit-learn pipeline on standardized features x [M, F]: ridge regression (regression) or a multinomial
@@ -338,7 +328,8 @@ def split_scores(tokens: torch.Tensor, targets: np.ndarray, train_idx: np.ndarra
                 y = training_targets(task, targets, train_idx).numpy()
                 scores[readout] = scores_of(task, task_outputs(task, probe(tokens[test_idx])), y[test_idx])
         else:
-            scores[readout] = linear_probe(pool_tokens(tokens, grid, readout), targets, train_idx, test_idx, task)
+            features = pool_tokens(tokens, grid, readout).numpy()  # [M, F]
+            scores[readout] = linear_probe(features, targets, train_idx, test_idx, task)
     return scores
 
 
@@ -609,8 +600,8 @@ def probe_auroc(model: VJEPA3D, probe_set: ProbeSet, device) -> Dict[str, float]
     set's fixed split: {"probe_auroc" (mean_pool), "probe_bal_acc" (mean_pool), "probe_rows_auroc" (depth_rows)}."""
     tokens = frozen_tokens(model, probe_set.volumes, device)
     split = (probe_set.labels, probe_set.train_idx, probe_set.test_idx)
-    mean = linear_probe(pool_tokens(tokens, model.grid, "mean_pool"), *split)
-    rows = linear_probe(pool_tokens(tokens, model.grid, "depth_rows"), *split)
+    mean = linear_probe(pool_tokens(tokens, model.grid, "mean_pool").numpy(), *split)
+    rows = linear_probe(pool_tokens(tokens, model.grid, "depth_rows").numpy(), *split)
     return {"probe_auroc": mean["auroc"], "probe_bal_acc": mean["balanced_accuracy"], "probe_rows_auroc": rows["auroc"]}
 
 

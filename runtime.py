@@ -6,6 +6,7 @@ train.py runs the loop on these; probe.py and bench.py use them without importin
 the model or the loss (sharding asks the model for its shard_units()).
 """
 import atexit
+import functools
 import gc
 import math
 import os
@@ -13,6 +14,7 @@ import signal
 import threading
 import warnings
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import List, Optional, Tuple
 
 import numpy as np
@@ -105,11 +107,27 @@ def leave_process_group(mesh) -> None:
             mesh._pg_registry.clear()
 
 
+@functools.cache
+def xla_modules() -> SimpleNamespace:
+    """torch_xla and the parts of it used here, imported on first use, the one place that imports it: torch_xla, xm
+    (core.xla_model), xs (distributed.spmd), xr (runtime), metrics (debug.metrics), checkpoint (utils.checkpoint's).
+    ImportError without torch_xla: a CPU or CUDA machine imports this module without it."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.debug.metrics as metrics
+    import torch_xla.distributed.spmd as xs
+    import torch_xla.distributed.xla_backend  # noqa: F401  (registers the xla:// rendezvous)
+    import torch_xla.runtime as xr
+    import torch_xla.utils.checkpoint
+    return SimpleNamespace(torch_xla=torch_xla, xm=xm, xs=xs, xr=xr, metrics=metrics,
+                           checkpoint=torch_xla.utils.checkpoint.checkpoint)
+
+
 def _xla_configured() -> bool:
     if not os.environ.get("PJRT_DEVICE"):
         return False
     try:
-        import torch_xla  # noqa: F401
+        xla_modules()
     except ImportError:
         return False
     return True
@@ -126,10 +144,7 @@ def _setup_xla(cfg: Config) -> Runtime:
     process, so hosts simulated on one machine (tests/test_xla.py: one process per host, each with its own CPU
     device) are named as torchrun names processes: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT."""
     try:
-        import torch_xla
-        import torch_xla.distributed.spmd as xs
-        import torch_xla.distributed.xla_backend  # noqa: F401  (registers the xla:// rendezvous)
-        import torch_xla.runtime as xr
+        xs, xr, torch_xla = xla_modules().xs, xla_modules().xr, xla_modules().torch_xla
     except ImportError as e:
         raise ConfigError(f"device: xla needs torch_xla ({e}); install requirements-xla.txt or use --device cpu.")
     xr.use_spmd()  # before any XLA tensor exists
@@ -265,29 +280,26 @@ def to_device(batch: dict, rt: Runtime) -> dict:
     sharded over every device of the mesh on the batch dimension (SPMD data parallel)."""
     if rt.kind != "xla":
         return {k: (v.to(rt.device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
-    import torch_xla.core.xla_model as xm
-    import torch_xla.distributed.spmd as xs
     out = dict(batch)
     for key, value in batch.items():
         if isinstance(value, torch.Tensor):
-            spec = xs.ShardingSpec(rt.mesh, batch_spec(value), minibatch=True)
-            (out[key],) = xm.send_cpu_data_to_device([value], rt.device, spec)
+            spec = xla_modules().xs.ShardingSpec(rt.mesh, batch_spec(value), minibatch=True)
+            (out[key],) = xla_modules().xm.send_cpu_data_to_device([value], rt.device, spec)
     return out
 
 
 def fetch_to_host(obj, rt: Runtime):
     """A nested list/dict of device tensors as new CPU tensors (XLA: one batched transfer for all of them)."""
     if rt.kind == "xla":
-        import torch_xla.core.xla_model as xm
-        return xm._maybe_convert_to_cpu(obj)
+        return xla_modules().xm._maybe_convert_to_cpu(obj)
     return to_cpu(obj)
 
 
 def xla_counters() -> dict:
     """Cumulative XLA graph compiles and device-to-host transfers (a growing compile count after warm-up means
     something in the step changes shape or is baked in as a constant)."""
-    import torch_xla.debug.metrics as met
-    compiles, transfers = met.metric_data("CompileTime"), met.metric_data("TransferFromDeviceTime")
+    compiles = xla_modules().metrics.metric_data("CompileTime")
+    transfers = xla_modules().metrics.metric_data("TransferFromDeviceTime")
     return {"xla_compiles": compiles[0] if compiles else 0, "xla_transfers": transfers[0] if transfers else 0}
 
 
@@ -321,8 +333,7 @@ class PendingDeviceStats:
 def mark_step(rt: Runtime) -> None:
     """XLA: cut the traced graph here and launch it (a no-op elsewhere)."""
     if rt.kind == "xla":
-        import torch_xla
-        torch_xla.sync()
+        xla_modules().torch_xla.sync()
 
 
 def to_cpu(obj):
@@ -484,9 +495,8 @@ def batch_spec(t: torch.Tensor) -> tuple:
 def xla_sharded(value: torch.Tensor, rt: Runtime) -> torch.Tensor:
     """A CPU tensor as an XLA array split as fsdp_spec says (whole on the devices only until it is split, one
     tensor at a time; xm.send_cpu_data_to_device with a ShardingSpec fails on 1-d tensors in torch_xla 2.9)."""
-    import torch_xla.distributed.spmd as xs
     out = value.to(rt.device)
-    xs.mark_sharding(out, rt.mesh, fsdp_spec(out))
+    xla_modules().xs.mark_sharding(out, rt.mesh, fsdp_spec(out))
     return out
 
 
@@ -494,7 +504,6 @@ def place_xla_shards(model: torch.nn.Module, rt: Runtime) -> torch.nn.Module:
     """The model on the XLA devices with every parameter sharded (xla_sharded) and each unit of model.shard_units()
     handing on activations split over the batch, as FSDP does (without it the compiler may choose to split them
     over the width instead)."""
-    import torch_xla.distributed.spmd as xs
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
             setattr(module, name, torch.nn.Parameter(xla_sharded(param.detach(), rt), param.requires_grad))
@@ -502,7 +511,7 @@ def place_xla_shards(model: torch.nn.Module, rt: Runtime) -> torch.nn.Module:
             setattr(module, name, buffer.to(rt.device))
 
     def split_over_batch(unit, args, out) -> None:
-        xs.mark_sharding(out, rt.mesh, batch_spec(out))
+        xla_modules().xs.mark_sharding(out, rt.mesh, batch_spec(out))
 
     for unit in model.shard_units():
         unit.register_forward_hook(split_over_batch)
@@ -512,9 +521,8 @@ def place_xla_shards(model: torch.nn.Module, rt: Runtime) -> torch.nn.Module:
 def use_xla_checkpoint(model: torch.nn.Module) -> None:
     """With grad checkpointing, recompute the blocks with torch_xla's checkpoint: torch's non-reentrant one fails on
     XLA (it looks for a torch.xla device module), and torch_xla's keeps the recomputation in the compiled graph."""
-    import torch_xla.utils.checkpoint
     if model.grad_checkpointing:
-        model.set_grad_checkpointing(True, torch_xla.utils.checkpoint.checkpoint)
+        model.set_grad_checkpointing(True, xla_modules().checkpoint)
 
 
 def adamw_state(p: torch.Tensor, rt: Runtime) -> dict:
@@ -524,18 +532,15 @@ def adamw_state(p: torch.Tensor, rt: Runtime) -> dict:
     state = {"step": torch.zeros((), dtype=torch.float32, device=p.device), "exp_avg": torch.zeros_like(p),
              "exp_avg_sq": torch.zeros_like(p)}
     if rt.sharded and rt.kind == "xla":
-        import torch_xla.distributed.spmd as xs
         for moment in (state["exp_avg"], state["exp_avg_sq"]):
-            xs.mark_sharding(moment, rt.mesh, fsdp_spec(moment))
+            xla_modules().xs.mark_sharding(moment, rt.mesh, fsdp_spec(moment))
     return state
 
 
 def xla_shard_bytes(t: torch.Tensor) -> List[int]:
     """Bytes of a sharded XLA array on each local device (from its shards' index ranges: nothing is transferred)."""
-    import torch_xla
-    import torch_xla.core.xla_model as xm
-    xm.wait_device_ops()  # its data must not be in flight
-    pieces = torch_xla._XLAC._get_local_shard_replica_and_indices([t])[0]  # [(replica, [slice per dim])]
+    xla_modules().xm.wait_device_ops()  # its data must not be in flight
+    pieces = xla_modules().torch_xla._XLAC._get_local_shard_replica_and_indices([t])[0]  # [(replica, [slice per dim])]
     return [math.prod(s.stop - s.start for s in index) * t.element_size() for _, index in pieces]
 
 
@@ -543,13 +548,13 @@ def xla_whole(t: torch.Tensor) -> torch.Tensor:
     """A (sharded) XLA array as a whole CPU tensor, assembled on the host from its local devices' shards (a transfer
     of the whole array would compile a gathering graph for every array, at every checkpoint). RuntimeError when
     this host's devices do not hold all of it."""
-    import torch_xla
-    if torch_xla._XLAC._get_xla_sharding_type(t) in (None, 0):  # not sharded, or replicated
+    xlac = xla_modules().torch_xla._XLAC
+    if xlac._get_xla_sharding_type(t) in (None, 0):  # not sharded, or replicated
         return to_cpu(t)
     whole = torch.empty(t.shape, dtype=t.dtype)
-    shards = torch_xla._XLAC._get_local_shards([t])[0]  # [(CPU tensor, device)], padded at uneven ends
+    shards = xlac._get_local_shards([t])[0]  # [(CPU tensor, device)], padded at uneven ends
     filled = set()
-    for (data, _), (_, index) in zip(shards, torch_xla._XLAC._get_local_shard_replica_and_indices([t])[0]):
+    for (data, _), (_, index) in zip(shards, xlac._get_local_shard_replica_and_indices([t])[0]):
         whole[tuple(index)] = data[tuple(slice(0, s.stop - s.start) for s in index)]
         filled.add(tuple((s.start, s.stop) for s in index))
     if sum(math.prod(stop - start for start, stop in index) for index in filled) != t.numel():

@@ -9,7 +9,8 @@ real data or hardware.
 The LR and EMA schedules are checked for the full configured run. Everything else runs the config's masking,
 loss, optimizer and clipping on a scaled-down model (tiny width, a volume of 2 x 4 x 4 patches, CPU, fp32); the
 data are the built-in phantoms unless --data_root (or --manifest_path) is given, then a sample of those files.
-Exit codes: 0 all checks passed (sweep: an LR was recommended), 1 a check failed, 2 bad config.
+Exit codes (config.EXIT_CODES): EXIT_OK when all checks passed (sweep: an LR was recommended), EXIT_FAILED when a
+check failed, ConfigError's for a bad config.
 """
 import math
 import os
@@ -28,13 +29,13 @@ import checkpoint
 import runtime
 import schedules
 import train
-from config import Config, ConfigError, ScriptParser, load_config, plan_run, script_main
-from data import NoUsableData, OCTDataset, build_datasets, collate, mask_generator_from_config
+from config import (EXIT_FAILED, EXIT_OK, Config, ConfigError, NoUsableData, ScriptParser, load_config, plan_run,
+                    script_main)
+from data import OCTDataset, build_datasets, collate, mask_generator_from_config
 from dicom import BENIGN_REASONS
 from index import find_files, format_reason_table, reason_counts, scan_files
 from model import JEPAOutput, VJEPA3D
 
-EXIT_OK, EXIT_FAILED = 0, 1
 DEFAULT_SWEEP = [1e-5, 3e-5, 1e-4, 3e-4, 1e-3]
 SCALED_GRID = [2, 4, 4]  # tokens per axis of the scaled-down volume: milliseconds per update on one core
 FIT_LR = 1e-2  # the scaled model fits its batch to -90% in ~100-150 updates at this LR

@@ -7,9 +7,7 @@ update; devices and processes are in runtime.py, checkpoint files in checkpoint.
     torchrun --standalone --nproc_per_node=8 train.py --config ...   # DDP on one machine
 
 Outputs go to out_dir/run_name/: config.yaml, metrics.jsonl, events.jsonl, checkpoints/, plots.
-Exit codes: 0 done, 2 bad config, 3 no usable data, 4 diverged beyond recovery, 74 checkpoint storage failed
-(unwritable or unreadable after ckpt_retry_minutes of retries), 75 preempted (SIGTERM or Ctrl-C: stopped at an update
-boundary after a checkpoint of it; the same command with --resume auto continues exactly where it stopped).
+Exit codes: config.EXIT_CODES, the one table (0 done; ConfigError, NoUsableData, Diverged, StorageFailed, Preempted).
 "incident N" in the comments: the failures of the previous system listed in docs/incidents.md.
 """
 import contextlib
@@ -26,9 +24,9 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from config import (Config, ExitError, Preempted, RunPlan, ScriptParser, StorageFailed, load_config, plan_run,
-                    save_config, script_main)
-from data import (NoUsableData, build_datasets, describe_masks, format_reason_table, make_loader, make_val_loader,
+from config import (EXIT_OK, Config, Diverged, NoUsableData, Preempted, RunPlan, ScriptParser, StorageFailed,
+                    load_config, plan_run, save_config, script_main)
+from data import (build_datasets, describe_masks, format_reason_table, make_loader, make_val_loader,
                   mask_generator_from_config, mask_stats)
 from model import VJEPA3D
 from probe import compare_with_random, prepare_probe_set, probe_auroc, rankme
@@ -40,15 +38,6 @@ from runtime import (PendingDeviceStats, Runtime, StopSignals, adamw_state, any_
                      gather_objects, global_value, mark_step, master_decides, place_model, probes_in_this_process,
                      reduce_mean, setup_runtime, state_bytes_per_device, to_device, wrap_ddp, xla_counters)
 from schedules import Hyperparameters, describe_extension, hyperparameters_at
-
-EXIT_OK = 0  # the others: ConfigError 2, NoUsableData 3, Diverged 4, StorageFailed 74, Preempted 75
-
-
-class Diverged(ExitError):
-    """Training cannot recover from non-finite updates; the message is the diagnosis."""
-    exit_code = 4
-    prefix = "training diverged beyond recovery:\n"
-
 
 # ----------------------------------------------------------------------------------------------------------
 # The optimizer update

@@ -1,17 +1,14 @@
 """Shared fixtures: phantom DICOM sets written once per session (per worker process under pytest.ini's -n), a real
 training checkpoint and its exported encoder, and a real local GCS emulator; the order tests start in."""
 import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Optional
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `pytest` run from anywhere imports the repo's flat modules
+from helpers import GCSEmulator  # noqa: E402
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # A worker per core (pytest.ini's -n): torch's threads in each worker, and in the runs its tests start, would
@@ -62,50 +59,6 @@ def export_dir(tmp_path_factory, trained_checkpoint) -> str:
     out = str(tmp_path_factory.mktemp("export") / "encoder")
     assert encoder.main(["export", "--ckpt", os.path.dirname(trained_checkpoint), "--out", out]) == 0
     return out
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class GCSEmulator:
-    """A gcp-storage-emulator process on 127.0.0.1; STORAGE_EMULATOR_HOST points gcsfs (storage.py) at it."""
-    bucket = "octjepa-test"
-
-    def __init__(self, tmp_dir: Path, port: Optional[int] = None):
-        self.port = port or _free_port()  # a port again: the same emulator back after an outage (its objects gone)
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = open(tmp_dir / "emulator.log", "a")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1", "--port", str(self.port),
-             "--in-memory", "--default-bucket", self.bucket, "--quiet"], stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                break
-            except OSError:
-                if self.process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"gcp-storage-emulator did not start; see {self.log.name}")
-                time.sleep(0.1)
-
-    def upload(self, local_dir: str, prefix: str) -> str:
-        """Copy a local folder (recursively) to gs://bucket/prefix; returns that URL."""
-        from storage import gcs_filesystem
-        url = f"gs://{self.bucket}/{prefix}"
-        fs = gcs_filesystem()
-        for root, _, files in os.walk(local_dir):
-            for name in files:
-                path = os.path.join(root, name)
-                fs.put_file(path, f"{url}/{os.path.relpath(path, local_dir)}")
-        return url
-
-    def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(timeout=30)
-        self.log.close()
 
 
 @pytest.fixture(scope="session")

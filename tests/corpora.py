@@ -18,7 +18,7 @@ from pydicom.encaps import encapsulate, generate_frames
 from pydicom.sequence import Sequence as DicomSequence
 from pydicom.uid import ExplicitVRLittleEndian, JPEG2000Lossless, JPEGBaseline8Bit
 
-from phantom import (DEFAULT_SIZE, STYLES, Style, _base_dataset, _item, _save, _set_pixels, quantize, spacing_for,
+from phantom import (DEFAULT_SIZE, STYLES, Style, base_dataset, item_of, save_dicom, set_pixels, quantize, spacing_for,
                      synth_reflectivity, uid_for, write_oct)
 
 SOP_CLASSES = {
@@ -37,34 +37,34 @@ def write_decoys(directory: str, shape: Sequence[int] = DEFAULT_SIZE) -> Dict[st
     spacing = spacing_for(style, shape)
     expected = {}
 
-    photo = _base_dataset(SOP_CLASSES["en_face"], uid_for("decoy", "en_face"), ExplicitVRLittleEndian,
-                          "DECOY-1", style.manufacturer, style.model, uid_for("decoy-series", "en_face"))
-    _set_pixels(photo, volume.mean(axis=1, keepdims=True).astype(np.uint8).transpose(1, 0, 2),
-                ExplicitVRLittleEndian)  # en-face projection [1, D, W]
+    photo = base_dataset(SOP_CLASSES["en_face"], uid_for("decoy", "en_face"), ExplicitVRLittleEndian,
+                         "DECOY-1", style.manufacturer, style.model, uid_for("decoy-series", "en_face"))
+    set_pixels(photo, volume.mean(axis=1, keepdims=True).astype(np.uint8).transpose(1, 0, 2),
+               ExplicitVRLittleEndian)  # en-face projection [1, D, W]
     del photo.NumberOfFrames
-    _save(photo, os.path.join(directory, "en_face.dcm"))
+    save_dicom(photo, os.path.join(directory, "en_face.dcm"))
     expected["en_face.dcm"] = {"oct": "not_oct", "any": "too_small"}
 
-    fundus = _base_dataset("1.2.840.10008.5.1.4.1.1.77.1.5.1", uid_for("decoy", "fundus"), ExplicitVRLittleEndian,
-                           "DECOY-1", "Topcon", "Maestro2", uid_for("decoy-series", "fundus"))
+    fundus = base_dataset("1.2.840.10008.5.1.4.1.1.77.1.5.1", uid_for("decoy", "fundus"), ExplicitVRLittleEndian,
+                          "DECOY-1", "Topcon", "Maestro2", uid_for("decoy-series", "fundus"))
     rgb = np.repeat(volume[:1, :, :, None], 3, axis=-1)[0]  # [H,W,3]
     fundus.Rows, fundus.Columns, fundus.SamplesPerPixel = rgb.shape[0], rgb.shape[1], 3
     fundus.PhotometricInterpretation, fundus.PlanarConfiguration = "RGB", 0
     fundus.BitsAllocated, fundus.BitsStored, fundus.HighBit, fundus.PixelRepresentation = 8, 8, 7, 0
     fundus.PixelData = rgb.tobytes()
-    _save(fundus, os.path.join(directory, "fundus_rgb.dcm"))
+    save_dicom(fundus, os.path.join(directory, "fundus_rgb.dcm"))
     expected["fundus_rgb.dcm"] = {"oct": "not_oct", "any": "not_grayscale"}
 
-    analysis = _base_dataset(SOP_CLASSES["bscan_analysis"], uid_for("decoy", "analysis"), ExplicitVRLittleEndian,
-                             "DECOY-1", style.manufacturer, style.model, uid_for("decoy-series", "analysis"))
+    analysis = base_dataset(SOP_CLASSES["bscan_analysis"], uid_for("decoy", "analysis"), ExplicitVRLittleEndian,
+                            "DECOY-1", style.manufacturer, style.model, uid_for("decoy-series", "analysis"))
     analysis.Modality = "OPT"
-    _save(analysis, os.path.join(directory, "bscan_analysis.dcm"))
+    save_dicom(analysis, os.path.join(directory, "bscan_analysis.dcm"))
     expected["bscan_analysis.dcm"] = {"oct": "not_oct", "any": "not_image"}
 
-    report = _base_dataset(SOP_CLASSES["basic_text_sr"], uid_for("decoy", "report"), ExplicitVRLittleEndian,
-                           "DECOY-1", style.manufacturer, style.model, uid_for("decoy-series", "report"))
+    report = base_dataset(SOP_CLASSES["basic_text_sr"], uid_for("decoy", "report"), ExplicitVRLittleEndian,
+                          "DECOY-1", style.manufacturer, style.model, uid_for("decoy-series", "report"))
     report.Modality, report.ValueType = "SR", "CONTAINER"
-    _save(report, os.path.join(directory, "report_sr.dcm"))
+    save_dicom(report, os.path.join(directory, "report_sr.dcm"))
     expected["report_sr.dcm"] = {"oct": "not_oct", "any": "not_image"}
 
     # OCT exported as multi-frame secondary capture: only `sop_classes: any` accepts it.
@@ -78,11 +78,11 @@ def write_photo(path: str, image: np.ndarray, series_uid: str, patient_id: str =
                 uid_seed: str = "photo") -> None:
     """An 8-bit Ophthalmic Photography image [H,W] (an SLO or fundus picture) in the series `series_uid`."""
     style = STYLES["heidelberg"]
-    ds = _base_dataset(SOP_CLASSES["en_face"], uid_for("photo", uid_seed), ExplicitVRLittleEndian, patient_id,
-                       style.manufacturer, style.model, series_uid)
-    _set_pixels(ds, image[None].astype(np.uint8), ExplicitVRLittleEndian)
+    ds = base_dataset(SOP_CLASSES["en_face"], uid_for("photo", uid_seed), ExplicitVRLittleEndian, patient_id,
+                      style.manufacturer, style.model, series_uid)
+    set_pixels(ds, image[None].astype(np.uint8), ExplicitVRLittleEndian)
     del ds.NumberOfFrames
-    _save(ds, path)
+    save_dicom(ds, path)
 
 
 def jpeg_lossless(frame: np.ndarray) -> bytes:
@@ -150,12 +150,12 @@ def write_broken_corpus(directory: str, shape: Sequence[int] = (8, 64, 64)) -> D
 
     ds = pydicom.dcmread(io.BytesIO(native))
     del ds.PixelData
-    _save(ds, os.path.join(directory, "no_pixel_data.dcm"))
+    save_dicom(ds, os.path.join(directory, "no_pixel_data.dcm"))
     expected["no_pixel_data.dcm"] = "no_pixel_data"
 
     ds = pydicom.dcmread(io.BytesIO(native))
     ds.NumberOfFrames = shape[0] + 3
-    _save(ds, os.path.join(directory, "frame_count_mismatch.dcm"))
+    save_dicom(ds, os.path.join(directory, "frame_count_mismatch.dcm"))
     expected["frame_count_mismatch.dcm"] = "frame_count_mismatch"
 
     good("wrong_sop_class.dcm", heid, sop_class=SOP_CLASSES["en_face"])
@@ -171,12 +171,12 @@ def write_broken_corpus(directory: str, shape: Sequence[int] = (8, 64, 64)) -> D
     ds.SharedFunctionalGroupsSequence[0].PixelMeasuresSequence[0].PixelSpacing = ["0", "-0.0117"]
     for item in ds.PerFrameFunctionalGroupsSequence:
         del item.PlanePositionSequence
-    _save(ds, os.path.join(directory, "garbled_spacing.dcm"))
+    save_dicom(ds, os.path.join(directory, "garbled_spacing.dcm"))
     expected["garbled_spacing.dcm"] = None
     return expected
 
 
-def _patch(path: str, old: bytes, new: bytes) -> None:
+def patch_bytes(path: str, old: bytes, new: bytes) -> None:
     """Replace bytes in a written file (same length): garbles a value the way a broken exporter does."""
     with open(path, "rb") as f:
         data = f.read()
@@ -190,15 +190,15 @@ def _edit(path: str, edit) -> None:
     """Rewrite a DICOM file after edit(dataset)."""
     ds = pydicom.dcmread(path)
     edit(ds)
-    _save(ds, path)
+    save_dicom(ds, path)
 
 
 def _set_frame_geometry(ds: Dataset, orientations: Sequence[Sequence[float]], positions: Sequence[Sequence[float]],
                         stack_ids: Optional[Sequence[str]] = None) -> None:
     """Give each frame its own PlaneOrientation/PlanePosition (and StackID), InStackPositionNumber dropped."""
     for k, item in enumerate(ds.PerFrameFunctionalGroupsSequence):
-        item.PlaneOrientationSequence = DicomSequence([_item(ImageOrientationPatient=list(orientations[k]))])
-        item.PlanePositionSequence = DicomSequence([_item(ImagePositionPatient=[round(v, 6) for v in positions[k]])])
+        item.PlaneOrientationSequence = DicomSequence([item_of(ImageOrientationPatient=list(orientations[k]))])
+        item.PlanePositionSequence = DicomSequence([item_of(ImagePositionPatient=[round(v, 6) for v in positions[k]])])
         content = item.FrameContentSequence[0]
         del content.InStackPositionNumber
         if stack_ids is not None:
@@ -260,19 +260,19 @@ def write_odd_cases(directory: str, shape: Sequence[int] = (12, 64, 64)) -> Dict
 
     path = volume("number_of_frames_garbled.dcm", "bad_header")[0]
     number = f"{D}".encode() + b" " * (len(str(D)) % 2)
-    _patch(path, b"(\x00\x08\x00IS" + len(number).to_bytes(2, "little") + number,
+    patch_bytes(path, b"(\x00\x08\x00IS" + len(number).to_bytes(2, "little") + number,
            b"(\x00\x08\x00IS" + len(number).to_bytes(2, "little") + number[:-1] + b"a")
     path = volume("orientation_garbled.dcm", "bad_header")[0]
-    _patch(path, b"0.0\\0.0\\-1", b"0.0\\0.0\\-x")
+    patch_bytes(path, b"0.0\\0.0\\-1", b"0.0\\0.0\\-x")
     path = volume("rescale_garbled.dcm", "bad_header", rescale=(1.5, 0.0))[0]
-    _patch(path, b"1.5 ", b"1.x ")
+    patch_bytes(path, b"1.5 ", b"1.x ")
 
     path = volume("jpeg_truncated_frame.dcm", "truncated", transfer_syntax=JPEGBaseline8Bit)[0]
     ds = pydicom.dcmread(path)
     frames = list(generate_frames(ds.PixelData, number_of_frames=D))
     frames[D // 2] = frames[D // 2][: len(frames[D // 2]) // 2]
     ds.PixelData = encapsulate(frames)
-    _save(ds, path)
+    save_dicom(ds, path)
 
     path = volume("trailing_bytes.dcm", None)[0]
     with open(path, "ab") as f:

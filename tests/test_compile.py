@@ -17,7 +17,7 @@ from runtime import Runtime
 from schedules import Hyperparameters
 from train import make_optimizer, train_update, validate
 
-from test_train import REPO, SMOKE, run_cli, smoke_flags, train_lines
+from helpers import REPO, SMOKE, run_cli, smoke_flags, train_lines
 
 CPU = Runtime(torch.device("cpu"), "cpu", 1, 0, 1, 1)
 

@@ -94,6 +94,21 @@ def test_a_scripts_bad_option_exits_2_like_a_bad_config_flag_naming_the_closest_
     assert seeds_script(["--base_lr", "0"]) == 2 and "config error: base_lr: 0.0 would not train" in capsys.readouterr().err
 
 
+def test_every_exit_status_of_every_script_is_in_the_one_table_in_config():
+    import ast
+    from config import EXIT_CODES, ExitError
+    import encoder, finetune, sanity  # noqa: F401  (every script's errors; train, data, probe, model come along)
+    errors, todo = [], [ExitError]
+    while todo:
+        errors.append(todo.pop())
+        todo += errors[-1].__subclasses__()
+    assert {e.exit_code for e in errors} <= set(EXIT_CODES), {e.__name__: e.exit_code for e in errors}
+    elsewhere = [f"{path.name}:{node.lineno}" for path in REPO.glob("*.py") if path.name != "config.py"
+                 for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Assign)
+                 and any(isinstance(t, ast.Name) and t.id == "exit_code" for t in node.targets)]
+    assert not elsewhere, f"exit codes set outside config.py: {elsewhere}"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("script", ["train.py", "data.py", "phantom.py", "probe.py", "sanity.py", "bench.py",
                                     "encoder.py", "finetune.py"])

@@ -23,9 +23,10 @@ from config import ConfigError, load_config
 from corpora import jpeg_lossless, write_broken_corpus, write_decoys
 from data import (EpochSampler, NoUsableData, OCTDataset, build_datasets, cache_path, collate, load_prepared,
                   load_val_sample, make_loader, resample, split_by_patient)
-from dicom import UnusableFile, read_volume
+from dicom import UnusableFile
 from index import find_files, format_reason_table, read_index, scan_files, write_index
 from phantom import STYLES, quantize, synth_reflectivity, write_oct, write_phantom
+from volumes import read_volume
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = (8, 64, 64)

@@ -21,7 +21,7 @@ from data import load_val_sample
 from index import find_files, scan_files
 from model import ExportError, load_encoder, random_encoder, save_encoder
 from probe import read_model_checkpoint
-from test_probe import one_thread  # noqa: F401 (autouse: tiny models, one thread)
+from helpers import one_thread  # noqa: F401 (autouse: tiny models, one thread)
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -14,7 +14,7 @@ import finetune
 import probe
 from model import load_encoder, random_encoder
 from probe import AttentiveProbe
-from test_probe import one_thread  # noqa: F401 (autouse: tiny models, one thread)
+from helpers import one_thread  # noqa: F401 (autouse: tiny models, one thread)
 
 
 def write_labels(path: Path, phantoms: str, header, row) -> str:

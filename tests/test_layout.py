@@ -8,24 +8,29 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 MODULES = {p.stem: p for p in REPO.glob("*.py")}
+TESTS = {p.stem: p for p in (REPO / "tests").glob("*.py")}
 SCREEN = 80  # lines
-MODULE_LINES = 900  # the largest module, dicom.py (the whole reader), is under this
+MODULE_LINES = 800  # a module one reads in a sitting; over it, split along a seam (dicom.py / volumes.py)
+OVER_MODULE_LINES = {"probe.py"}  # allowed for now: probe.py is split after the probes being added to it land
 CHECKLISTS = {"config.py:validate"}  # flat lists of independent rules or cases
-READER = {"dicom", "index", "data"}  # index.py imports dicom.py, data.py both
+READER = {"dicom", "volumes", "index", "data"}  # volumes.py imports dicom.py, index.py both, data.py all three
 README_LINES = 300  # nanoGPT's README is 234 lines; the manual is docs/, the evidence experiments/README.md
 ABSOLUTE_PATH = re.compile(r"(?<![\w/:.~-])/(?:tmp|work|home|root|Users|mnt)/")  # a machine's path, not the repo's
+
+
+def names_imported(node: ast.AST) -> set:
+    """The top-level package names an import statement imports (none for any other node)."""
+    if isinstance(node, ast.Import):
+        return {a.name.split(".")[0] for a in node.names}
+    if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        return {node.module.split(".")[0]}
+    return set()
 
 
 def all_imports(path: Path) -> set:
     """The top-level names of every package or module a file imports, anywhere in it (function-level imports
     included)."""
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names |= {a.name.split(".")[0] for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module.split(".")[0])
-    return names
+    return set().union(*(names_imported(node) for node in ast.walk(ast.parse(path.read_text()))))
 
 
 def imported_modules(path: Path) -> set:
@@ -83,7 +88,7 @@ def test_storage_is_low_it_loads_neither_torch_nor_the_reader():
 
 def test_every_module_is_a_size_one_can_read():
     long = {p.name: n for p in MODULES.values() if (n := len(p.read_text().splitlines())) > MODULE_LINES}
-    assert not long, long
+    assert set(long) <= OVER_MODULE_LINES, long
 
 
 def test_every_function_outside_the_flat_checklists_fits_on_one_screen():
@@ -137,3 +142,29 @@ def test_every_file_in_experiments_is_referenced_from_its_readme_notes_or_a_scri
         if path not in ("experiments/README.md", "experiments/NOTES.md") and not (named or in_named_folder):
             orphans.append(path)
     assert not orphans, f"refer to these in experiments/README.md (or delete them): {orphans}"
+def test_tests_share_code_through_helpers_not_through_each_other_or_private_names():
+    """tests/helpers.py (and tests/corpora.py) hold what tests share; a test module imports no other test module
+    and no private (_name) function of the project."""
+    found = []
+    for path in TESTS.values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                module = node.module.split(".")[0]
+                if module.startswith("test_") or module == "conftest":
+                    found.append(f"{path.name}:{node.lineno} imports {module}")
+                if module in MODULES or module in TESTS:
+                    found += [f"{path.name}:{node.lineno} imports {module}.{a.name}" for a in node.names
+                              if a.name.startswith("_")]
+            elif isinstance(node, ast.Import):
+                found += [f"{path.name}:{node.lineno} imports {a.name}" for a in node.names
+                          if a.name.startswith("test_") or a.name == "conftest"]
+    assert not found, found
+
+
+def test_torch_xla_is_imported_in_one_place():
+    """runtime.xla_modules loads torch_xla for every function that needs it (a machine without it imports all)."""
+    places = [f"{path.name}:{node.name}" for path in MODULES.values() for node in ast.walk(ast.parse(path.read_text()))
+              if isinstance(node, ast.FunctionDef) and any("torch_xla" in names_imported(n) for n in ast.walk(node))]
+    top_level = [path.name for path in MODULES.values() if "torch_xla" in
+                 {name for n in ast.parse(path.read_text()).body for name in names_imported(n)}]
+    assert places == ["runtime.py:xla_modules"] and not top_level, (places, top_level)

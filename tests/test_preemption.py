@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 
 from checkpoint import checkpoint_path, list_checkpoints, step_of
-from test_resume import ddp_flags, events, metrics, torchrun
-from test_train import REPO, run_cli, smoke_flags
+from helpers import REPO, ddp_flags, events, metrics, run_cli, smoke_flags, torchrun
 
 PREEMPTED = 75
 

@@ -13,18 +13,10 @@ from config import load_config
 from model import VJEPA3D, feature_std
 from phantom import VARIED_LABELS, Eye, draw_eye, synth_reflectivity, write_phantom_set
 from probe import rankme
+from helpers import one_thread  # noqa: F401 (autouse: tiny models, one thread)
 
 TINY = ["--image_size", "8,32,32", "--patch_size", "4,8,8", "--embed_dim", "24", "--depth", "1", "--num_heads", "2",
         "--pred_embed_dim", "12", "--pred_depth", "1", "--pred_num_heads", "2"]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The probes here fit tiny tensors, where OpenMP threads only spin on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def tokens_with_signal(n_per_class=20, classes=3, tokens=32, dim=16, strength=6.0, seed=0):

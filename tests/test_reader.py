@@ -23,13 +23,13 @@ from pydicom.tag import Tag
 from pydicom.uid import JPEGBaseline8Bit
 
 from config import load_config
-from corpora import _patch, write_odd_cases
+from corpora import patch_bytes, write_odd_cases
 from data import main as data_main
-from data import (OCTDataset, build_datasets, cache_path, crop_starts, index_records, load_prepared, resample_and_clip,
-                  to_sample)
-from dicom import REASONS, UnusableFile, read_volume, unscramble_czm
-from index import find_files, read_index, scan_files
-from phantom import STYLES, _item, _jp2_file, czm_scramble, quantize, synth_reflectivity, write_oct, write_phantom
+from data import OCTDataset, build_datasets, cache_path, crop_starts, load_prepared, resample_and_clip, to_sample
+from dicom import REASONS, UnusableFile, unscramble_czm
+from index import find_files, index_records, read_index, scan_files
+from phantom import STYLES, czm_scramble, item_of, jp2_file, quantize, synth_reflectivity, write_oct, write_phantom
+from volumes import read_volume
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.filterwarnings("ignore:End of file reached before delimiter", "ignore::UserWarning")
@@ -117,7 +117,7 @@ def test_garbled_number_of_frames_does_not_stop_the_scan_of_the_others(odd_dir, 
 # --- Zeiss Cirrus (finding 6) ---
 
 def test_czm_unscrambler_inverts_the_scrambling_of_real_cirrus_exports():
-    jp2 = _jp2_file(quantize(synth_reflectivity((1, 64, 64), np.random.default_rng(3)), 8)[0])
+    jp2 = jp2_file(quantize(synth_reflectivity((1, 64, 64), np.random.default_rng(3)), 8)[0])
     scrambled = czm_scramble(jp2)
     assert scrambled != jp2 and len(scrambled) == len(jp2)
     assert unscramble_czm(scrambled) == jp2
@@ -398,7 +398,7 @@ def _per_frame(path, group, values):
     """Give frame k of a multi-frame file its own functional group `group` with the tags of values[k]."""
     ds = pydicom.dcmread(path)
     for item, tags in zip(ds.PerFrameFunctionalGroupsSequence, values):
-        setattr(item, group, DicomSequence([_item(**tags)]))
+        setattr(item, group, DicomSequence([item_of(**tags)]))
     ds.save_as(path)
 
 
@@ -454,12 +454,12 @@ def _damage(path: Path, how: str) -> None:
     elif how == "cut_inside_the_next_elements_tag":
         path.write_bytes(data[:groups_end + 2])
     elif how == "pixel_data_tag_damaged":  # (7FE0,0010) OW became (0018,0050) OW: out of order, no PixelData
-        _patch(str(path), b"\xe0\x7f\x10\x00OW", b"\x18\x00\x50\x00OW")
+        patch_bytes(str(path), b"\xe0\x7f\x10\x00OW", b"\x18\x00\x50\x00OW")
     elif how == "empty_pixel_data":
         ds.PixelData = b""
         ds.save_as(path)
     elif how == "rows_vr_damaged":
-        _patch(str(path), b"\x28\x00\x10\x00US", b"\x28\x00\x10\x00U\x17")
+        patch_bytes(str(path), b"\x28\x00\x10\x00US", b"\x28\x00\x10\x00U\x17")
     elif how == "sop_class_damaged":  # the dataset's SOPClassUID, not the file meta's
         _set_raw(ds, "SOPClassUID", b"1.2.840.10008.5.1.4.1.1.7\x83.1.5.4")
         ds.save_as(path)
@@ -486,7 +486,7 @@ def test_a_damaged_file_gets_a_reason_that_says_what_happened(tmp_path, how, rea
 def test_a_damaged_element_that_the_reader_does_not_need_leaves_the_volume_usable(tmp_path):
     path = tmp_path / "v.dcm"
     voxels, _, _ = write_phantom(str(path), "heidelberg", shape=(8, 64, 64))
-    _patch(str(path), b"\x08\x00\x70\x00LO", b"\x08\x00\x70\x00L\x17")  # Manufacturer's VR
+    patch_bytes(str(path), b"\x08\x00\x70\x00LO", b"\x08\x00\x70\x00L\x17")  # Manufacturer's VR
     (record,) = scan_files([str(path)])  # was a NotImplementedError out of scan_files
     assert record["ok"] and record["manufacturer"] == ""
     np.testing.assert_array_equal(read_volume(str(path)).voxels, voxels)

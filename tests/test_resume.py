@@ -3,9 +3,6 @@ import os
 import re
 import shutil
 import signal
-import socket
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,15 +17,8 @@ from checkpoint import list_checkpoints
 from runtime import Runtime, probes_in_this_process
 from schedules import ema_at, lr_at, wd_at
 from train import main
-from test_train import REPO, SMOKE, read_jsonl, read_wandb_offline_history, smoke_flags
-
-
-def events(run_dir, kind=None):
-    return [e for e in read_jsonl(Path(run_dir) / "events.jsonl") if kind is None or e["event"] == kind]
-
-
-def metrics(run_dir, split="train"):
-    return [r for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if r["split"] == split]
+from helpers import (SMOKE, ddp_flags, events, free_port, metrics, read_jsonl, read_wandb_offline_history, smoke_flags,
+                     torchrun)
 
 
 # --- 1. the plan a checkpoint was written for ---
@@ -325,21 +315,6 @@ def test_a_run_name_that_would_leave_out_dir_is_refused(tmp_path, smoke_phantoms
 
 # --- 4, 5. DDP processes agree (real gloo processes under torchrun) ---
 
-def torchrun(tmp_path, faults, *flags, nnodes=1, node_rank=0, port=None, nproc=2, popen=False):
-    node = ["--nnodes", str(nnodes), "--node_rank", str(node_rank), "--rdzv_backend", "c10d",
-            "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "octjepa-test"] if nnodes > 1 else ["--standalone"]
-    args = [sys.executable, "-m", "torch.distributed.run", *node, f"--nproc_per_node={nproc}",
-            str(REPO / "tests" / "faults.py"), faults, *flags]
-    if popen:
-        return subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    return subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600)
-
-
-def ddp_flags(tmp_path, phantoms, *flags):
-    return ["--config", SMOKE, "--phantom_dir", phantoms, "--out_dir", str(tmp_path / "runs"),
-            "--per_core_batch_size", "2", *flags]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("shard", ["none", "fsdp"])  # a sharded rollback restores each process's shards
 def test_ddp_processes_share_a_run_folder_roll_back_together_and_leave_the_group_at_exit(tmp_path, smoke_phantoms,
@@ -366,12 +341,6 @@ def test_unreadable_data_in_one_process_stops_every_process_with_exit_3(tmp_path
     if fault == "bad_files":  # process 1's files are counted and logged by the master
         logged = events(tmp_path / "runs" / "r", "unreadable_file")
         assert logged and all("heidelberg" in e["path"] for e in logged)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow

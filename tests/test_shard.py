@@ -6,22 +6,18 @@ import sys
 
 import numpy as np
 import pytest
-import torch
 
-from test_train import REPO, read_jsonl, run_cli, smoke_flags, train_lines
+from helpers import (REPO, SHARD_FLAGS, assert_holds_a_share, assert_same_state, final_checkpoint, losses,
+                     run_cli, smoke_flags)
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("shard_unsharded")]  # one worker builds `unsharded` once
-
-# 14 updates of 4 volumes, a checkpoint every 4; one process with per_core_batch_size 4 is the reference.
-FLAGS = ("--max_steps", "14", "--ckpt_every_steps", "4", "--keep_last", "5", "--val_every_steps", "100",
-         "--log_every_steps", "1")
 
 
 @pytest.fixture(scope="module")
 def unsharded(tmp_path_factory, smoke_phantoms):
     """The reference: one process, nothing sharded. Its run folder."""
     out = tmp_path_factory.mktemp("unsharded")
-    result = run_cli(smoke_flags(out, smoke_phantoms, *FLAGS, "--per_core_batch_size", "4"))
+    result = run_cli(smoke_flags(out, smoke_phantoms, *SHARD_FLAGS, "--per_core_batch_size", "4"))
     assert result.returncode == 0, result.stderr[-3000:]
     return out / "runs" / "r"
 
@@ -30,38 +26,10 @@ def torchrun_train(tmp_path, phantoms, processes: int, *flags):
     """train.py in `processes` gloo processes; returns its run folder."""
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                              f"--nproc_per_node={processes}", str(REPO / "train.py"),
-                             *smoke_flags(tmp_path, phantoms, *FLAGS, *flags)],
+                             *smoke_flags(tmp_path, phantoms, *SHARD_FLAGS, *flags)],
                             cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return tmp_path / "runs" / "r"
-
-
-def losses(run_dir, after: int = 0):
-    return [r["loss"] for r in train_lines(run_dir) if r["step"] > after]
-
-
-def final_checkpoint(run_dir) -> dict:
-    return torch.load(run_dir / "checkpoints" / "step_0000014.pt", weights_only=True)
-
-
-def assert_same_state(got: dict, expected: dict) -> None:
-    """EMA target weights and AdamW moments equal to 1e-5 relative (norm of the difference over the norm)."""
-    for key, value in expected["model"].items():
-        if key.startswith("target_encoder."):
-            assert torch.norm(got["model"][key] - value) <= 1e-5 * torch.norm(value), key
-    for index, moments in expected["optimizer"]["state"].items():
-        for name in ("exp_avg", "exp_avg_sq"):
-            assert torch.norm(got["optimizer"]["state"][index][name] - moments[name]) <= 1e-5 * torch.norm(moments[name])
-
-
-def assert_holds_a_share(sharded_run, unsharded_run, share: float) -> None:
-    """The sharded run's fullest device holds `share` (up to 1.2x for uneven shards) of the weights, EMA target and
-    AdamW state that every device of the unsharded run holds."""
-    (held,), (whole,) = ([e for e in read_jsonl(run / "events.jsonl") if e["event"] == "device_memory"]
-                         for run in (sharded_run, unsharded_run))
-    assert held["fsdp_size"] == round(1 / share) and whole["fsdp_size"] == 1
-    for part in ("weights", "ema_target", "adamw"):
-        assert share * whole[part] <= held[part] <= 1.2 * share * whole[part], (part, held, whole)
 
 
 def test_fsdp_over_2_processes_trains_like_one_process_on_half_the_memory_and_its_checkpoint_resumes_unsharded(
@@ -74,7 +42,7 @@ def test_fsdp_over_2_processes_trains_like_one_process_on_half_the_memory_and_it
     assert_holds_a_share(sharded, unsharded, 1 / 2)
 
     # The sharded run's checkpoint of update 4, resumed by one unsharded process, continues it exactly.
-    resumed = run_cli(smoke_flags(tmp_path / "one", smoke_phantoms, *FLAGS, "--per_core_batch_size", "4",
+    resumed = run_cli(smoke_flags(tmp_path / "one", smoke_phantoms, *SHARD_FLAGS, "--per_core_batch_size", "4",
                                   "--resume", str(sharded / "checkpoints" / "step_0000004.pt")))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     np.testing.assert_allclose(losses(tmp_path / "one" / "runs" / "r"), losses(unsharded, after=4), rtol=1e-5)

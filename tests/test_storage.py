@@ -8,10 +8,9 @@ import time
 
 import pytest
 
-from conftest import GCSEmulator
 from checkpoint import list_checkpoints, read_checkpoint
-from test_resume import events, metrics
-from test_train import REPO, main, smoke_flags
+from helpers import REPO, GCSEmulator, events, metrics, smoke_flags
+from train import main
 
 STORAGE_FAILED = 74
 

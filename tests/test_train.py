@@ -19,29 +19,7 @@ from checkpoint import list_checkpoints, read_checkpoint
 from runtime import Runtime
 from schedules import Hyperparameters, ema_at, lr_at, wd_at
 from train import guarded_step, main, make_optimizer, optimizer_step, train_update
-
-REPO = Path(__file__).resolve().parents[1]
-SMOKE = str(REPO / "configs" / "smoke.yaml")
-
-
-def smoke_flags(tmp_path, phantom_dir, *flags):
-    return ["--config", SMOKE, "--phantom_dir", phantom_dir, "--out_dir", str(tmp_path / "runs"),
-            "--run_name", "r", *flags]
-
-
-def read_jsonl(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f]
-
-
-def train_lines(run_dir):
-    return [r for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if r["split"] == "train"]
-
-
-def run_cli(args, cwd=REPO, timeout=600, env=None):
-    return subprocess.run([sys.executable, str(REPO / "train.py"), *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
-
+from helpers import REPO, SMOKE, read_jsonl, read_wandb_offline_history, run_cli, smoke_flags, train_lines
 
 # --- schedules (incidents 2, 3) ---
 
@@ -433,42 +411,6 @@ def test_demo_run_completes_its_loss_falls_and_it_beats_a_random_init(tmp_path):
     verdict = [e for e in read_jsonl(tmp_path / "runs" / "demo" / "events.jsonl") if e["event"] == "summary_probe"]
     assert verdict[0]["beats_random"] == {"mean_pool": True, "depth_rows": True}, verdict
     assert "the encoder BEATS a random init on both probes" in result.stdout
-
-
-def read_wandb_records(path):
-    """The protobuf records of a W&B transaction log (.wandb file: LevelDB-style 32 KiB blocks of fragments)."""
-    import struct
-    from wandb.proto import wandb_internal_pb2
-    buf, pos, pending, records, block = path.read_bytes(), 7, b"", [], 32768  # 7-byte ':W&B' file header
-    while pos + 7 <= len(buf):
-        if block - pos % block < 7:  # block trailer padding
-            pos += block - pos % block
-            continue
-        _, length, kind = struct.unpack("<IHB", buf[pos:pos + 7])
-        pending += buf[pos + 7:pos + 7 + length]
-        pos += 7 + length
-        if kind in (1, 4):  # FULL or LAST fragment: one protobuf record is complete
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending)
-            pending = b""
-            records.append(record)
-    return records
-
-
-def read_wandb_offline_history(run_dir, timeout_s=120):
-    """History rows of an offline W&B run. wandb-core writes the file in its own process and may still be writing
-    when run.finish() has returned (seen on a loaded machine: the file still empty), so wait for its `exit` record."""
-    (path,) = Path(run_dir).glob("wandb/offline-run-*/run-*.wandb")
-    deadline = time.monotonic() + timeout_s
-    while True:
-        records = read_wandb_records(path)
-        kinds = [r.WhichOneof("record_type") for r in records]
-        if "exit" in kinds or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert "exit" in kinds, f"{path}: no exit record {timeout_s} s after the run finished (records: {kinds})"
-    return [{(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item}
-            for r, kind in zip(records, kinds) if kind == "history"]
 
 
 @pytest.mark.slow

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 import encoder
-from test_resume import free_port
-from test_shard import FLAGS, assert_holds_a_share, assert_same_state, final_checkpoint, losses
-from test_train import main, read_jsonl, smoke_flags, train_lines
 from checkpoint import list_checkpoints
+from helpers import (SHARD_FLAGS, assert_holds_a_share, assert_same_state, final_checkpoint, free_port,
+                     losses, read_jsonl, smoke_flags, train_lines)
+from train import main
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.xla, pytest.mark.slow]
@@ -82,17 +82,17 @@ def test_xla_step_compiles_once_and_reads_the_device_only_at_log_steps(tmp_path,
 
 @pytest.fixture(scope="module")
 def one_device(tmp_path_factory, smoke_phantoms, cache_dir, xla_python):
-    """The XLA reference: one device, nothing sharded (FLAGS: 14 updates of 4 volumes, a checkpoint every 4). Its
-    run folder."""
+    """The XLA reference: one device, nothing sharded (SHARD_FLAGS: 14 updates of 4 volumes, a checkpoint every
+    4). Its run folder."""
     out = tmp_path_factory.mktemp("one_device")
-    run_train(xla_python, flags_for(out, smoke_phantoms, cache_dir, *FLAGS, "--device", "xla",
+    run_train(xla_python, flags_for(out, smoke_phantoms, cache_dir, *SHARD_FLAGS, "--device", "xla",
                                     "--per_core_batch_size", "4"))
     return out / "runs" / "r"
 
 
 @pytest.mark.xdist_group("xla_one_device")  # on the worker that built one_device (once)
 def test_spmd_over_4_devices_matches_1_device(tmp_path, smoke_phantoms, cache_dir, xla_python, one_device):
-    four = run_train(xla_python, flags_for(tmp_path, smoke_phantoms, cache_dir, *FLAGS, "--device", "xla",
+    four = run_train(xla_python, flags_for(tmp_path, smoke_phantoms, cache_dir, *SHARD_FLAGS, "--device", "xla",
                                            "--per_core_batch_size", "1"), devices=4)
     assert "xla x 4" in four.stdout
     one, four = train_lines(one_device), train_lines(tmp_path / "runs" / "r")
@@ -104,7 +104,7 @@ def test_spmd_over_4_devices_matches_1_device(tmp_path, smoke_phantoms, cache_di
 def test_fsdp_over_4_xla_devices_trains_like_1_device_on_a_quarter_of_the_memory_without_recompiles(
         tmp_path, smoke_phantoms, cache_dir, xla_python, one_device):
     # With grad checkpointing (torch_xla's: torch's fails on XLA), which changes no value.
-    run_train(xla_python, flags_for(tmp_path, smoke_phantoms, cache_dir, *FLAGS, "--device", "xla",
+    run_train(xla_python, flags_for(tmp_path, smoke_phantoms, cache_dir, *SHARD_FLAGS, "--device", "xla",
                                     "--per_core_batch_size", "1", "--shard", "fsdp", "--grad_checkpointing", "true"),
               devices=4)
     sharded = tmp_path / "runs" / "r"
@@ -118,7 +118,7 @@ def test_fsdp_over_4_xla_devices_trains_like_1_device_on_a_quarter_of_the_memory
 @pytest.mark.xdist_group("xla_one_device")  # on the worker that built one_device (once)
 def test_a_data_x_fsdp_mesh_of_xla_devices_resumes_an_unsharded_checkpoint_and_continues_it_exactly(
         tmp_path, smoke_phantoms, cache_dir, xla_python, one_device):
-    run_train(xla_python, flags_for(tmp_path, smoke_phantoms, cache_dir, *FLAGS, "--device", "xla",
+    run_train(xla_python, flags_for(tmp_path, smoke_phantoms, cache_dir, *SHARD_FLAGS, "--device", "xla",
                                     "--per_core_batch_size", "1", "--shard", "fsdp", "--fsdp_size", "2",
                                     "--resume", str(one_device / "checkpoints" / "step_0000004.pt")), devices=4)
     sharded = tmp_path / "runs" / "r"  # 2 copies of the weights, each sharded over 2 devices

@@ -1,0 +1,200 @@
+"""What the tests share: the smoke config's command lines and runs (train.py in this process, a subprocess or
+torchrun with tests/faults.py), reading a run's metrics, events and W&B log, comparing sharded and unsharded
+runs, a local GCS emulator and small fixtures. Test modules import from here (and tests/corpora.py), never from each
+other."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SMOKE = str(REPO / "configs" / "smoke.yaml")
+# 14 updates of 4 volumes, a checkpoint every 4; one process with per_core_batch_size 4 is the reference of the
+# sharded runs (tests/test_shard.py, tests/test_xla.py).
+SHARD_FLAGS = ("--max_steps", "14", "--ckpt_every_steps", "4", "--keep_last", "5", "--val_every_steps", "100",
+               "--log_every_steps", "1")
+
+
+# --- train.py runs and what they write ---
+
+def smoke_flags(tmp_path, phantom_dir, *flags):
+    """train.py flags of a smoke-config run named r in tmp_path/runs on a phantom set, then `flags`."""
+    return ["--config", SMOKE, "--phantom_dir", phantom_dir, "--out_dir", str(tmp_path / "runs"),
+            "--run_name", "r", *flags]
+
+
+def ddp_flags(tmp_path, phantoms, *flags):
+    """train.py flags of a smoke-config run in tmp_path/runs (unnamed: process 0 names it), 2 volumes a process."""
+    return ["--config", SMOKE, "--phantom_dir", phantoms, "--out_dir", str(tmp_path / "runs"),
+            "--per_core_batch_size", "2", *flags]
+
+
+def run_cli(args, cwd=REPO, timeout=600, env=None):
+    """train.py with `args` in a subprocess, its output captured (env: added to this process's)."""
+    return subprocess.run([sys.executable, str(REPO / "train.py"), *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def torchrun(tmp_path, faults, *flags, nnodes=1, node_rank=0, port=None, nproc=2, popen=False):
+    """tests/faults.py (train.py with `faults` injected) in nproc gloo processes under torchrun; nnodes > 1: this
+    machine is node node_rank of a rendezvous on `port`. popen: started, not waited for."""
+    node = ["--nnodes", str(nnodes), "--node_rank", str(node_rank), "--rdzv_backend", "c10d",
+            "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "octjepa-test"] if nnodes > 1 else ["--standalone"]
+    args = [sys.executable, "-m", "torch.distributed.run", *node, f"--nproc_per_node={nproc}",
+            str(REPO / "tests" / "faults.py"), faults, *flags]
+    if popen:
+        return subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+def free_port():
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_jsonl(path):
+    """The records of a JSON-lines file."""
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def train_lines(run_dir):
+    """The train lines of a run's metrics.jsonl."""
+    return [r for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if r["split"] == "train"]
+
+
+def events(run_dir, kind=None):
+    """The events of a run's events.jsonl (of one kind, when given)."""
+    return [e for e in read_jsonl(Path(run_dir) / "events.jsonl") if kind is None or e["event"] == kind]
+
+
+def metrics(run_dir, split="train"):
+    """The metrics lines of one split of a run."""
+    return [r for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if r["split"] == split]
+
+
+def losses(run_dir, after: int = 0):
+    """The train losses of a run after update `after`."""
+    return [r["loss"] for r in train_lines(run_dir) if r["step"] > after]
+
+
+def final_checkpoint(run_dir) -> dict:
+    """The state in the last checkpoint of a SHARD_FLAGS run (update 14)."""
+    return torch.load(run_dir / "checkpoints" / "step_0000014.pt", weights_only=True)
+
+
+def read_wandb_records(path):
+    """The protobuf records of a W&B transaction log (.wandb file: LevelDB-style 32 KiB blocks of fragments)."""
+    import struct
+    from wandb.proto import wandb_internal_pb2
+    buf, pos, pending, records, block = path.read_bytes(), 7, b"", [], 32768  # 7-byte ':W&B' file header
+    while pos + 7 <= len(buf):
+        if block - pos % block < 7:  # block trailer padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", buf[pos:pos + 7])
+        pending += buf[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST fragment: one protobuf record is complete
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            records.append(record)
+    return records
+
+
+def read_wandb_offline_history(run_dir, timeout_s=120):
+    """History rows of an offline W&B run. wandb-core writes the file in its own process and may still be writing
+    when run.finish() has returned (seen on a loaded machine: the file still empty), so wait for its `exit` record."""
+    (path,) = Path(run_dir).glob("wandb/offline-run-*/run-*.wandb")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = read_wandb_records(path)
+        kinds = [r.WhichOneof("record_type") for r in records]
+        if "exit" in kinds or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert "exit" in kinds, f"{path}: no exit record {timeout_s} s after the run finished (records: {kinds})"
+    return [{(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in r.history.item}
+            for r, kind in zip(records, kinds) if kind == "history"]
+
+
+# --- sharded runs ---
+
+def assert_same_state(got: dict, expected: dict) -> None:
+    """EMA target weights and AdamW moments equal to 1e-5 relative (norm of the difference over the norm)."""
+    for key, value in expected["model"].items():
+        if key.startswith("target_encoder."):
+            assert torch.norm(got["model"][key] - value) <= 1e-5 * torch.norm(value), key
+    for index, moments in expected["optimizer"]["state"].items():
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert torch.norm(got["optimizer"]["state"][index][name] - moments[name]) <= 1e-5 * torch.norm(moments[name])
+
+
+def assert_holds_a_share(sharded_run, unsharded_run, share: float) -> None:
+    """The sharded run's fullest device holds `share` (up to 1.2x for uneven shards) of the weights, EMA target and
+    AdamW state that every device of the unsharded run holds."""
+    (held,), (whole,) = ([e for e in read_jsonl(run / "events.jsonl") if e["event"] == "device_memory"]
+                         for run in (sharded_run, unsharded_run))
+    assert held["fsdp_size"] == round(1 / share) and whole["fsdp_size"] == 1
+    for part in ("weights", "ema_target", "adamw"):
+        assert share * whole[part] <= held[part] <= 1.2 * share * whole[part], (part, held, whole)
+
+
+# --- the rest ---
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny probes and models in one thread, where OpenMP threads only spin on a busy machine (autouse in the
+    modules that import it)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class GCSEmulator:
+    """A gcp-storage-emulator process on 127.0.0.1; STORAGE_EMULATOR_HOST points gcsfs (storage.py) at it."""
+    bucket = "octjepa-test"
+
+    def __init__(self, tmp_dir: Path, port: Optional[int] = None):
+        self.port = port or free_port()  # a port again: the same emulator back after an outage (its objects gone)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(tmp_dir / "emulator.log", "a")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1", "--port", str(self.port),
+             "--in-memory", "--default-bucket", self.bucket, "--quiet"], stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                break
+            except OSError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"gcp-storage-emulator did not start; see {self.log.name}")
+                time.sleep(0.1)
+
+    def upload(self, local_dir: str, prefix: str) -> str:
+        """Copy a local folder (recursively) to gs://bucket/prefix; returns that URL."""
+        from storage import gcs_filesystem
+        url = f"gs://{self.bucket}/{prefix}"
+        fs = gcs_filesystem()
+        for root, _, files in os.walk(local_dir):
+            for name in files:
+                path = os.path.join(root, name)
+                fs.put_file(path, f"{url}/{os.path.relpath(path, local_dir)}")
+        return url
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=30)
+        self.log.close()
