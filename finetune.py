@@ -28,7 +28,7 @@ and balanced accuracy, with mean and 95% t-interval over all folds; --vs_random 
 architecture with the same splits, seeds and budget and adds the paired differences (pretrained - random).
 
 Writes OUT/report.json and, per fold of the export's full fine-tuning, OUT/full/r{repeat}_f{fold}/: config.json
-and encoder.safetensors (model.load_encoder reads them), heads.safetensors (the heads of finetune.Classifier) and
+and model.safetensors (model.load_encoder reads them), heads.safetensors (the heads of finetune.Classifier) and
 fold.json (classes, task, the paths of each part, scores, the loss of every epoch). The config flags that apply:
 device, seed (splits, probes, heads and the random init follow from it).
 """

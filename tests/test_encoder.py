@@ -1,5 +1,6 @@
 """encoder.py and model.load_encoder: a researcher exports the encoder of a real training run, loads it from plain
 Python, embeds a folder or bucket (killed and resumed), and looks at its features."""
+import inspect
 import json
 import os
 import re
@@ -19,7 +20,8 @@ from PIL import Image
 import encoder as encoder_cli
 from data import load_val_sample
 from index import find_files, scan_files
-from model import ExportError, load_encoder, random_encoder, save_encoder
+import model
+from model import Encoder, ExportError, load_encoder, random_encoder, save_encoder
 from probe import read_model_checkpoint
 from test_probe import one_thread  # noqa: F401 (autouse: tiny models, one thread)
 
@@ -49,15 +51,106 @@ def test_axial_pooling_keeps_each_depth_row_and_averages_to_the_mean_pool(export
     torch.testing.assert_close(axial.view(2, gh, width).mean(1), encoder.embed(volume, "mean"))
 
 
-def test_a_volume_of_the_wrong_shape_is_refused_with_both_shapes(export_dir):
+def test_a_volume_that_is_not_a_multiple_of_the_patch_size_is_refused_naming_the_sizes(export_dir):
     encoder = load_encoder(export_dir)
-    with pytest.raises(ValueError, match=r"expected shape \['B', 1, 8, 32, 32\], got \[1, 1, 8, 64, 64\]"):
-        encoder(torch.zeros(1, 1, 8, 64, 64))
+    with pytest.raises(ValueError, match=re.escape("multiples of the patch size [4, 8, 8] (trained on [8, 32, 32]), "
+                                                   "got [1, 1, 8, 36, 32]")):
+        encoder(torch.zeros(1, 1, 8, 36, 32))
+
+
+def test_another_input_size_gives_the_tokens_of_an_encoder_built_natively_at_that_size(export_dir):
+    encoder = load_encoder(export_dir)
+    size = [12, 48, 64]  # another multiple of the patch size on every axis
+    native = Encoder(size, encoder.patch_size, encoder.embed_dim, encoder.settings.depth, encoder.settings.num_heads,
+                     encoder.settings.mlp_ratio)
+    native.load_state_dict(encoder.state_dict())
+    volume = torch.randn(2, 1, *size, generator=torch.Generator().manual_seed(4))
+    tokens = encoder.encode(volume)
+    assert tokens.shape == (2, 3 * 6 * 8, encoder.embed_dim)
+    assert float((tokens - native.eval()(volume)).abs().max()) <= 1e-6
+    assert encoder.embed(volume, "axial").shape == (2, 6 * encoder.embed_dim)  # gh rows of this grid
+    config = json.loads(Path(export_dir, "config.json").read_text())
+    assert config["input_sizes"]["trained"] == [encoder.image_size]
+
+
+LOAD_IN_ANOTHER_PROJECT = """
+import sys
+import numpy as np
+import torch
+sys.path.insert(0, PROJECT)  # its own config.py, data.py and model.py: importing any of them raises
+encoder = torch.hub.load(EXPORT, "encoder", source="local")
+sys.path.insert(0, EXPORT)
+import octjepa_encoder
+again = octjepa_encoder.load(EXPORT)
+volume = torch.from_numpy(np.load("volume.npy"))
+with torch.no_grad():
+    np.save("tokens.npy", encoder(volume).numpy())
+    np.save("again.npy", again.embed(volume).numpy())
+assert not {"config", "data", "model", "probe", "train"} & set(sys.modules), sorted(sys.modules)
+"""
+
+
+def test_an_export_loads_from_an_empty_folder_of_another_project_with_its_own_config_data_and_model(
+        export_dir, trained_checkpoint, tmp_path):
+    project, elsewhere, export = tmp_path / "their_project", tmp_path / "empty", tmp_path / "copied_export"
+    project.mkdir()
+    elsewhere.mkdir()
+    for name in ("config", "data", "model"):
+        (project / f"{name}.py").write_text(f"raise ImportError('their own {name}.py, not octjepa\\'s')\n")
+    shutil.copytree(export_dir, export)  # the folder alone: no octjepa checkout beside it
+    trained, cfg, _ = read_model_checkpoint(trained_checkpoint)
+    volume = torch.randn(2, 1, *cfg.image_size, generator=torch.Generator().manual_seed(5))
+    np.save(elsewhere / "volume.npy", volume.numpy())
+    code = f"PROJECT, EXPORT = {str(project)!r}, {str(export)!r}\n" + LOAD_IN_ANOTHER_PROJECT
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-I", "-c", code], cwd=elsewhere, capture_output=True, text=True,
+                            env=env, timeout=600)  # -I: neither the checkout nor PYTHONPATH on sys.path
+    assert result.returncode == 0, result.stderr[-3000:]
+    expected = trained.encode(volume).numpy()
+    assert np.abs(np.load(elsewhere / "tokens.npy") - expected).max() <= 1e-6
+    assert np.abs(np.load(elsewhere / "again.npy") - expected.mean(1)).max() <= 1e-6
+
+
+def test_the_exports_standalone_module_is_model_pys_code_not_a_copy_that_can_drift(export_dir):
+    module = (Path(export_dir) / "octjepa_encoder.py").read_text()
+    for definition in (model.sincos_pos_embed_3d, model.Block, model.Encoder, model.ExportedEncoder,
+                       model.monai_vit):
+        assert inspect.getsource(definition) in module
+    assert not re.search(r"^(import|from) (config|data|storage|dicom)\b", module, re.MULTILINE)
+
+
+def test_hugging_face_from_pretrained_reads_the_export_and_saves_it_back(export_dir, trained_checkpoint, tmp_path):
+    pytest.importorskip("huggingface_hub", reason="huggingface-hub (requirements-dev.txt) is not installed")
+    standalone = encoder_cli.import_standalone(export_dir)
+    trained, cfg, _ = read_model_checkpoint(trained_checkpoint)
+    volume = torch.randn(2, 1, *cfg.image_size, generator=torch.Generator().manual_seed(6))
+    hub = standalone.OCTJEPAEncoder.from_pretrained(export_dir)
+    with torch.no_grad():
+        assert float((hub(volume) - trained.encode(volume)).abs().max()) <= 1e-6
+        hub.save_pretrained(tmp_path / "saved")
+        again = standalone.OCTJEPAEncoder.from_pretrained(tmp_path / "saved")
+        assert float((again(volume) - trained.encode(volume)).abs().max()) <= 1e-6
+    card = (Path(export_dir) / "README.md").read_text()
+    for section in ("## Intended use", "## Training data", "## Evaluation", "## Licence", "## Code"):
+        assert section in card
+    assert "license: other" in card and re.search(r"commit [0-9a-f]{40}", card)
+    assert str(Path(export_dir).parent) not in card and "/tmp" not in card and "runs/" not in card
+
+
+def test_monai_vit_holds_the_encoder_exactly_at_the_trained_and_another_size(export_dir):
+    pytest.importorskip("monai", reason="monai (requirements-dev.txt) is not installed")
+    pytest.importorskip("einops", reason="einops (monai's ViT needs it; requirements-dev.txt) is not installed")
+    encoder = load_encoder(export_dir)
+    for size in (encoder.image_size, [12, 48, 64]):
+        vit = model.monai_vit(encoder, size)
+        volume = torch.randn(2, 1, *size, generator=torch.Generator().manual_seed(7))
+        with torch.no_grad():
+            assert float((vit(volume)[0] - encoder(volume)).abs().max()) <= 1e-6
 
 
 def rewrite_weights(directory: Path, edit) -> None:
     """Change the tensors of an export and record the new weights' sha256, as a careless user would."""
-    tensors = safetensors.torch.load_file(directory / "encoder.safetensors")
+    tensors = safetensors.torch.load_file(directory / "model.safetensors")
     edit(tensors)
     config = json.loads((directory / "config.json").read_text())
     save_encoder(tensors, {k: v for k, v in config.items() if k != "weights"}, str(directory))
@@ -71,8 +164,8 @@ def edit_config(directory: Path, edit) -> None:
 
 TAMPERINGS = {
     "weights changed after export": (
-        lambda d: d.joinpath("encoder.safetensors").write_bytes(d.joinpath("encoder.safetensors").read_bytes()[:-4]
-                                                                 + b"\0\0\0\0"), "weights.sha256"),
+        lambda d: d.joinpath("model.safetensors").write_bytes(d.joinpath("model.safetensors").read_bytes()[:-4]
+                                                               + b"\0\0\0\0"), "weights.sha256"),
     "a tensor missing": (lambda d: rewrite_weights(d, lambda t: t.pop("blocks.1.mlp.fc2.bias")),
                          "key blocks.1.mlp.fc2.bias is missing"),
     "a tensor too many": (lambda d: rewrite_weights(d, lambda t: t.update(extra=torch.zeros(1))),
