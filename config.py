@@ -531,7 +531,8 @@ class ScriptParser(argparse.ArgumentParser):
     def __init__(self, description: Optional[str] = None, config_flags: bool = True, **kwargs):
         kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
         kwargs.setdefault("allow_abbrev", False)  # --seed is a config flag, not short for a script's --seeds
-        super().__init__(description=description, epilog=CONFIG_FLAGS_HELP if config_flags else None, **kwargs)
+        kwargs.setdefault("epilog", CONFIG_FLAGS_HELP if config_flags else None)
+        super().__init__(description=description, **kwargs)
 
     def error(self, message: str):
         raise ConfigError(f"{message} (see --help).")

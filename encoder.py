@@ -1,15 +1,18 @@
-"""Use a pretrained encoder: export it, embed a dataset with it, look at what it sees.
+"""Use a pretrained encoder: export it, embed a dataset with it, look at what it sees (docs/encoder.md).
+After the demo (`python train.py`, which writes runs/demo/ and its labelled phantoms data/phantoms_probe/):
 
-    python encoder.py export --ckpt runs/learn/checkpoints --out runs/learn/encoder   # safetensors + config.json
-    python encoder.py embed --encoder runs/learn/encoder --data_root /data/oct --out oct.npz
+    python encoder.py export --ckpt runs/demo/checkpoints --out runs/demo/encoder
+    python encoder.py embed --encoder runs/demo/encoder --data_root data/phantoms --out runs/demo/embeddings.npz
+    python encoder.py show --encoder runs/demo/encoder --labels data/phantoms_probe/labels.csv --out runs/demo/show.png
     python encoder.py embed --encoder DIR --data_root gs://bucket/oct --out oct.npz --pool axial --device cuda
-    python encoder.py show --encoder runs/learn/encoder --labels data/phantoms_learn_probe/labels.csv --out show.png
 
-Fine-tuning on labelled volumes is finetune.py. An export is a folder: encoder.safetensors (the EMA target encoder,
-keys as model.Encoder) and config.json (format version, architecture, the preprocessing contract, the training-time
-augmentation, the weights' sha256, and where they came from: checkpoint, update, plan, training config). In Python:
-model.load_encoder(DIR), and data.load_val_sample(path, encoder.settings) preprocesses a DICOM file or series
-as the contract says.
+Fine-tuning on labelled volumes is finetune.py. An export is a folder that loads anywhere (torch, safetensors and
+numpy; no octjepa checkout): model.safetensors (the EMA target encoder, keys as model.Encoder), config.json (format
+version, architecture, the preprocessing contract, the training-time augmentation, the input sizes, the weights'
+sha256, and where they came from), octjepa_encoder.py (model.py's encoder code and a loader: load(DIR),
+OCTJEPAEncoder.from_pretrained(DIR) with huggingface_hub, monai_vit(encoder)), hubconf.py (torch.hub.load(DIR,
+"encoder", source="local")) and README.md (the model card). In this checkout: model.load_encoder(DIR), and
+data.load_val_sample(path, encoder.settings) preprocesses a DICOM file or series as the contract says.
 
 embed writes one row per usable volume to an .npz (numpy only): path (the file, or the folder of a series' files),
 files, patient (the index's hash of PatientID), study, series, laterality, manufacturer, model, spacing [dz,dy,dx]
@@ -23,8 +26,8 @@ show draws, for one labelled volume of each class and for the encoder beside a r
 B-scan and the en-face view of the input, the first three principal components of the patch features as RGB on
 both, and where an attentive probe (probe.py) trained on the labelled volumes looks.
 
-The config flags that apply: device, cache_dir, workers and (embed) data_root, manifest_path, index_path; the export
-brings its own model and preprocessing. Exit codes: 0 done, 2 bad arguments or export, 3 no usable volume.
+Each command takes only the config flags it lists under its --help; the export brings its own model and
+preprocessing. Exit codes: 0 done, 2 bad arguments or export, 3 no usable volume.
 """
 import ast
 import importlib.util
@@ -104,9 +107,9 @@ def round_trip_error(model: VJEPA3D, encoder: ExportedEncoder) -> float:
 
 STANDALONE_MODULE, HUBCONF, MODEL_CARD = "octjepa_encoder.py", "hubconf.py", "README.md"
 
-STANDALONE_HEADER = '''"""An octjepa encoder, standalone: its architecture and its loader in one file that needs torch, safetensors and
-numpy (huggingface_hub optional). Written by octjepa's `encoder.py export` (code {commit}); the classes and functions
-below are copied unchanged from octjepa's model.py.
+STANDALONE_HEADER = '''"""An octjepa encoder, standalone: its architecture and its loader in one file that needs torch,
+safetensors and numpy (huggingface_hub optional). Written by octjepa's `encoder.py export` (code {commit}); the
+classes and functions below are copied unchanged from octjepa's model.py.
 
     import torch
     encoder = torch.hub.load("path/to/this/folder", "encoder", source="local")  # or, with this folder on sys.path:
@@ -155,7 +158,8 @@ def load(folder: str) -> OCTJEPAEncoder:
     return encoder.eval()
 '''
 
-HUBCONF_SOURCE = '''"""torch.hub entry point of this octjepa encoder export: torch.hub.load(FOLDER, "encoder", source="local")."""
+HUBCONF_SOURCE = '''"""torch.hub entry point of this octjepa encoder export:
+torch.hub.load(FOLDER, "encoder", source="local")."""
 import importlib.util
 import os
 
@@ -309,8 +313,8 @@ def standalone_module() -> str:
     """The source of octjepa_encoder.py: model.py's ExportedEncoder and monai_vit with what they need, and a
     loader."""
     imports, definitions = model_definitions(["ExportedEncoder", "monai_vit"])
-    imports += "".join(f"\n{line}" for line in ("import hashlib", "import json", "import os", "import safetensors.torch")
-                       if line not in imports.splitlines())
+    needed = ("import hashlib", "import json", "import os", "import safetensors.torch")
+    imports += "".join(f"\n{line}" for line in needed if line not in imports.splitlines())
     return (STANDALONE_HEADER.format(commit=code_commit(), imports=imports) + "\n\n" + definitions + "\n" +
             STANDALONE_LOADER.format(format=EXPORT_FORMAT, version=EXPORT_VERSION, weights=WEIGHTS_FILE))
 
@@ -589,19 +593,25 @@ def show(encoder_dir: str, labels_csv: str, out: str, cli: Config, vs_random: bo
 
 @script_main
 def main(argv: List[str]) -> int:
-    parser = ScriptParser(__doc__, prog="encoder.py")
+    parser = ScriptParser(__doc__, prog="encoder.py", config_flags=False)
     commands = parser.add_subparsers(dest="command", required=True)
-    ex = commands.add_parser("export", help="write a checkpoint's EMA encoder as safetensors + config.json")
+
+    def command(name: str, summary: str) -> ScriptParser:
+        flags = ", ".join(f"--{f}" for f in CLI_FIELDS[name]) or "none"
+        return commands.add_parser(name, help=summary, config_flags=False, epilog=f"The config flags it takes: {flags} "
+                                   f"(the export brings its own model and preprocessing; any other is refused).")
+
+    ex = command("export", "write a checkpoint's EMA encoder as a folder that loads anywhere (docs/encoder.md)")
     ex.add_argument("--ckpt", required=True, help="a train.py checkpoint, or a run's checkpoints folder (newest step)")
     ex.add_argument("--out", required=True, help="the export folder")
     ex.add_argument("--force", action="store_true", help="replace an export already in --out")
-    em = commands.add_parser("embed", help="one embedding per volume of a folder, manifest or gs:// prefix")
+    em = command("embed", "one embedding per volume of a folder, manifest or gs:// prefix")
     em.add_argument("--encoder", required=True, help="an export folder")
     em.add_argument("--out", required=True, help="the .npz to write (OUT.partial/ holds the rows done so far)")
     em.add_argument("--pool", default="mean", choices=POOLS, help="mean: [E]; axial: each depth row's mean [gh*E]")
     em.add_argument("--batch_size", type=int, default=8, help="volumes per forward pass (default 8)")
     em.add_argument("--save_every", type=int, default=256, help="save the rows done every N volumes (default 256)")
-    sh = commands.add_parser("show", help="PNG: PCA of the patch features and an attentive probe's attention")
+    sh = command("show", "PNG: PCA of the patch features and an attentive probe's attention")
     sh.add_argument("--encoder", required=True, help="an export folder")
     sh.add_argument("--labels", required=True, help="labels CSV (path,label) whose volumes fit the PCA and the probe")
     sh.add_argument("--out", required=True, help="the PNG to write")

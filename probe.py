@@ -507,13 +507,18 @@ def read_labels(path: str, columns: Sequence[str] = ("label",)) -> List[Tuple[st
     return [(r["path"], *(r[c] for c in columns)) for r in rows]
 
 
+def phantom_labels_path(cfg: Config, varied: bool = False) -> str:
+    """Where phantom_labels writes the labels.csv of a built-in labelled phantom set."""
+    return os.path.join(cfg.phantom_dir.rstrip("/") + ("_suite" if varied else "_probe"), "labels.csv")
+
+
 def phantom_labels(cfg: Config, varied: bool = False) -> str:
     """labels.csv of a built-in labelled phantom set, written once: the plain set in cfg.phantom_dir + '_probe', or
     the varied one (varied eyes, balanced labels, retina_thickness) in cfg.phantom_dir + '_suite'."""
     n, seed = (SUITE_PHANTOMS, SUITE_PHANTOM_SEED) if varied else (PROBE_PHANTOMS, PROBE_PHANTOM_SEED)
-    directory = cfg.phantom_dir.rstrip("/") + ("_suite" if varied else "_probe")
-    ensure_phantom_set(directory, n, seed, "labelled phantom volumes", varied)
-    return os.path.join(directory, "labels.csv")
+    path = phantom_labels_path(cfg, varied)
+    ensure_phantom_set(os.path.dirname(path), n, seed, "labelled phantom volumes", varied)
+    return path
 
 
 def load_labelled_volumes(cfg: Config, labels_csv: str, max_volumes: Optional[int] = None,

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import secrets
+import shlex
 import sys
 import time
 from collections import deque
@@ -362,8 +363,25 @@ def save_training_plot(history: List[dict], path: str) -> None:
     fig.savefig(path, dpi=80)
 
 
-def summary(history: List[dict], run_dir: str, cfg: Config, state, versus_random: Optional[dict] = None) -> str:
-    """The one-screen end-of-run summary (`state`: train.TrainState); versus_random: probe.compare_with_random's verdict, if measured."""
+def next_commands(cfg: Config, run_dir: str, labels: Optional[str]) -> List[str]:
+    """The commands that use a run's encoder (docs/encoder.md), with the run's real paths; labels: its labels CSV
+    (None: a placeholder)."""
+    def path(*parts: str) -> str:
+        return shlex.quote(os.path.join(*parts))
+
+    encoder, labels = path(run_dir, "encoder"), shlex.quote(labels or "LABELS.csv")
+    data = (f"--data_root {shlex.quote(cfg.data_root or cfg.phantom_dir)}" if cfg.manifest_path is None
+            else f"--manifest_path {shlex.quote(cfg.manifest_path)}")
+    return [f"python encoder.py export --ckpt {shlex.quote(cfg.ckpt_dir)} --out {encoder}",
+            f"python encoder.py embed --encoder {encoder} {data} --out {path(run_dir, 'embeddings.npz')}",
+            f"python encoder.py show --encoder {encoder} --labels {labels} --out {path(run_dir, 'show.png')}",
+            f"python finetune.py --encoder {encoder} --labels {labels} --out {path(run_dir, 'finetune')} --vs_random"]
+
+
+def summary(history: List[dict], run_dir: str, cfg: Config, state, versus_random: Optional[dict] = None,
+            labels: Optional[str] = None) -> str:
+    """The one-screen end-of-run summary (`state`: train.TrainState); versus_random: probe.compare_with_random's
+    verdict, if measured; labels: the labels CSV the next commands use."""
     train = [r for r in history if r["split"] == "train"]
     val = [r for r in history if r["split"] == "val"]
     lines = ["", "=" * 72, f"done: {state.step} updates, {state.nonfinite_skipped} non-finite skipped, "
@@ -395,5 +413,9 @@ def summary(history: List[dict], run_dir: str, cfg: Config, state, versus_random
                        f" (overlapping or lower 95% intervals): {fix}")
         lines.append(f"verdict           {verdict}")
     lines += [f"metrics           {run_dir}/metrics.jsonl (events: events.jsonl, plot: training.png)",
-              f"checkpoints       {cfg.ckpt_dir if cfg.ckpt_dir else 'off (ckpt_dir null)'}", "=" * 72]
+              f"checkpoints       {cfg.ckpt_dir if cfg.ckpt_dir else 'off (ckpt_dir null)'}"]
+    if cfg.ckpt_dir:
+        commands = next_commands(cfg, run_dir, labels)
+        lines += [f"next (docs/encoder.md): {commands[0]}"] + [f"{'':24}{c}" for c in commands[1:]]
+    lines.append("=" * 72)
     return "\n".join(lines)

@@ -1,7 +1,7 @@
 """Train a 3D V-JEPA on OCT volumes. The loop is spelled out top to bottom in train_loop(), one iteration per optimizer
 update; devices and processes are in runtime.py, checkpoint files in checkpoint.py, logs and pictures in runlog.py.
 
-    python train.py                                   # the built-in demo (phantoms, CPU, a few minutes)
+    python train.py                                   # the built-in demo (phantoms, CPU, a few minutes): runs/demo/
     python train.py --config configs/pretrain_single_domain.yaml --data_root gs://bucket/oct
     python train.py --config ... --dry_run            # preflight: sizes, FLOPs, memory, schedules; runs nothing
     torchrun --standalone --nproc_per_node=8 train.py --config ...   # DDP on one machine
@@ -31,7 +31,7 @@ from config import (Config, ExitError, Preempted, RunPlan, ScriptParser, Storage
 from data import (NoUsableData, build_datasets, describe_masks, format_reason_table, make_loader, make_val_loader,
                   mask_generator_from_config, mask_stats)
 from model import VJEPA3D
-from probe import compare_with_random, prepare_probe_set, probe_auroc, rankme
+from probe import compare_with_random, phantom_labels_path, prepare_probe_set, probe_auroc, rankme
 from runlog import (RunLog, Throughput, describe_run, format_train_line, json_number, save_mask_plot,
                     save_schedule_plot, save_training_plot, summary)
 from checkpoint import (check_checkpoint_folder, checkpoint_everywhere, checkpoint_path, load_resume_checkpoint,
@@ -630,15 +630,21 @@ def finish(run: Run) -> None:
         log.event("summary_probe", run.state.step, **versus_random)
     if log.active:
         save_training_plot(log.history, os.path.join(run.run_dir, "training.png"))
-        log.print(summary(log.history, run.run_dir, cfg, run.state, versus_random))
+        labels = cfg.probe_labels or (phantom_labels_path(cfg) if cfg.data_root is None and cfg.manifest_path is None
+                                      else None)
+        log.print(summary(log.history, run.run_dir, cfg, run.state, versus_random, labels))
     log.close()
+
+
+DEMO_FLAGS = ["--run_name", "demo", "--resume", "auto"]  # `python train.py`: one run folder, runs/demo; run again, it
+# continues an interrupted demo, or reprints the summary of a finished one (docs/encoder.md uses its paths)
 
 
 @script_main
 def main(argv: List[str]) -> int:
     """Train with the config of a command line (`--config FILE`, `--field value`); returns the exit code."""
     _, flags = ScriptParser(__doc__, prog="train.py").parse(argv)
-    cfg = load_config(flags)
+    cfg = load_config(flags or DEMO_FLAGS)
     rt = setup_runtime(cfg)
     cfg = master_decides(rt, resolve_run_dir, cfg)  # one run name and checkpoint folder for every process
     check_checkpoint_folder(cfg, rt)  # writable (and, over several machines, shared), before anything trains
