@@ -34,6 +34,7 @@ import importlib.util
 import inspect
 import io
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -56,7 +57,8 @@ from data import NoUsableData, index_records, load_prepared, to_sample
 from dicom import UnusableFile
 from index import format_reason_table
 from model import (CONFIG_FILE, EXPORT_FORMAT, EXPORT_VERSION, POOLS, VJEPA3D, WEIGHTS_FILE, ExportedEncoder,
-                   ExportError, PretrainedEncoder, export_config, load_encoder, random_encoder, save_encoder)
+                   ExportError, PretrainedEncoder, export_config, load_encoder, pool_tokens, random_encoder,
+                   save_encoder)
 from probe import (Task, encode_volumes, fit_attentive, load_labelled_volumes, probe_device, read_model_checkpoint,
                    resolve_checkpoint, task_targets)
 from runtime import fetch_to_host, setup_runtime, to_device
@@ -357,8 +359,7 @@ def npz_bytes(arrays: dict) -> bytes:
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w") as archive:
         for name, value in arrays.items():
-            with archive.open(zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0)), "w") as f:
-                np.lib.format.write_array(f, np.asarray(value), allow_pickle=False)
+            write_npz_entry(archive, name, value)
     return buffer.getvalue()
 
 
@@ -368,8 +369,9 @@ def record_key(record: dict) -> str:
 
 
 def read_chunk(path: str, keys: List[str], settings: dict):
-    """The arrays of a saved chunk of rows, or None when it is missing, damaged or holds other volumes (they are
-    computed again). ConfigError when it was embedded with other settings (another encoder, pool or batch size)."""
+    """The arrays of a saved chunk of rows, or None when it is missing, damaged, holds other volumes or was written
+    before chunks held their position sums (they are computed again). ConfigError when it was embedded with other
+    settings (another encoder, pool or batch size)."""
     try:
         with np.load(path) as saved:
             chunk = {k: saved[k] for k in saved.files}
@@ -379,52 +381,83 @@ def read_chunk(path: str, keys: List[str], settings: dict):
         raise ConfigError(f"out: {os.path.dirname(path)} holds rows embedded with other settings "
                           f"({str(chunk['settings'])}, now {json.dumps(settings)}); rerun with those, or delete that "
                           f"folder to start over.")
-    return chunk if chunk["key"].tolist() == keys else None
+    return chunk if chunk["key"].tolist() == keys and "position_sums" in chunk else None
 
 
-def embed_batch(encoder: PretrainedEncoder, samples: List[torch.Tensor], batch_size: int, pool: str, rt) -> np.ndarray:
-    """Pooled embeddings [n, F] (float32) of n <= batch_size samples [1,D,H,W], run as one batch of batch_size (the
-    last one padded: one shape, so XLA compiles once and every row is computed in the same batch every time)."""
+def position_sums(tokens: torch.Tensor) -> torch.Tensor:
+    """Per grid position, the sum and the sum of squares over volumes of tokens [V, N, E]: [2, N, E] (float64), what
+    position_share_of_sums needs; the sums of several batches of volumes add up."""
+    t = tokens.detach().cpu().double()
+    return torch.stack([t.sum(0), t.pow(2).sum(0)])
+
+
+def position_share_of_sums(sums: torch.Tensor, volumes: int) -> float:
+    """position_share of the tokens of `volumes` volumes whose position_sums (added over batches) are sums [2, N, E]."""
+    s1, s2 = sums / volumes  # [N, E] each: per-position means of x and x^2
+    within = (s2 - s1 ** 2).clamp_min(0).sum(-1).mean()  # mean over positions of the variance over volumes
+    total = (s2.mean(0) - s1.mean(0) ** 2).clamp_min(0).sum()  # variance over all tokens of all volumes
+    return float(1.0 - within / total) if total > 0 else 0.0
+
+
+def position_share(tokens: torch.Tensor) -> float:
+    """The share of token variance explained by grid position, for tokens [V, N, E] of V volumes: 1 - (mean over the
+    N positions of the variance over volumes) / (variance over all V*N tokens), variances summed over the E features.
+    1: every token is where it is, nothing of its volume (a position code); 0: position tells nothing."""
+    return position_share_of_sums(position_sums(tokens), tokens.shape[0])
+
+
+def embed_batch(encoder: PretrainedEncoder, samples: List[torch.Tensor], batch_size: int, pool: str,
+                rt) -> Tuple[np.ndarray, torch.Tensor]:
+    """(pooled embeddings [n, F] (float32), position_sums [2, N, E] of their tokens) of n <= batch_size samples
+    [1,D,H,W], run as one batch of batch_size (the last one padded: one shape, so XLA compiles once and every row is
+    computed in the same batch every time)."""
     batch = torch.stack(samples)  # [n,1,D,H,W]
     n = len(batch)
     batch = torch.cat([batch, batch[-1:].expand(batch_size - n, *batch.shape[1:])])
     with torch.no_grad():
-        pooled = encoder.embed(to_device({"volume": batch}, rt)["volume"], pool)
-    return fetch_to_host(pooled, rt).float().numpy()[:n]
+        tokens = encoder(to_device({"volume": batch}, rt)["volume"])  # [batch_size, N, E]
+        pooled = pool_tokens(tokens, encoder.grid, pool)
+    tokens = fetch_to_host(tokens, rt).float()[:n]
+    return fetch_to_host(pooled, rt).float().numpy()[:n], position_sums(tokens)
 
 
 def embed_chunk(encoder: PretrainedEncoder, inputs, count: int, batch_size: int, pool: str, rt,
-                progress) -> Tuple[np.ndarray, list]:
-    """(embeddings [count, F], zero rows for unusable volumes; [(reason, detail)] per row, ('', '') when embedded) of
-    the next `count` volumes of the `inputs` iterator."""
+                progress) -> Tuple[np.ndarray, list, torch.Tensor]:
+    """(embeddings [count, F], zero rows for unusable volumes; [(reason, detail)] per row, ('', '') when embedded;
+    the position_sums [2, N, E] of the embedded volumes' tokens) of the next `count` volumes of the `inputs`
+    iterator."""
     rows, reasons, pending = [], [], []  # rows: (row, embedding); pending: (row, sample) of the batch being filled
+    sums = torch.zeros(2, math.prod(encoder.grid), encoder.embed_dim, dtype=torch.float64)
     for row in range(count):
         sample, reason, detail = next(inputs)
         reasons.append((reason, detail))
         if sample is not None:
             pending.append((row, sample))
         if len(pending) == batch_size or (row == count - 1 and pending):
-            rows += zip([r for r, _ in pending], embed_batch(encoder, [s for _, s in pending], batch_size, pool, rt))
+            pooled, batch_sums = embed_batch(encoder, [s for _, s in pending], batch_size, pool, rt)
+            rows += zip([r for r, _ in pending], pooled)
+            sums += batch_sums
             pending = []
         progress.update(1)
     embeddings = np.zeros((count, encoder.embedding_size(pool)), np.float32)
     for row, embedding in rows:
         embeddings[row] = embedding
-    return embeddings, reasons
+    return embeddings, reasons, sums
 
 
 def embed_records(encoder: PretrainedEncoder, records: List[dict], cfg: Config, partial: str, pool: str,
-                  batch_size: int, save_every: int, rt) -> Tuple[np.ndarray, list, int]:
-    """(embeddings [M, F], [(reason, detail)] per record, how many were computed now) of usable index records.
-    Chunks of save_every volumes (a multiple of batch_size) are saved in `partial` as they are done; chunks already
-    there are not computed again."""
+                  batch_size: int, save_every: int, rt) -> Tuple[List[str], int]:
+    """(the chunk files, in order, that hold the rows of the usable index records; how many volumes were computed
+    now). Chunks of save_every volumes (a multiple of batch_size) are saved in `partial` as they are done (each:
+    key, embedding, reason, detail, position_sums, settings); chunks already there are not computed again. Only one
+    chunk is in memory at a time."""
     size = -(-save_every // batch_size) * batch_size
     chunks = [records[i:i + size] for i in range(0, len(records), size)]
     settings = {"encoder": encoder.config["weights"]["sha256"], "pool": pool, "batch_size": batch_size}
     paths = [os.path.join(partial, f"chunk_{k:06d}.npz") for k in range(len(chunks))]
-    saved = [read_chunk(p, [record_key(r) for r in c], settings) for p, c in zip(paths, chunks)]
-    todo = [k for k, chunk in enumerate(saved) if chunk is None]
-    done = sum(len(chunks[k]) for k in range(len(chunks)) if saved[k] is not None)
+    todo = [k for k, (p, c) in enumerate(zip(paths, chunks))
+            if read_chunk(p, [record_key(r) for r in c], settings) is None]
+    done = len(records) - sum(len(chunks[k]) for k in todo)
     if done:
         print(f"resuming: {done} of {len(records)} volumes already embedded in {partial}", file=sys.stderr)
     loader = torch.utils.data.DataLoader(EmbedInputs([r for k in todo for r in chunks[k]], cfg), batch_size=None,
@@ -432,15 +465,12 @@ def embed_records(encoder: PretrainedEncoder, records: List[dict], cfg: Config, 
     inputs = iter(loader)
     with tqdm(total=len(records), initial=done, unit="volume", desc="embed", disable=None) as progress:
         for k in todo:
-            embeddings, reasons = embed_chunk(encoder, inputs, len(chunks[k]), batch_size, pool, rt, progress)
-            saved[k] = {"key": np.array([record_key(r) for r in chunks[k]]), "embedding": embeddings,
-                        "reason": np.array([r for r, _ in reasons]), "detail": np.array([d for _, d in reasons]),
-                        "settings": np.array(json.dumps(settings))}
-            write_atomic(paths[k], npz_bytes(saved[k]))
-    embeddings = np.concatenate([np.zeros((0, encoder.embedding_size(pool)), np.float32)] +
-                                [c["embedding"] for c in saved])
-    reasons = [(r, d) for c in saved for r, d in zip(c["reason"].tolist(), c["detail"].tolist())]
-    return embeddings, reasons, len(records) - done
+            embeddings, reasons, sums = embed_chunk(encoder, inputs, len(chunks[k]), batch_size, pool, rt, progress)
+            write_atomic(paths[k], npz_bytes({
+                "key": np.array([record_key(r) for r in chunks[k]]), "embedding": embeddings,
+                "reason": np.array([r for r, _ in reasons]), "detail": np.array([d for _, d in reasons]),
+                "position_sums": sums.numpy(), "settings": np.array(json.dumps(settings))}))
+    return paths, len(records) - done
 
 
 def volume_path(paths: List[str]) -> str:
@@ -448,31 +478,85 @@ def volume_path(paths: List[str]) -> str:
     return paths[0] if len(paths) == 1 else os.path.dirname(os.path.commonprefix(paths) + "x")
 
 
-def embedding_table(records: List[dict], embeddings: np.ndarray, reasons: list, rejected: List[dict]) -> dict:
-    """The arrays of the embed file: a row per embedded volume, a skipped_ row per unusable file or volume."""
-    rows = [(r, e) for r, e, (reason, _) in zip(records, embeddings, reasons) if not reason]
+def read_chunks(paths: List[str]):
+    """Each saved chunk's arrays in turn (one in memory at a time)."""
+    for path in paths:
+        with np.load(path) as saved:
+            yield {k: saved[k] for k in saved.files}
+
+
+def chunk_statistics(paths: List[str]) -> dict:
+    """Over the embedded rows of the saved chunks: how many, each dimension's mean and standard deviation (float32,
+    computed in float64), and the position share of their tokens."""
+    count, sums, token_sums = 0, 0.0, 0.0
+    for chunk in read_chunks(paths):
+        rows = chunk["embedding"][chunk["reason"] == ""].astype(np.float64)
+        count += len(rows)
+        sums = sums + np.stack([rows.sum(0), (rows ** 2).sum(0)])
+        token_sums = token_sums + torch.from_numpy(chunk["position_sums"])
+    if not count:
+        return {"rows": 0}
+    mean = sums[0] / count
+    std = np.sqrt(np.maximum(sums[1] / count - mean ** 2, 0))
+    return {"rows": count, "mean": mean.astype(np.float32), "std": std.astype(np.float32),
+            "position_share": position_share_of_sums(token_sums, count)}
+
+
+def write_npz_entry(archive: zipfile.ZipFile, name: str, value) -> None:
+    """One array into an open .npz archive, its entry without a time stamp (the file depends only on the arrays)."""
+    with archive.open(zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0)), "w", force_zip64=True) as f:
+        np.lib.format.write_array(f, np.asarray(value), allow_pickle=False)
+
+
+def write_embedding_table(out: str, records: List[dict], paths: List[str], rejected: List[dict], extra: dict,
+                          stats: dict, standardize: bool) -> dict:
+    """Write the embed file `out` (atomically): a row per embedded volume, a skipped_ row per unusable file or volume,
+    mean and std, and `extra`; the embedding column streamed chunk by chunk from the saved chunks, standardized
+    with mean and std when `standardize`. Returns its arrays but the embeddings, and their shape."""
+    reasons = [(r, d) for c in read_chunks(paths) for r, d in zip(c["reason"].tolist(), c["detail"].tolist())]
+    rows = [r for r, (reason, _) in zip(records, reasons) if not reason]
     skipped = [(r["paths"][0], r["reason"], r["detail"] or "") for r in rejected]
     skipped += [(r["paths"][0], reason, detail) for r, (reason, detail) in zip(records, reasons) if reason]
-    def column(key: str) -> np.ndarray:  # '' where an older index has no such field
-        return np.array([str(r.get(key) or "") for r, _ in rows], dtype=str)
 
-    return {"path": np.array([volume_path(r["paths"]) for r, _ in rows], dtype=str),
-            "files": np.array([len(r["paths"]) for r, _ in rows], dtype=np.int64),
-            "patient": column("patient"), "study": column("study"), "series": column("series"),
-            "laterality": column("laterality"), "manufacturer": column("manufacturer"), "model": column("model"),
-            "spacing": np.array([r["spacing"] or [np.nan] * 3 for r, _ in rows], dtype=np.float64).reshape(-1, 3),
-            "shape": np.array([r["shape"] for r, _ in rows], dtype=np.int64).reshape(-1, 3),
-            "embedding": np.stack([e for _, e in rows]) if rows else embeddings[:0],
-            "skipped_path": np.array([s[0] for s in skipped], dtype=str),
-            "skipped_reason": np.array([s[1] for s in skipped], dtype=str),
-            "skipped_detail": np.array([s[2] for s in skipped], dtype=str)}
+    def column(key: str) -> np.ndarray:  # '' where an older index has no such field
+        return np.array([str(r.get(key) or "") for r in rows], dtype=str)
+
+    width = len(stats.get("mean", [])) or (next(read_chunks(paths))["embedding"].shape[1] if paths else 0)
+    table = {"path": np.array([volume_path(r["paths"]) for r in rows], dtype=str),
+             "files": np.array([len(r["paths"]) for r in rows], dtype=np.int64),
+             "patient": column("patient"), "study": column("study"), "series": column("series"),
+             "laterality": column("laterality"), "manufacturer": column("manufacturer"), "model": column("model"),
+             "spacing": np.array([r["spacing"] or [np.nan] * 3 for r in rows], dtype=np.float64).reshape(-1, 3),
+             "shape": np.array([r["shape"] for r in rows], dtype=np.int64).reshape(-1, 3),
+             "skipped_path": np.array([s[0] for s in skipped], dtype=str),
+             "skipped_reason": np.array([s[1] for s in skipped], dtype=str),
+             "skipped_detail": np.array([s[2] for s in skipped], dtype=str),
+             "mean": stats.get("mean", np.zeros(width, np.float32)),
+             "std": stats.get("std", np.zeros(width, np.float32)),
+             "standardized": np.array(standardize), **extra}
+    scale = np.where(table["std"] > 0, table["std"], 1).astype(np.float32)
+    partial = out + ".writing"
+    with zipfile.ZipFile(partial, "w") as archive:
+        with archive.open(zipfile.ZipInfo("embedding.npy", date_time=(1980, 1, 1, 0, 0, 0)), "w",
+                          force_zip64=True) as f:
+            np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(np.dtype(np.float32)),
+                                                     "fortran_order": False, "shape": (len(rows), width)})
+            for chunk in read_chunks(paths):
+                embedded = chunk["embedding"][chunk["reason"] == ""]  # [rows of this chunk, F]
+                f.write(((embedded - table["mean"]) / scale if standardize else embedded).astype(np.float32).tobytes())
+        for name, value in table.items():
+            write_npz_entry(archive, name, value)
+    os.replace(partial, out)
+    return {**table, "embedding_shape": (len(rows), width)}
 
 
 def embed(encoder_dir: str, out: str, cli: Config, pool: str = "mean", batch_size: int = 8,
-          save_every: int = 256) -> Tuple[dict, int]:
+          save_every: int = 256, standardize: bool = False) -> Tuple[dict, int]:
     """Embed every usable volume of cli's data_root / manifest_path (with its device, cache_dir, workers,
-    index_path) with an export and write `out` (.npz); returns its arrays and how many volumes were computed now.
-    Resumes from out.partial/ (see embed_records), removed once `out` is written."""
+    index_path) with an export and write `out` (.npz); returns its arrays (the embeddings' shape in
+    'embedding_shape', not the embeddings) and how many volumes were computed now. Resumes from out.partial/ (see
+    embed_records), removed once `out` is written. The memory it needs does not grow with the rows but for their
+    identity columns."""
     if not out.endswith(".npz") or out.startswith("gs://"):
         raise ConfigError(f"out: {out} must be a local file ending in .npz (one array per column; np.load reads it); "
                           f"copy it to a bucket afterwards.")
@@ -487,15 +571,19 @@ def embed(encoder_dir: str, out: str, cli: Config, pool: str = "mean", batch_siz
     if batch_size % rt.local_replicas:
         raise ConfigError(f"batch_size: {batch_size} does not divide over this host's {rt.local_replicas} devices.")
     records = index_records(cfg)
+    if not records:
+        raise NoUsableData(f"no files under {cfg.data_root or cfg.manifest_path}: check the path (a folder, a glob or "
+                           f"a gs:// prefix of DICOM files; --manifest_path for a list of files).")
     usable = [r for r in records if r["ok"]]
     if not usable:
         raise NoUsableData(f"no usable volume in {cfg.data_root or cfg.manifest_path}:\n"
                            f"{format_reason_table(Counter(r['reason'] for r in records))}")
     partial = out + ".partial"
-    embeddings, reasons, computed = embed_records(encoder.to(rt.device), usable, cfg, partial, pool, batch_size,
-                                                  save_every, rt)
-    table = embedding_table(usable, embeddings, reasons, [r for r in records if not r["ok"]])
-    write_atomic(out, npz_bytes({**table, "pool": np.array(pool), "encoder": np.array(json.dumps(encoder.config))}))
+    paths, computed = embed_records(encoder.to(rt.device), usable, cfg, partial, pool, batch_size, save_every, rt)
+    stats = chunk_statistics(paths)
+    extra = {"pool": np.array(pool), "encoder": np.array(json.dumps(encoder.config)),
+             "position_share": np.array(stats.get("position_share", np.nan))}
+    table = write_embedding_table(out, usable, paths, [r for r in records if not r["ok"]], extra, stats, standardize)
     shutil.rmtree(partial, ignore_errors=True)
     return table, computed
 
@@ -611,6 +699,8 @@ def main(argv: List[str]) -> int:
     em.add_argument("--pool", default="mean", choices=POOLS, help="mean: [E]; axial: each depth row's mean [gh*E]")
     em.add_argument("--batch_size", type=int, default=8, help="volumes per forward pass (default 8)")
     em.add_argument("--save_every", type=int, default=256, help="save the rows done every N volumes (default 256)")
+    em.add_argument("--standardize", action="store_true",
+                    help="store (embedding - mean) / std per dimension (mean and std are stored either way)")
     sh = command("show", "PNG: PCA of the patch features and an attentive probe's attention")
     sh.add_argument("--encoder", required=True, help="an export folder")
     sh.add_argument("--labels", required=True, help="labels CSV (path,label) whose volumes fit the PCA and the probe")
@@ -631,9 +721,12 @@ def main(argv: List[str]) -> int:
     elif args.command == "embed":
         if args.batch_size < 1 or args.save_every < 1:
             parser.error("--batch_size and --save_every must be at least 1")
-        table, computed = embed(args.encoder, args.out, cli, args.pool, args.batch_size, args.save_every)
-        print(f"{len(table['path'])} volumes embedded in {args.out} ({table['embedding'].shape[1]} numbers each, "
-              f"{computed} computed now)")
+        table, computed = embed(args.encoder, args.out, cli, args.pool, args.batch_size, args.save_every,
+                                args.standardize)
+        print(f"{len(table['path'])} volumes embedded in {args.out} ({table['embedding_shape'][1]} numbers each, "
+              f"{computed} computed now{', standardized' if args.standardize else ''}); grid position explains "
+              f"{float(table['position_share']):.0%} of the token variance (position_share). Standardize each "
+              f"dimension before cosine, kNN or clustering: (embedding - mean) / std (docs/encoder.md).")
         if len(table["skipped_reason"]):
             print(f"{len(table['skipped_reason'])} files or volumes skipped:\n"
                   f"{format_reason_table(Counter(table['skipped_reason'].tolist()))}")

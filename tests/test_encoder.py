@@ -246,6 +246,38 @@ def test_embed_writes_a_row_per_volume_with_its_identity_and_the_reason_for_each
     assert "truncated" in capsys.readouterr().out
 
 
+def cosines(rows: np.ndarray) -> np.ndarray:
+    """Pairwise cosine similarities of rows [M, F], each pair once."""
+    unit = rows / np.linalg.norm(rows, axis=1, keepdims=True)
+    return (unit @ unit.T)[np.triu_indices(len(rows), 1)]
+
+
+def test_embed_stores_what_standardizing_needs_and_the_position_share_of_the_tokens(export_dir, phantom_dir, tmp_path,
+                                                                                   capsys):
+    flags = ["embed", "--encoder", export_dir, "--data_root", phantom_dir, "--workers", "0", "--batch_size", "4",
+             "--save_every", "4"]
+    assert encoder_cli.main(flags + ["--out", str(tmp_path / "raw.npz")]) == 0
+    assert "of the token variance (position_share)" in capsys.readouterr().out
+    assert encoder_cli.main(flags + ["--out", str(tmp_path / "std.npz"), "--standardize"]) == 0
+    raw, standardized = load_npz(tmp_path / "raw.npz"), load_npz(tmp_path / "std.npz")
+    np.testing.assert_allclose(raw["mean"], raw["embedding"].astype(np.float64).mean(0), atol=1e-5)
+    np.testing.assert_allclose(raw["std"], raw["embedding"].astype(np.float64).std(0), rtol=1e-4)
+    np.testing.assert_allclose(standardized["embedding"], (raw["embedding"] - raw["mean"]) / raw["std"], atol=1e-5)
+    assert bool(standardized["standardized"]) and not bool(raw["standardized"])
+    assert np.median(cosines(standardized["embedding"])) < np.median(cosines(raw["embedding"]))
+    encoder = load_encoder(export_dir)
+    volumes = torch.stack([load_val_sample(str(p), encoder.settings) for p in raw["path"]])
+    share = encoder_cli.position_share(encoder.encode(volumes))
+    assert float(raw["position_share"]) == pytest.approx(share, abs=1e-6) and 0 < share < 1
+
+
+def test_embed_on_an_empty_folder_says_there_are_no_files_there(export_dir, tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert encoder_cli.main(["embed", "--encoder", export_dir, "--data_root", str(tmp_path / "empty"), "--out",
+                             str(tmp_path / "e.npz")]) == 3
+    assert f"no files under {tmp_path / 'empty'}" in capsys.readouterr().err
+
+
 def test_embed_refuses_rows_saved_by_another_encoder_and_never_overwrites(export_dir, phantom_dir, tmp_path, capsys):
     out = tmp_path / "emb.npz"
     other = random_encoder(load_encoder(export_dir).config, seed=3)
