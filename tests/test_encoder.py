@@ -4,6 +4,7 @@ import inspect
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -18,7 +19,10 @@ import torch
 from PIL import Image
 
 import encoder as encoder_cli
+import finetune
+import train
 from data import load_val_sample
+from dicom import read_volume
 from index import find_files, scan_files
 import model
 from model import Encoder, ExportError, load_encoder, random_encoder, save_encoder
@@ -354,3 +358,46 @@ def test_the_readme_snippet_loads_the_export_without_train_py(export_dir, phanto
     result = subprocess.run([sys.executable, "-c", code + check], cwd=REPO, capture_output=True, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def docs_block(language: str, index: int = 0) -> str:
+    """The index-th code block of that language in docs/encoder.md."""
+    text = (REPO / "docs" / "encoder.md").read_text()
+    return re.findall(rf"```{language}\n(.*?)```", text, re.DOTALL)[index]
+
+
+@pytest.mark.slow
+def test_the_docs_commands_run_in_order(smoke_phantoms, tmp_path, capsys):
+    names = sorted(n for n in os.listdir(smoke_phantoms) if n.endswith(".dcm"))
+    labels = tmp_path / "labels.csv"  # 16 volumes of 8 patients, two classes
+    labels.write_text("path,label,patient\n" + "".join(f"{smoke_phantoms}/{n},{'ab'[(i // 2) % 2]},p{i // 2}\n"
+                                                       for i, n in enumerate(names)))
+    runs = tmp_path / "runs"
+    flags = ["--config", str(REPO / "configs" / "smoke.yaml"), "--phantom_dir", smoke_phantoms, "--out_dir",
+             str(runs), "--max_steps", "4", "--probe_labels", str(labels)]
+    assert train.main(flags + train.DEMO_FLAGS) == 0  # the demo's run folder: runs/demo
+    summary = capsys.readouterr().out
+    commands = [line.replace("runs/demo", f"{runs}/demo").replace("data/phantoms_probe/labels.csv", str(labels))
+                .replace("data/phantoms ", f"{smoke_phantoms} ") for line in docs_block("bash").splitlines()]
+    assert len(commands) == 4
+    for command in commands:
+        assert command in summary  # the summary prints the docs' commands with the run's own paths
+        argv = shlex.split(command)[2:]
+        if command.startswith("python finetune.py"):
+            assert finetune.main(argv + ["--modes", "frozen", "--folds", "2"]) == 0  # quick: no full fine-tuning
+        else:
+            assert encoder_cli.main(argv) == 0
+    for written in ("encoder/octjepa_encoder.py", "embeddings.npz", "show.png", "finetune/report.json"):
+        assert (runs / "demo" / written).exists(), written
+    assert train.main(flags + train.DEMO_FLAGS) == 0  # the demo again: its run is done, its summary again
+    assert commands[0] in capsys.readouterr().out
+
+
+def test_the_docs_python_blocks_load_a_dicom_file_and_an_in_memory_volume_alike(export_dir, phantom_dir, tmp_path):
+    first = sorted(p for p in os.listdir(phantom_dir) if p.endswith(".dcm"))[0]
+    checkout = docs_block("python", 1).replace("runs/demo/encoder", export_dir).replace("scan.dcm",
+                                                                                        f"{phantom_dir}/{first}")
+    read = read_volume(f"{phantom_dir}/{first}")
+    in_memory = ("x_file = x\n" + docs_block("python", 4).replace("array_dhw", "read.voxels")
+                 .replace("(dz, dy, dx)", "read.spacing") + "assert torch.equal(x, x_file)\n")
+    exec(checkout + in_memory, {"read": read})
