@@ -43,7 +43,7 @@ import tempfile
 import zipfile
 from collections import Counter
 from dataclasses import replace
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -53,14 +53,14 @@ from sklearn.decomposition import PCA
 from tqdm import tqdm
 
 from config import Config, ConfigError, ScriptParser, given_flags, load_config, script_main
-from data import NoUsableData, index_records, load_prepared, to_sample
-from dicom import UnusableFile
+from data import NoUsableData, index_records, load_prepared, load_val_sample, to_sample
+from dicom import UnusableFile, read_volume
 from index import format_reason_table
 from model import (CONFIG_FILE, EXPORT_FORMAT, EXPORT_VERSION, POOLS, VJEPA3D, WEIGHTS_FILE, ExportedEncoder,
                    ExportError, PretrainedEncoder, export_config, load_encoder, pool_tokens, random_encoder,
                    save_encoder)
-from probe import (Task, encode_volumes, fit_attentive, load_labelled_volumes, probe_device, read_model_checkpoint,
-                   resolve_checkpoint, task_targets)
+from probe import (Task, fit_attentive, probe_device, read_labels, read_model_checkpoint, resolve_checkpoint,
+                   task_targets)
 from runtime import fetch_to_host, setup_runtime, to_device
 from storage import exists, write_atomic
 
@@ -592,87 +592,146 @@ def embed(encoder_dir: str, out: str, cli: Config, pool: str = "mean", batch_siz
 # Show what the encoder sees
 # ----------------------------------------------------------------------------------------------------------
 
-def feature_colours(tokens: torch.Tensor, shown: List[int]) -> np.ndarray:
-    """RGB [S, N, 3] in [0, 1] of the shown volumes' tokens: their projection on the first three principal components
-    of all tokens [M, N, E], each stretched from its 1st to its 99th percentile over all tokens."""
+def feature_colours(tokens: torch.Tensor, shown: List[int], centre: bool = True) -> Tuple[np.ndarray, np.ndarray]:
+    """(RGB [S, N, 3] in [0, 1] of the shown volumes' tokens, the share of variance of each of the 3 components):
+    their projection on the first three principal components of all tokens [M, N, E], each stretched from its 1st
+    to its 99th percentile over all tokens. centre: each grid position's mean token over the M volumes is subtracted
+    first, so the components show what differs between volumes, not where a token is (position)."""
+    if centre:
+        tokens = tokens - tokens.mean(0, keepdim=True)  # [M, N, E] minus [1, N, E]
     pca = PCA(3, random_state=0).fit(tokens.flatten(0, 1).numpy())
     every = pca.transform(tokens.flatten(0, 1).numpy())  # [M*N, 3]
     lo, hi = np.percentile(every, [1, 99], axis=0)
     rgb = (pca.transform(tokens[shown].flatten(0, 1).numpy()) - lo) / np.maximum(hi - lo, 1e-12)
-    return np.clip(rgb, 0, 1).reshape(len(shown), tokens.shape[1], 3)
+    return np.clip(rgb, 0, 1).reshape(len(shown), tokens.shape[1], 3), pca.explained_variance_ratio_
 
 
-def looks(encoder: PretrainedEncoder, volumes: torch.Tensor, labels: np.ndarray, shown: List[int], device) -> dict:
-    """What one encoder shows for the shown volumes: PCA colours of their tokens [S,gd,gh,gw,3] and of their
-    depth-averaged (en face) tokens [S,gd,gw,3], the attention [S,gd,gh,gw] (mean over heads) of an attentive probe
-    trained on the other labelled volumes, and its probability of each shown volume's class [S]."""
-    tokens = encode_volumes(encoder.to(device), volumes, device)  # [M, N, E]
+def looks(tokens: torch.Tensor, grid: List[int], labels: np.ndarray, shown: List[int]) -> dict:
+    """What one encoder's tokens [M, N, E] of the labelled volumes show for the shown ones: PCA colours of their
+    position-centred tokens [S,gd,gh,gw,3] and of their depth-averaged (en face) tokens [S,gd,gw,3], the attention
+    [S,gd,gh,gw] (mean over heads) of an attentive probe trained on the other labelled volumes, its probability of
+    each shown volume's class [S], and the tokens' position share."""
     M, _, E = tokens.shape
-    grid = encoder.grid
     enface = tokens.view(M, *grid, E).mean(2).flatten(1, 2)  # [M, gd*gw, E]
     train = np.setdiff1d(np.arange(M), shown)  # the shown volumes are held out: p is a held-out prediction
     head = fit_attentive(tokens, labels, train, Task("label"), seed=0)
     with torch.no_grad():
         attention = head.attention(tokens[shown]).mean(-1)  # [S, N]
         probs = F.softmax(head(tokens[shown]), dim=-1)[torch.arange(len(shown)), labels[shown]]
-    return {"rgb": feature_colours(tokens, shown).reshape(len(shown), *grid, 3),
-            "rgb_enface": feature_colours(enface, shown).reshape(len(shown), grid[0], grid[2], 3),
-            "attention": attention.numpy().reshape(len(shown), *grid), "prob": probs.numpy()}
+    rgb, explained = feature_colours(tokens, shown)
+    return {"rgb": rgb.reshape(len(shown), *grid, 3), "explained": explained,
+            "rgb_enface": feature_colours(enface, shown)[0].reshape(len(shown), grid[0], grid[2], 3),
+            "attention": attention.numpy().reshape(len(shown), *grid), "prob": probs.numpy(),
+            "position_share": position_share(tokens)}
 
 
-def draw_volume_row(axes, volume: np.ndarray, look: dict, s: int, slab: int, patch_depth: int) -> None:
-    """Six panels of one volume [D,H,W] for one encoder: the middle B-scan of token slab `slab`, its PCA colours
-    and the probe's attention over it; the same en face (the mean over depth; attention summed over depth)."""
+def input_spacing(path: str, cfg: Config) -> Optional[List[float]]:
+    """The voxel spacing [dz, dy, dx] mm of a file's model input (cfg's preprocessing), None when unknown."""
+    volume = read_volume(path)
+    if volume.spacing is None:
+        return None
+    if cfg.target_spacing is not None:
+        return list(cfg.target_spacing)
+    return [s * n / m for s, n, m in zip(volume.spacing, volume.voxels.shape, cfg.image_size)]
+
+
+def labelled_tokens(encoders: dict, cfg: Config, labels_csv: str, wanted: Optional[List[int]], device):
+    """One pass over a labels CSV, a volume in memory at a time: ({arm: tokens [M, N, E]} of every usable volume,
+    their labels [M] and class names, the indices of the shown ones (the rows `wanted`, 1 = the first data row, else
+    the first volume of each class), their inputs [S,1,D,H,W] and their labels-file rows, {reason: count} skipped)."""
+    rows = read_labels(labels_csv)
+    if wanted and not all(1 <= w <= len(rows) for w in wanted):
+        raise ConfigError(f"volumes: {labels_csv} has rows 1 to {len(rows)}, not {wanted}.")
+    tokens, values, shown, inputs, skipped = {arm: [] for arm in encoders}, [], [], {}, Counter()
+    with tqdm(total=len(rows), unit="volume", desc="show", disable=None) as progress:
+        for row, (path, label) in enumerate(rows, start=1):
+            progress.update(1)
+            try:
+                volume = load_val_sample(path, cfg)[None]  # [1,1,D,H,W]
+            except UnusableFile as e:
+                if row in (wanted or []):
+                    raise ConfigError(f"volumes: row {row} of {labels_csv} cannot be used ({e.reason}).") from None
+                skipped[e.reason] += 1
+                continue
+            for arm, encoder in encoders.items():
+                tokens[arm].append(encoder.encode(volume.to(device)).float().cpu()[0])
+            if (row in wanted) if wanted else label not in [values[s] for s in shown]:
+                shown.append(len(values))
+                inputs[len(values)] = (volume[0], row, input_spacing(path, cfg))
+            values.append(label)
+    labels, classes = task_targets(Task("label"), np.array(values, dtype=str), labels_csv)
+    return {arm: torch.stack(t) for arm, t in tokens.items()}, labels, classes, shown, inputs, dict(skipped)
+
+
+def draw_volume_row(fig, axes, volume: np.ndarray, look: dict, s: int, slab: int, patch_depth: int,
+                    spacing: Optional[List[float]]) -> None:
+    """Six panels of one volume [D,H,W] for one encoder: the middle B-scan of token slab `slab`, its PCA colours and
+    the probe's attention over it; the same en face (the mean over depth; attention summed over depth), at the
+    volume's true aspect ratio where its spacing is known. Colour bars on the input and the attention."""
     D, H, W = volume.shape
     frame = slab * patch_depth + patch_depth // 2
     attention = look["attention"][s]  # [gd, gh, gw]
     enface = volume.mean(1)  # [D, W]
-    bscan_extent, enface_extent = (0, W, H, 0), (0, W, D, 0)
+    bscan_extent = (0, W, H, 0)
+    enface_extent = (0, W * spacing[2], D * spacing[0], 0) if spacing else (0, W, D, 0)  # mm when known
     panels = [(volume[frame], None, bscan_extent), (look["rgb"][s][slab], None, bscan_extent),
               (volume[frame], attention[slab], bscan_extent), (enface, None, enface_extent),
               (look["rgb_enface"][s], None, enface_extent), (enface, attention.sum(1), enface_extent)]
-    for ax, (image, heat, extent) in zip(axes, panels):
-        ax.imshow(image, cmap="gray" if image.ndim == 2 else None, extent=extent, aspect="auto",
-                  interpolation="nearest")
+    for k, (ax, (image, heat, extent)) in enumerate(zip(axes, panels)):
+        aspect = "equal" if extent is enface_extent and spacing else "auto"
+        shown = ax.imshow(image, cmap="gray" if image.ndim == 2 else None, extent=extent, aspect=aspect,
+                          interpolation="nearest")
         if heat is not None:
-            ax.imshow(heat / heat.max(), cmap="inferno", alpha=0.55, extent=extent, aspect="auto", vmin=0, vmax=1,
-                      interpolation="nearest")
+            shown = ax.imshow(heat / heat.max(), cmap="inferno", alpha=0.55, extent=extent, aspect=aspect, vmin=0,
+                              vmax=1, interpolation="nearest")
+        if image.ndim == 2 and k in (0, 2, 5):
+            fig.colorbar(shown, ax=ax, fraction=0.046, pad=0.02).ax.tick_params(labelsize=6)
         ax.set_xticks([])
         ax.set_yticks([])
     axes[0].set_xlabel(f"B-scan {frame} of {D}", fontsize=8)
+    if spacing:
+        axes[3].set_xlabel(f"{W * spacing[2]:.1f} x {D * spacing[0]:.1f} mm", fontsize=8)
 
 
-def show(encoder_dir: str, labels_csv: str, out: str, cli: Config, vs_random: bool = True) -> None:
-    """PNG of one labelled volume of each class: input, PCA colours of the patch features and an attentive probe's
-    attention, on a B-scan and en face, for the export and (vs_random) a random init of its architecture. The
-    B-scan is the middle one of the token slab that the export's probe attends to most."""
+def show(encoder_dir: str, labels_csv: str, out: str, cli: Config, vs_random: bool = True,
+         volumes: Optional[List[int]] = None) -> dict:
+    """PNG of labelled volumes (`volumes`: rows of the labels CSV, 1 = the first; default one of each class):
+    input, PCA colours of the position-centred patch features and an attentive probe's attention, on a B-scan and
+    en face, for the export and (vs_random) a random init of its architecture. The B-scan is the middle one of the
+    token slab that the export's probe attends to most. Returns what it drew: looks (per arm), rows, labels, title."""
     encoder = load_encoder(encoder_dir)
     cfg = replace(encoder.settings, **{k: getattr(cli, k) for k in CLI_FIELDS["show"]})
     device = probe_device(cfg)
-    volumes, values, skipped = load_labelled_volumes(cfg, labels_csv)
-    labels, classes = task_targets(Task("label"), values["label"], labels_csv)
-    if skipped:
-        print(f"skipped unusable files: {skipped}", file=sys.stderr)
-    shown = [int(np.flatnonzero(labels == c)[0]) for c in range(len(classes))]  # the first volume of each class
     arms = {"pretrained": encoder, "random init": random_encoder(encoder.config, cfg.seed)} if vs_random \
         else {"encoder": encoder}
-    looked = {arm: looks(e, volumes, labels, shown, device) for arm, e in arms.items()}
+    arms = {arm: e.to(device) for arm, e in arms.items()}
+    tokens, labels, classes, shown, inputs, skipped = labelled_tokens(arms, cfg, labels_csv, volumes, device)
+    if skipped:
+        print(f"skipped unusable files: {skipped}", file=sys.stderr)
+    looked = {arm: looks(t, encoder.grid, labels, shown) for arm, t in tokens.items()}
     titles = ["input B-scan", "features (PCA 1-3 as RGB)", "attentive probe's attention", "input en face",
               "features en face (PCA)", "attention en face"]
-    fig = Figure(figsize=(14, 2.1 * len(shown) * len(arms) + 0.6))
+    fig = Figure(figsize=(15, 2.3 * len(shown) * len(arms) + 0.8))
     axes = fig.subplots(len(shown) * len(arms), len(titles), squeeze=False)
     for ax, title in zip(axes[0], titles):
         ax.set_title(title, fontsize=10)
     for i, s in enumerate(shown):
+        volume, row, spacing = inputs[s]
         slab = int(looked[next(iter(arms))]["attention"][i].sum((1, 2)).argmax())
         for j, (arm, look) in enumerate(looked.items()):
-            row = axes[i * len(arms) + j]
-            draw_volume_row(row, volumes[s, 0].numpy(), look, i, slab, encoder.settings.patch_size[0])
-            row[0].set_ylabel(f"{arm}\n{classes[labels[s]]}, p={look['prob'][i]:.2f}", fontsize=9)
-    fig.suptitle(f"{encoder_dir}: one volume per class of {len(labels)} labelled "
-                 f"volumes; p = the probe's held-out probability of its class", fontsize=10)
+            axes_row = axes[i * len(arms) + j]
+            draw_volume_row(fig, axes_row, volume[0].numpy(), look, i, slab, encoder.settings.patch_size[0], spacing)
+            axes_row[0].set_ylabel(f"{arm}, row {row}\n{classes[labels[s]]}, p={look['prob'][i]:.2f}", fontsize=9)
+    update = (encoder.config.get("source") or {}).get("update")
+    shares = ", ".join(f"{arm} {look['position_share']:.0%}" for arm, look in looked.items())
+    explained = ", ".join(f"{v:.0%}" for v in looked[next(iter(arms))]["explained"])
+    title = (f"encoder after {update} updates: rows of the labels file, of {len(labels)} labelled volumes; p = the "
+             f"probe's held-out probability of the class.\nPCA of the tokens minus their grid position's mean (PC1-3: "
+             f"{explained} of that variance); grid position explains {shares} of the token variance")
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=90)
+    return {"looks": looked, "rows": [inputs[s][1] for s in shown], "labels": labels[shown], "title": title}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -706,6 +765,9 @@ def main(argv: List[str]) -> int:
     sh.add_argument("--labels", required=True, help="labels CSV (path,label) whose volumes fit the PCA and the probe")
     sh.add_argument("--out", required=True, help="the PNG to write")
     sh.add_argument("--no_random", action="store_true", help="leave out the random init of the architecture")
+    sh.add_argument("--volumes", type=lambda v: [int(r) for r in v.split(",")], default=None,
+                    help="rows of the labels CSV to draw, 1 = the first data row (e.g. 1,5,9; default: the first "
+                         "volume of each class)")
     args, rest = parser.parse(argv)
     other = sorted(given_flags(rest) - set(CLI_FIELDS[args.command]))
     if other:
@@ -731,7 +793,7 @@ def main(argv: List[str]) -> int:
             print(f"{len(table['skipped_reason'])} files or volumes skipped:\n"
                   f"{format_reason_table(Counter(table['skipped_reason'].tolist()))}")
     else:
-        show(args.encoder, args.labels, args.out, cli, vs_random=not args.no_random)
+        show(args.encoder, args.labels, args.out, cli, vs_random=not args.no_random, volumes=args.volumes)
         print(f"wrote {args.out}")
     return 0
 
