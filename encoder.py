@@ -50,7 +50,6 @@ import torch
 import torch.nn.functional as F
 from matplotlib.figure import Figure
 from sklearn.decomposition import PCA
-from tqdm import tqdm
 
 from config import Config, ConfigError, ScriptParser, given_flags, load_config, script_main
 from data import NoUsableData, index_records, load_prepared, load_val_sample, to_sample
@@ -61,6 +60,7 @@ from model import (CONFIG_FILE, EXPORT_FORMAT, EXPORT_VERSION, POOLS, VJEPA3D, W
                    save_encoder)
 from probe import (Task, fit_attentive, probe_device, read_labels, read_model_checkpoint, resolve_checkpoint,
                    task_targets)
+from runlog import counted, progress
 from runtime import fetch_to_host, setup_runtime, to_device
 from storage import exists, write_atomic
 
@@ -463,9 +463,9 @@ def embed_records(encoder: PretrainedEncoder, records: List[dict], cfg: Config, 
     loader = torch.utils.data.DataLoader(EmbedInputs([r for k in todo for r in chunks[k]], cfg), batch_size=None,
                                          num_workers=cfg.workers)
     inputs = iter(loader)
-    with tqdm(total=len(records), initial=done, unit="volume", desc="embed", disable=None) as progress:
+    with progress(len(records), "embed", "volume", initial=done) as bar:
         for k in todo:
-            embeddings, reasons, sums = embed_chunk(encoder, inputs, len(chunks[k]), batch_size, pool, rt, progress)
+            embeddings, reasons, sums = embed_chunk(encoder, inputs, len(chunks[k]), batch_size, pool, rt, bar)
             write_atomic(paths[k], npz_bytes({
                 "key": np.array([record_key(r) for r in chunks[k]]), "embedding": embeddings,
                 "reason": np.array([r for r, _ in reasons]), "detail": np.array([d for _, d in reasons]),
@@ -643,22 +643,20 @@ def labelled_tokens(encoders: dict, cfg: Config, labels_csv: str, wanted: Option
     if wanted and not all(1 <= w <= len(rows) for w in wanted):
         raise ConfigError(f"volumes: {labels_csv} has rows 1 to {len(rows)}, not {wanted}.")
     tokens, values, shown, inputs, skipped = {arm: [] for arm in encoders}, [], [], {}, Counter()
-    with tqdm(total=len(rows), unit="volume", desc="show", disable=None) as progress:
-        for row, (path, label) in enumerate(rows, start=1):
-            progress.update(1)
-            try:
-                volume = load_val_sample(path, cfg)[None]  # [1,1,D,H,W]
-            except UnusableFile as e:
-                if row in (wanted or []):
-                    raise ConfigError(f"volumes: row {row} of {labels_csv} cannot be used ({e.reason}).") from None
-                skipped[e.reason] += 1
-                continue
-            for arm, encoder in encoders.items():
-                tokens[arm].append(encoder.encode(volume.to(device)).float().cpu()[0])
-            if (row in wanted) if wanted else label not in [values[s] for s in shown]:
-                shown.append(len(values))
-                inputs[len(values)] = (volume[0], row, input_spacing(path, cfg))
-            values.append(label)
+    for row, (path, label) in enumerate(counted(rows, "show: encode", "volume"), start=1):
+        try:
+            volume = load_val_sample(path, cfg)[None]  # [1,1,D,H,W]
+        except UnusableFile as e:
+            if row in (wanted or []):
+                raise ConfigError(f"volumes: row {row} of {labels_csv} cannot be used ({e.reason}).") from None
+            skipped[e.reason] += 1
+            continue
+        for arm, encoder in encoders.items():
+            tokens[arm].append(encoder.encode(volume.to(device)).float().cpu()[0])
+        if (row in wanted) if wanted else label not in [values[s] for s in shown]:
+            shown.append(len(values))
+            inputs[len(values)] = (volume[0], row, input_spacing(path, cfg))
+        values.append(label)
     labels, classes = task_targets(Task("label"), np.array(values, dtype=str), labels_csv)
     return {arm: torch.stack(t) for arm, t in tokens.items()}, labels, classes, shown, inputs, dict(skipped)
 

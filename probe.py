@@ -68,6 +68,7 @@ from data import load_val_sample
 from dicom import UnusableFile
 from model import VJEPA3D
 from phantom import ensure_phantom_set
+from runlog import counted
 from runtime import device_kind
 from checkpoint import list_checkpoints, read_checkpoint
 
@@ -530,7 +531,7 @@ def load_labelled_volumes(cfg: Config, labels_csv: str, max_volumes: Optional[in
         keep = np.random.default_rng(0).permutation(len(rows))[:max_volumes]
         rows = [rows[i] for i in sorted(keep)]
     volumes, kept, skipped = [], [], Counter()
-    for row in rows:
+    for row in counted(rows, "read labelled volumes", "volume"):
         try:
             volumes.append(load_val_sample(row[0], cfg))
         except UnusableFile as e:

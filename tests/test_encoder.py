@@ -263,7 +263,11 @@ def test_embed_stores_what_standardizing_needs_and_the_position_share_of_the_tok
     flags = ["embed", "--encoder", export_dir, "--data_root", phantom_dir, "--workers", "0", "--batch_size", "4",
              "--save_every", "4"]
     assert encoder_cli.main(flags + ["--out", str(tmp_path / "raw.npz")]) == 0
-    assert "of the token variance (position_share)" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "of the token variance (position_share)" in printed.out
+    # no terminal (stderr captured): plain progress lines, with the time left until the last
+    assert re.search(r"^embed: 1/10 volumes, \d+s, about \S+ left$", printed.err, re.MULTILINE), printed.err
+    assert re.search(r"^embed: 10/10 volumes, \S+$", printed.err, re.MULTILINE)
     assert encoder_cli.main(flags + ["--out", str(tmp_path / "std.npz"), "--standardize"]) == 0
     raw, standardized = load_npz(tmp_path / "raw.npz"), load_npz(tmp_path / "std.npz")
     np.testing.assert_allclose(raw["mean"], raw["embedding"].astype(np.float64).mean(0), atol=1e-5)
