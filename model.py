@@ -287,11 +287,13 @@ class VJEPA3D(nn.Module):
             weight = [weight] * len(target_params)
         torch._foreach_lerp_(target_params, online_params, weight)
 
-    @torch.compiler.set_stance("force_eager")  # any batch size, no recompiles, after compile_parts() too
     @torch.no_grad()
     def encode(self, volume: torch.Tensor) -> torch.Tensor:
         """Frozen target-encoder features of whole volumes: [B,1,D,H,W] -> [B, N, E]."""
-        return self.target_encoder(volume)
+        # Eager: any batch size, no recompiles, after compile_parts() too. A context, not a decorator: importing
+        # model.py then does not import torch._dynamo (seconds of every script's --help).
+        with torch.compiler.set_stance("force_eager"):
+            return self.target_encoder(volume)
 
     def encoder_state_dict(self) -> dict:
         """The target (EMA) encoder alone, for downstream use. Keys: patch_embed.{weight,bias} (Conv3d),

@@ -434,3 +434,18 @@ def test_the_docs_python_blocks_load_a_dicom_file_and_an_in_memory_volume_alike(
     in_memory = ("x_file = x\n" + docs_block("python", 4).replace("array_dhw", "read.voxels")
                  .replace("(dz, dy, dx)", "read.spacing") + "assert torch.equal(x, x_file)\n")
     exec(checkout + in_memory, {"read": read})
+
+
+def test_each_commands_help_lists_the_config_flags_it_takes_and_claims_no_others(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        encoder_cli.main(["embed", "--help"])
+    printed = capsys.readouterr().out
+    assert stopped.value.code == 0 and "Every Config field is also a flag" not in printed
+    assert "The config flags it takes: --device, --cache_dir, --workers, --data_root" in " ".join(printed.split())
+    assert "runs/demo/checkpoints" in encoder_cli.__doc__ and "data/phantoms_probe/labels.csv" in encoder_cli.__doc__
+
+
+def test_the_scripts_import_no_compiler_before_parsing_their_arguments():
+    code = "import sys, encoder; assert 'torch._dynamo' not in sys.modules, 'torch._dynamo imported'"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
