@@ -233,7 +233,8 @@ Or `from octjepa_encoder import OCTJEPAEncoder; OCTJEPAEncoder.from_pretrained("
 ## Preprocessing (config.json "preprocessing")
 {chr(10).join(f"- {step}" for step in p['steps'])}
 
-target_spacing {p['target_spacing']} mm, clip_percentiles {p['clip_percentiles']}, image_size {p['image_size']}.
+target_spacing {p['target_spacing'] or 'none (resized to image_size)'} mm, clip_percentiles {p['clip_percentiles']},
+image_size {p['image_size']}.
 octjepa's `data.load_val_sample(path, settings)` does exactly this for DICOM files.
 
 ## Intended use
