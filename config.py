@@ -173,6 +173,15 @@ LIST_LENGTHS = {"image_size": 3, "patch_size": 3, "target_spacing": 3, "clip_per
 PATH_FIELDS = ("data_root", "manifest_path", "index_path", "phantom_dir", "cache_dir", "ckpt_dir", "probe_labels",
                "out_dir", "resume")
 NULL_WORDS = ("none", "null", "~")
+# `python train.py` with no arguments, the demo: one run folder, out_dir/demo. Run again, it continues an interrupted
+# demo or reprints the summary of a finished one (docs/encoder.md's commands use its paths).
+DEMO_FLAGS = ["--run_name", "demo", "--resume", "auto"]
+
+
+def phantom_labels_path(cfg: "Config", varied: bool = False) -> str:
+    """The labels.csv of a built-in labelled phantom set (probe.phantom_labels writes it): the plain set beside
+    cfg.phantom_dir with '_probe', the varied one with '_suite'."""
+    return os.path.join(cfg.phantom_dir.rstrip("/") + ("_suite" if varied else "_probe"), "labels.csv")
 
 FIELD_TYPES = typing.get_type_hints(Config)
 FIELD_NAMES = [f.name for f in dataclasses.fields(Config)]

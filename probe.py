@@ -63,7 +63,7 @@ from sklearn.model_selection import GridSearchCV, StratifiedKFold
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
-from config import Config, ConfigError, ScriptParser, given_flags, load_config, script_main
+from config import Config, ConfigError, ScriptParser, given_flags, load_config, phantom_labels_path, script_main
 from data import load_val_sample
 from dicom import UnusableFile
 from model import VJEPA3D
@@ -506,11 +506,6 @@ def read_labels(path: str, columns: Sequence[str] = ("label",)) -> List[Tuple[st
     if not rows or not {"path", *columns} <= set(rows[0]):
         raise ConfigError(f"labels: {path} needs a header line path,{','.join(columns)} and at least one row.")
     return [(r["path"], *(r[c] for c in columns)) for r in rows]
-
-
-def phantom_labels_path(cfg: Config, varied: bool = False) -> str:
-    """Where phantom_labels writes the labels.csv of a built-in labelled phantom set."""
-    return os.path.join(cfg.phantom_dir.rstrip("/") + ("_suite" if varied else "_probe"), "labels.csv")
 
 
 def phantom_labels(cfg: Config, varied: bool = False) -> str:

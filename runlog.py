@@ -18,7 +18,7 @@ import torch
 from matplotlib.figure import Figure
 from tqdm import tqdm
 
-from config import Config, RunPlan
+from config import Config, RunPlan, phantom_labels_path
 from model import VJEPA3D, activation_bytes_per_sample, memory_per_device, training_flops_per_sample
 from storage import write_atomic
 
@@ -417,13 +417,15 @@ def save_training_plot(history: List[dict], path: str) -> None:
     fig.savefig(path, dpi=80)
 
 
-def next_commands(cfg: Config, run_dir: str, labels: Optional[str]) -> List[str]:
-    """The commands that use a run's encoder (docs/encoder.md), with the run's real paths; labels: its labels CSV
-    (None: a placeholder)."""
+def next_commands(cfg: Config, run_dir: str) -> List[str]:
+    """The commands that use a run's encoder (docs/encoder.md), with the run's real paths and labels (probe_labels,
+    else the labelled phantoms of a phantom run, else a placeholder)."""
     def path(*parts: str) -> str:
         return shlex.quote(os.path.join(*parts))
 
-    encoder, labels = path(run_dir, "encoder"), shlex.quote(labels or "LABELS.csv")
+    phantoms = cfg.data_root is None and cfg.manifest_path is None
+    labels = cfg.probe_labels or (phantom_labels_path(cfg) if phantoms else "LABELS.csv")
+    encoder, labels = path(run_dir, "encoder"), shlex.quote(labels)
     data = (f"--data_root {shlex.quote(cfg.data_root or cfg.phantom_dir)}" if cfg.manifest_path is None
             else f"--manifest_path {shlex.quote(cfg.manifest_path)}")
     return [f"python encoder.py export --ckpt {shlex.quote(cfg.ckpt_dir)} --out {encoder}",
@@ -432,10 +434,9 @@ def next_commands(cfg: Config, run_dir: str, labels: Optional[str]) -> List[str]
             f"python finetune.py --encoder {encoder} --labels {labels} --out {path(run_dir, 'finetune')} --vs_random"]
 
 
-def summary(history: List[dict], run_dir: str, cfg: Config, state, versus_random: Optional[dict] = None,
-            labels: Optional[str] = None) -> str:
+def summary(history: List[dict], run_dir: str, cfg: Config, state, versus_random: Optional[dict] = None) -> str:
     """The one-screen end-of-run summary (`state`: train.TrainState); versus_random: probe.compare_with_random's
-    verdict, if measured; labels: the labels CSV the next commands use."""
+    verdict, if measured; the commands to run next."""
     train = [r for r in history if r["split"] == "train"]
     val = [r for r in history if r["split"] == "val"]
     lines = ["", "=" * 72, f"done: {state.step} updates, {state.nonfinite_skipped} non-finite skipped, "
@@ -469,7 +470,7 @@ def summary(history: List[dict], run_dir: str, cfg: Config, state, versus_random
     lines += [f"metrics           {run_dir}/metrics.jsonl (events: events.jsonl, plot: training.png)",
               f"checkpoints       {cfg.ckpt_dir if cfg.ckpt_dir else 'off (ckpt_dir null)'}"]
     if cfg.ckpt_dir:
-        commands = next_commands(cfg, run_dir, labels)
+        commands = next_commands(cfg, run_dir)
         lines += [f"next (docs/encoder.md): {commands[0]}"] + [f"{'':24}{c}" for c in commands[1:]]
     lines.append("=" * 72)
     return "\n".join(lines)

@@ -26,12 +26,12 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from config import (Config, ExitError, Preempted, RunPlan, ScriptParser, StorageFailed, load_config, plan_run,
-                    save_config, script_main)
+from config import (DEMO_FLAGS, Config, ExitError, Preempted, RunPlan, ScriptParser, StorageFailed, load_config,
+                    plan_run, save_config, script_main)
 from data import (NoUsableData, build_datasets, describe_masks, format_reason_table, make_loader, make_val_loader,
                   mask_generator_from_config, mask_stats)
 from model import VJEPA3D
-from probe import compare_with_random, phantom_labels_path, prepare_probe_set, probe_auroc, rankme
+from probe import compare_with_random, prepare_probe_set, probe_auroc, rankme
 from runlog import (RunLog, Throughput, describe_run, format_train_line, json_number, save_mask_plot,
                     save_schedule_plot, save_training_plot, summary)
 from checkpoint import (check_checkpoint_folder, checkpoint_everywhere, checkpoint_path, load_resume_checkpoint,
@@ -630,14 +630,8 @@ def finish(run: Run) -> None:
         log.event("summary_probe", run.state.step, **versus_random)
     if log.active:
         save_training_plot(log.history, os.path.join(run.run_dir, "training.png"))
-        labels = cfg.probe_labels or (phantom_labels_path(cfg) if cfg.data_root is None and cfg.manifest_path is None
-                                      else None)
-        log.print(summary(log.history, run.run_dir, cfg, run.state, versus_random, labels))
+        log.print(summary(log.history, run.run_dir, cfg, run.state, versus_random))
     log.close()
-
-
-DEMO_FLAGS = ["--run_name", "demo", "--resume", "auto"]  # `python train.py`: one run folder, runs/demo; run again, it
-# continues an interrupted demo, or reprints the summary of a finished one (docs/encoder.md uses its paths)
 
 
 @script_main

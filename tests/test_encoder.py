@@ -20,9 +20,10 @@ import torch
 from PIL import Image
 
 import encoder as encoder_cli
+import export
 import finetune
 import train
-from config import ConfigError, load_config
+from config import DEMO_FLAGS, ConfigError, load_config
 from data import load_val_sample
 from dicom import read_volume
 from index import find_files, scan_files
@@ -99,16 +100,16 @@ assert not {"config", "data", "model", "probe", "train"} & set(sys.modules), sor
 
 def test_an_export_loads_from_an_empty_folder_of_another_project_with_its_own_config_data_and_model(
         export_dir, trained_checkpoint, tmp_path):
-    project, elsewhere, export = tmp_path / "their_project", tmp_path / "empty", tmp_path / "copied_export"
+    project, elsewhere, copied = tmp_path / "their_project", tmp_path / "empty", tmp_path / "copied_export"
     project.mkdir()
     elsewhere.mkdir()
     for name in ("config", "data", "model"):
         (project / f"{name}.py").write_text(f"raise ImportError('their own {name}.py, not octjepa\\'s')\n")
-    shutil.copytree(export_dir, export)  # the folder alone: no octjepa checkout beside it
+    shutil.copytree(export_dir, copied)  # the folder alone: no octjepa checkout beside it
     trained, cfg, _ = read_model_checkpoint(trained_checkpoint)
     volume = torch.randn(2, 1, *cfg.image_size, generator=torch.Generator().manual_seed(5))
     np.save(elsewhere / "volume.npy", volume.numpy())
-    code = f"PROJECT, EXPORT = {str(project)!r}, {str(export)!r}\n" + LOAD_IN_ANOTHER_PROJECT
+    code = f"PROJECT, EXPORT = {str(project)!r}, {str(copied)!r}\n" + LOAD_IN_ANOTHER_PROJECT
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"OMP_NUM_THREADS": "1"}
     result = subprocess.run([sys.executable, "-I", "-c", code], cwd=elsewhere, capture_output=True, text=True,
                             env=env, timeout=600)  # -I: neither the checkout nor PYTHONPATH on sys.path
@@ -128,7 +129,7 @@ def test_the_exports_standalone_module_is_model_pys_code_not_a_copy_that_can_dri
 
 def test_hugging_face_from_pretrained_reads_the_export_and_saves_it_back(export_dir, trained_checkpoint, tmp_path):
     pytest.importorskip("huggingface_hub", reason="huggingface-hub (requirements-dev.txt) is not installed")
-    standalone = encoder_cli.import_standalone(export_dir)
+    standalone = export.import_standalone(export_dir)
     trained, cfg, _ = read_model_checkpoint(trained_checkpoint)
     volume = torch.randn(2, 1, *cfg.image_size, generator=torch.Generator().manual_seed(6))
     hub = standalone.OCTJEPAEncoder.from_pretrained(export_dir)
@@ -409,7 +410,7 @@ def test_the_docs_commands_run_in_order(smoke_phantoms, tmp_path, capsys):
     runs = tmp_path / "runs"
     flags = ["--config", str(REPO / "configs" / "smoke.yaml"), "--phantom_dir", smoke_phantoms, "--out_dir",
              str(runs), "--max_steps", "4", "--probe_labels", str(labels)]
-    assert train.main(flags + train.DEMO_FLAGS) == 0  # the demo's run folder: runs/demo
+    assert train.main(flags + DEMO_FLAGS) == 0  # the demo's run folder: runs/demo
     summary = capsys.readouterr().out
     commands = [line.replace("runs/demo", f"{runs}/demo").replace("data/phantoms_probe/labels.csv", str(labels))
                 .replace("data/phantoms ", f"{smoke_phantoms} ") for line in docs_block("bash").splitlines()]
@@ -423,7 +424,7 @@ def test_the_docs_commands_run_in_order(smoke_phantoms, tmp_path, capsys):
             assert encoder_cli.main(argv) == 0
     for written in ("encoder/octjepa_encoder.py", "embeddings.npz", "show.png", "finetune/report.json"):
         assert (runs / "demo" / written).exists(), written
-    assert train.main(flags + train.DEMO_FLAGS) == 0  # the demo again: its run is done, its summary again
+    assert train.main(flags + DEMO_FLAGS) == 0  # the demo again: its run is done, its summary again
     assert commands[0] in capsys.readouterr().out
 
 
