@@ -194,6 +194,15 @@ LIST_LENGTHS = {"image_size": 3, "patch_size": 3, "target_spacing": 3, "clip_per
 PATH_FIELDS = ("data_root", "manifest_path", "index_path", "phantom_dir", "cache_dir", "ckpt_dir", "probe_labels",
                "out_dir", "resume")
 NULL_WORDS = ("none", "null", "~")
+# `python train.py` with no arguments, the demo: one run folder, out_dir/demo. Run again, it continues an interrupted
+# demo or reprints the summary of a finished one (docs/encoder.md's commands use its paths).
+DEMO_FLAGS = ["--run_name", "demo", "--resume", "auto"]
+
+
+def phantom_labels_path(cfg: "Config", varied: bool = False) -> str:
+    """The labels.csv of a built-in labelled phantom set (probe.phantom_labels writes it): the plain set beside
+    cfg.phantom_dir with '_probe', the varied one with '_suite'."""
+    return os.path.join(cfg.phantom_dir.rstrip("/") + ("_suite" if varied else "_probe"), "labels.csv")
 
 FIELD_TYPES = typing.get_type_hints(Config)
 FIELD_NAMES = [f.name for f in dataclasses.fields(Config)]
@@ -569,7 +578,8 @@ class ScriptParser(argparse.ArgumentParser):
     def __init__(self, description: Optional[str] = None, config_flags: bool = True, **kwargs):
         kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
         kwargs.setdefault("allow_abbrev", False)  # --seed is a config flag, not short for a script's --seeds
-        super().__init__(description=description, epilog=CONFIG_FLAGS_HELP if config_flags else None, **kwargs)
+        kwargs.setdefault("epilog", CONFIG_FLAGS_HELP if config_flags else None)
+        super().__init__(description=description, **kwargs)
 
     def error(self, message: str):
         raise ConfigError(f"{message} (see --help).")

@@ -1,15 +1,18 @@
-"""Use a pretrained encoder: export it, embed a dataset with it, look at what it sees.
+"""Use a pretrained encoder: export it, embed a dataset with it, look at what it sees (docs/encoder.md).
+After the demo (`python train.py`, which writes runs/demo/ and its labelled phantoms data/phantoms_probe/):
 
-    python encoder.py export --ckpt runs/learn/checkpoints --out runs/learn/encoder   # safetensors + config.json
-    python encoder.py embed --encoder runs/learn/encoder --data_root /data/oct --out oct.npz
+    python encoder.py export --ckpt runs/demo/checkpoints --out runs/demo/encoder
+    python encoder.py embed --encoder runs/demo/encoder --data_root data/phantoms --out runs/demo/embeddings.npz
+    python encoder.py show --encoder runs/demo/encoder --labels data/phantoms_probe/labels.csv --out runs/demo/show.png
     python encoder.py embed --encoder DIR --data_root gs://bucket/oct --out oct.npz --pool depth_rows --device cuda
-    python encoder.py show --encoder runs/learn/encoder --labels data/phantoms_learn_probe/labels.csv --out show.png
 
-Fine-tuning on labelled volumes is finetune.py. An export is a folder: encoder.safetensors (the EMA target encoder,
-keys as model.Encoder) and config.json (format version, architecture, the preprocessing contract, the training-time
-augmentation, the weights' sha256, and where they came from: checkpoint, update, plan, training config). In Python:
-model.load_encoder(DIR), and data.load_val_sample(path, encoder.settings) preprocesses a DICOM file or series
-as the contract says.
+Fine-tuning on labelled volumes is finetune.py. An export is a folder that loads anywhere (torch, safetensors and
+numpy; no octjepa checkout): model.safetensors (the EMA target encoder, keys as model.Encoder), config.json (format
+version, architecture, the preprocessing contract, the training-time augmentation, the input sizes, the weights'
+sha256, and where they came from), octjepa_encoder.py (model.py's encoder code and a loader: load(DIR),
+OCTJEPAEncoder.from_pretrained(DIR) with huggingface_hub, monai_vit(encoder)), hubconf.py (torch.hub.load(DIR,
+"encoder", source="local")) and README.md (the model card). In this checkout: model.load_encoder(DIR), and
+data.load_val_sample(path, encoder.settings) preprocesses a DICOM file or series as the contract says.
 
 embed writes one row per usable volume to an .npz (numpy only): path (the file, or the folder of a series' files),
 files, patient (the index's hash of PatientID), study, series, laterality, manufacturer, model, spacing [dz,dy,dx]
@@ -24,71 +27,42 @@ show draws, for one labelled volume of each class and for the encoder beside a r
 B-scan and the en-face view of the input, the first three principal components of the patch features as RGB on
 both, and where an attentive probe (probe.py) trained on the labelled volumes looks.
 
-The config flags that apply: device, cache_dir, workers and (embed) data_root, manifest_path, index_path; the export
-brings its own model and preprocessing. Exit codes: config.EXIT_CODES (a bad argument or export is a ConfigError,
-no usable volume NoUsableData).
+Each command takes only the config flags it lists under its --help; the export brings its own model and
+preprocessing. Exit codes: config.EXIT_CODES (a bad argument or export is a ConfigError, no usable volume
+NoUsableData).
 """
 import io
 import json
+import math
 import os
 import shutil
 import sys
 import zipfile
 from collections import Counter
 from dataclasses import replace
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from matplotlib.figure import Figure
 from sklearn.decomposition import PCA
-from tqdm import tqdm
 
 from config import Config, ConfigError, NoUsableData, ScriptParser, given_flags, load_config, script_main
-from data import load_prepared, to_sample
+from data import load_prepared, load_val_sample, to_sample
 from dicom import UnusableFile
+from export import HUBCONF, MODEL_CARD, STANDALONE_MODULE, export
 from index import format_reason_table, index_records
-from model import (CONFIG_FILE, POOL_ALIASES, POOLS, VJEPA3D, ExportError, PretrainedEncoder, export_config,
-                   load_encoder, pool_name, random_encoder, save_encoder)
-from probe import (Task, encode_volumes, fit_attentive, load_labelled_volumes, probe_device, read_model_checkpoint,
-                   resolve_checkpoint, task_targets)
+from model import (CONFIG_FILE, POOL_ALIASES, POOLS, WEIGHTS_FILE, PretrainedEncoder, load_encoder, pool_name,
+                   pool_tokens, random_encoder)
+from probe import Task, fit_attentive, probe_device, read_labels, resolve_checkpoint, task_targets
+from runlog import counted, progress
+from volumes import read_volume
 from runtime import fetch_to_host, setup_runtime, to_device
-from storage import exists, write_atomic
+from storage import write_atomic
 
 CLI_FIELDS = {"export": (), "embed": ("device", "cache_dir", "workers", "data_root", "manifest_path", "index_path"),
               "show": ("device", "cache_dir", "seed")}
-ROUND_TRIP_TOLERANCE = 1e-6
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Export
-# ----------------------------------------------------------------------------------------------------------
-
-def export(ckpt: str, out: str, force: bool = False) -> float:
-    """Write the EMA target encoder of a train.py checkpoint (a file, or a run's checkpoints folder: its newest
-    step) to `out` as an export; returns the round-trip error: the largest |difference| between the loaded export's
-    tokens and the checkpoint's target encoder's on a random batch (ExportError above ROUND_TRIP_TOLERANCE)."""
-    path = resolve_checkpoint(ckpt)
-    model, cfg, state = read_model_checkpoint(path)
-    if exists(f"{out.rstrip('/')}/{CONFIG_FILE}") and not force:
-        raise ConfigError(f"out: {out} already holds an export; choose another --out, or --force to replace it.")
-    source = {"checkpoint": path, "encoder": "target (EMA)", "update": state.get("train_state", {}).get("step"),
-              "plan": state.get("plan"), "training_config": state["config"]}
-    save_encoder(model.encoder_state_dict(), export_config(cfg, source), out)
-    error = round_trip_error(model, load_encoder(out))
-    if error > ROUND_TRIP_TOLERANCE:
-        raise ExportError(f"{out}: the loaded encoder differs from the checkpoint's by up to {error:.3g}.")
-    return error
-
-
-def round_trip_error(model: VJEPA3D, encoder: PretrainedEncoder) -> float:
-    """The largest |difference| between the tokens of a loaded export and of the model's target encoder on a fixed
-    random batch of two volumes."""
-    volume = torch.randn(2, 1, *encoder.image_size, generator=torch.Generator().manual_seed(0))
-    return float((encoder.encode(volume) - model.encode(volume)).abs().max())
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Embed a dataset
 # ----------------------------------------------------------------------------------------------------------
@@ -117,8 +91,7 @@ def npz_bytes(arrays: dict) -> bytes:
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w") as archive:
         for name, value in arrays.items():
-            with archive.open(zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0)), "w") as f:
-                np.lib.format.write_array(f, np.asarray(value), allow_pickle=False)
+            write_npz_entry(archive, name, value)
     return buffer.getvalue()
 
 
@@ -128,8 +101,9 @@ def record_key(record: dict) -> str:
 
 
 def read_chunk(path: str, keys: List[str], settings: dict):
-    """The arrays of a saved chunk of rows, or None when it is missing, damaged or holds other volumes (they are
-    computed again). ConfigError when it was embedded with other settings (another encoder, pool or batch size)."""
+    """The arrays of a saved chunk of rows, or None when it is missing, damaged, holds other volumes or was written
+    before chunks held their position sums (they are computed again). ConfigError when it was embedded with other
+    settings (another encoder, pool or batch size)."""
     try:
         with np.load(path) as saved:
             chunk = {k: saved[k] for k in saved.files}
@@ -140,68 +114,96 @@ def read_chunk(path: str, keys: List[str], settings: dict):
         raise ConfigError(f"out: {os.path.dirname(path)} holds rows embedded with other settings "
                           f"({str(chunk['settings'])}, now {json.dumps(settings)}); rerun with those, or delete that "
                           f"folder to start over.")
-    return chunk if chunk["key"].tolist() == keys else None
+    return chunk if chunk["key"].tolist() == keys and "position_sums" in chunk else None
 
 
-def embed_batch(encoder: PretrainedEncoder, samples: List[torch.Tensor], batch_size: int, pool: str, rt) -> np.ndarray:
-    """Pooled embeddings [n, F] (float32) of n <= batch_size samples [1,D,H,W], run as one batch of batch_size (the
-    last one padded: one shape, so XLA compiles once and every row is computed in the same batch every time)."""
+def position_sums(tokens: torch.Tensor) -> torch.Tensor:
+    """Per grid position, the sum and the sum of squares over volumes of tokens [V, N, E]: [2, N, E] (float64), what
+    position_share_of_sums needs; the sums of several batches of volumes add up."""
+    t = tokens.detach().cpu().double()
+    return torch.stack([t.sum(0), t.pow(2).sum(0)])
+
+
+def position_share_of_sums(sums: torch.Tensor, volumes: int) -> float:
+    """position_share of the tokens of `volumes` volumes whose position_sums (added over batches) are sums [2, N, E]."""
+    s1, s2 = sums / volumes  # [N, E] each: per-position means of x and x^2
+    within = (s2 - s1 ** 2).clamp_min(0).sum(-1).mean()  # mean over positions of the variance over volumes
+    total = (s2.mean(0) - s1.mean(0) ** 2).clamp_min(0).sum()  # variance over all tokens of all volumes
+    return float(1.0 - within / total) if total > 0 else 0.0
+
+
+def position_share(tokens: torch.Tensor) -> float:
+    """The share of token variance explained by grid position, for tokens [V, N, E] of V volumes: 1 - (mean over the
+    N positions of the variance over volumes) / (variance over all V*N tokens), variances summed over the E features.
+    1: every token is where it is, nothing of its volume (a position code); 0: position tells nothing."""
+    return position_share_of_sums(position_sums(tokens), tokens.shape[0])
+
+
+def embed_batch(encoder: PretrainedEncoder, samples: List[torch.Tensor], batch_size: int, pool: str,
+                rt) -> Tuple[np.ndarray, torch.Tensor]:
+    """(pooled embeddings [n, F] (float32), position_sums [2, N, E] of their tokens) of n <= batch_size samples
+    [1,D,H,W], run as one batch of batch_size (the last one padded: one shape, so XLA compiles once and every row is
+    computed in the same batch every time)."""
     batch = torch.stack(samples)  # [n,1,D,H,W]
     n = len(batch)
     batch = torch.cat([batch, batch[-1:].expand(batch_size - n, *batch.shape[1:])])
     with torch.no_grad():
-        pooled = encoder.embed(to_device({"volume": batch}, rt)["volume"], pool)
-    return fetch_to_host(pooled, rt).float().numpy()[:n]
+        tokens = encoder(to_device({"volume": batch}, rt)["volume"])  # [batch_size, N, E]
+        pooled = pool_tokens(tokens, encoder.grid, pool)
+    tokens = fetch_to_host(tokens, rt).float()[:n]
+    return fetch_to_host(pooled, rt).float().numpy()[:n], position_sums(tokens)
 
 
 def embed_chunk(encoder: PretrainedEncoder, inputs, count: int, batch_size: int, pool: str, rt,
-                progress) -> Tuple[np.ndarray, list]:
-    """(embeddings [count, F], zero rows for unusable volumes; [(reason, detail)] per row, ('', '') when embedded) of
-    the next `count` volumes of the `inputs` iterator."""
+                progress) -> Tuple[np.ndarray, list, torch.Tensor]:
+    """(embeddings [count, F], zero rows for unusable volumes; [(reason, detail)] per row, ('', '') when embedded;
+    the position_sums [2, N, E] of the embedded volumes' tokens) of the next `count` volumes of the `inputs`
+    iterator."""
     rows, reasons, pending = [], [], []  # rows: (row, embedding); pending: (row, sample) of the batch being filled
+    sums = torch.zeros(2, math.prod(encoder.grid), encoder.embed_dim, dtype=torch.float64)
     for row in range(count):
         sample, reason, detail = next(inputs)
         reasons.append((reason, detail))
         if sample is not None:
             pending.append((row, sample))
         if len(pending) == batch_size or (row == count - 1 and pending):
-            rows += zip([r for r, _ in pending], embed_batch(encoder, [s for _, s in pending], batch_size, pool, rt))
+            pooled, batch_sums = embed_batch(encoder, [s for _, s in pending], batch_size, pool, rt)
+            rows += zip([r for r, _ in pending], pooled)
+            sums += batch_sums
             pending = []
         progress.update(1)
     embeddings = np.zeros((count, encoder.embedding_size(pool)), np.float32)
     for row, embedding in rows:
         embeddings[row] = embedding
-    return embeddings, reasons
+    return embeddings, reasons, sums
 
 
 def embed_records(encoder: PretrainedEncoder, records: List[dict], cfg: Config, partial: str, pool: str,
-                  batch_size: int, save_every: int, rt) -> Tuple[np.ndarray, list, int]:
-    """(embeddings [M, F], [(reason, detail)] per record, how many were computed now) of usable index records.
-    Chunks of save_every volumes (a multiple of batch_size) are saved in `partial` as they are done; chunks already
-    there are not computed again."""
+                  batch_size: int, save_every: int, rt) -> Tuple[List[str], int]:
+    """(the chunk files, in order, that hold the rows of the usable index records; how many volumes were computed
+    now). Chunks of save_every volumes (a multiple of batch_size) are saved in `partial` as they are done (each:
+    key, embedding, reason, detail, position_sums, settings); chunks already there are not computed again. Only one
+    chunk is in memory at a time."""
     size = -(-save_every // batch_size) * batch_size
     chunks = [records[i:i + size] for i in range(0, len(records), size)]
     settings = {"encoder": encoder.config["weights"]["sha256"], "pool": pool, "batch_size": batch_size}
     paths = [os.path.join(partial, f"chunk_{k:06d}.npz") for k in range(len(chunks))]
-    saved = [read_chunk(p, [record_key(r) for r in c], settings) for p, c in zip(paths, chunks)]
-    todo = [k for k, chunk in enumerate(saved) if chunk is None]
-    done = sum(len(chunks[k]) for k in range(len(chunks)) if saved[k] is not None)
+    todo = [k for k, (p, c) in enumerate(zip(paths, chunks))
+            if read_chunk(p, [record_key(r) for r in c], settings) is None]
+    done = len(records) - sum(len(chunks[k]) for k in todo)
     if done:
         print(f"resuming: {done} of {len(records)} volumes already embedded in {partial}", file=sys.stderr)
     loader = torch.utils.data.DataLoader(EmbedInputs([r for k in todo for r in chunks[k]], cfg), batch_size=None,
                                          num_workers=cfg.workers)
     inputs = iter(loader)
-    with tqdm(total=len(records), initial=done, unit="volume", desc="embed", disable=None) as progress:
+    with progress(len(records), "embed", "volume", initial=done) as bar:
         for k in todo:
-            embeddings, reasons = embed_chunk(encoder, inputs, len(chunks[k]), batch_size, pool, rt, progress)
-            saved[k] = {"key": np.array([record_key(r) for r in chunks[k]]), "embedding": embeddings,
-                        "reason": np.array([r for r, _ in reasons]), "detail": np.array([d for _, d in reasons]),
-                        "settings": np.array(json.dumps(settings))}
-            write_atomic(paths[k], npz_bytes(saved[k]))
-    embeddings = np.concatenate([np.zeros((0, encoder.embedding_size(pool)), np.float32)] +
-                                [c["embedding"] for c in saved])
-    reasons = [(r, d) for c in saved for r, d in zip(c["reason"].tolist(), c["detail"].tolist())]
-    return embeddings, reasons, len(records) - done
+            embeddings, reasons, sums = embed_chunk(encoder, inputs, len(chunks[k]), batch_size, pool, rt, bar)
+            write_atomic(paths[k], npz_bytes({
+                "key": np.array([record_key(r) for r in chunks[k]]), "embedding": embeddings,
+                "reason": np.array([r for r, _ in reasons]), "detail": np.array([d for _, d in reasons]),
+                "position_sums": sums.numpy(), "settings": np.array(json.dumps(settings))}))
+    return paths, len(records) - done
 
 
 def volume_path(paths: List[str]) -> str:
@@ -209,31 +211,85 @@ def volume_path(paths: List[str]) -> str:
     return paths[0] if len(paths) == 1 else os.path.dirname(os.path.commonprefix(paths) + "x")
 
 
-def embedding_table(records: List[dict], embeddings: np.ndarray, reasons: list, rejected: List[dict]) -> dict:
-    """The arrays of the embed file: a row per embedded volume, a skipped_ row per unusable file or volume."""
-    rows = [(r, e) for r, e, (reason, _) in zip(records, embeddings, reasons) if not reason]
+def read_chunks(paths: List[str]):
+    """Each saved chunk's arrays in turn (one in memory at a time)."""
+    for path in paths:
+        with np.load(path) as saved:
+            yield {k: saved[k] for k in saved.files}
+
+
+def chunk_statistics(paths: List[str]) -> dict:
+    """Over the embedded rows of the saved chunks: how many, each dimension's mean and standard deviation (float32,
+    computed in float64), and the position share of their tokens."""
+    count, sums, token_sums = 0, 0.0, 0.0
+    for chunk in read_chunks(paths):
+        rows = chunk["embedding"][chunk["reason"] == ""].astype(np.float64)
+        count += len(rows)
+        sums = sums + np.stack([rows.sum(0), (rows ** 2).sum(0)])
+        token_sums = token_sums + torch.from_numpy(chunk["position_sums"])
+    if not count:
+        return {"rows": 0}
+    mean = sums[0] / count
+    std = np.sqrt(np.maximum(sums[1] / count - mean ** 2, 0))
+    return {"rows": count, "mean": mean.astype(np.float32), "std": std.astype(np.float32),
+            "position_share": position_share_of_sums(token_sums, count)}
+
+
+def write_npz_entry(archive: zipfile.ZipFile, name: str, value) -> None:
+    """One array into an open .npz archive, its entry without a time stamp (the file depends only on the arrays)."""
+    with archive.open(zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0)), "w", force_zip64=True) as f:
+        np.lib.format.write_array(f, np.asarray(value), allow_pickle=False)
+
+
+def write_embedding_table(out: str, records: List[dict], paths: List[str], rejected: List[dict], extra: dict,
+                          stats: dict, standardize: bool) -> dict:
+    """Write the embed file `out` (atomically): a row per embedded volume, a skipped_ row per unusable file or volume,
+    mean and std, and `extra`; the embedding column streamed chunk by chunk from the saved chunks, standardized
+    with mean and std when `standardize`. Returns its arrays but the embeddings, and their shape."""
+    reasons = [(r, d) for c in read_chunks(paths) for r, d in zip(c["reason"].tolist(), c["detail"].tolist())]
+    rows = [r for r, (reason, _) in zip(records, reasons) if not reason]
     skipped = [(r["paths"][0], r["reason"], r["detail"] or "") for r in rejected]
     skipped += [(r["paths"][0], reason, detail) for r, (reason, detail) in zip(records, reasons) if reason]
-    def column(key: str) -> np.ndarray:  # '' where an older index has no such field
-        return np.array([str(r.get(key) or "") for r, _ in rows], dtype=str)
 
-    return {"path": np.array([volume_path(r["paths"]) for r, _ in rows], dtype=str),
-            "files": np.array([len(r["paths"]) for r, _ in rows], dtype=np.int64),
-            "patient": column("patient"), "study": column("study"), "series": column("series"),
-            "laterality": column("laterality"), "manufacturer": column("manufacturer"), "model": column("model"),
-            "spacing": np.array([r["spacing"] or [np.nan] * 3 for r, _ in rows], dtype=np.float64).reshape(-1, 3),
-            "shape": np.array([r["shape"] for r, _ in rows], dtype=np.int64).reshape(-1, 3),
-            "embedding": np.stack([e for _, e in rows]) if rows else embeddings[:0],
-            "skipped_path": np.array([s[0] for s in skipped], dtype=str),
-            "skipped_reason": np.array([s[1] for s in skipped], dtype=str),
-            "skipped_detail": np.array([s[2] for s in skipped], dtype=str)}
+    def column(key: str) -> np.ndarray:  # '' where an older index has no such field
+        return np.array([str(r.get(key) or "") for r in rows], dtype=str)
+
+    width = len(stats.get("mean", [])) or (next(read_chunks(paths))["embedding"].shape[1] if paths else 0)
+    table = {"path": np.array([volume_path(r["paths"]) for r in rows], dtype=str),
+             "files": np.array([len(r["paths"]) for r in rows], dtype=np.int64),
+             "patient": column("patient"), "study": column("study"), "series": column("series"),
+             "laterality": column("laterality"), "manufacturer": column("manufacturer"), "model": column("model"),
+             "spacing": np.array([r["spacing"] or [np.nan] * 3 for r in rows], dtype=np.float64).reshape(-1, 3),
+             "shape": np.array([r["shape"] for r in rows], dtype=np.int64).reshape(-1, 3),
+             "skipped_path": np.array([s[0] for s in skipped], dtype=str),
+             "skipped_reason": np.array([s[1] for s in skipped], dtype=str),
+             "skipped_detail": np.array([s[2] for s in skipped], dtype=str),
+             "mean": stats.get("mean", np.zeros(width, np.float32)),
+             "std": stats.get("std", np.zeros(width, np.float32)),
+             "standardized": np.array(standardize), **extra}
+    scale = np.where(table["std"] > 0, table["std"], 1).astype(np.float32)
+    partial = out + ".writing"
+    with zipfile.ZipFile(partial, "w") as archive:
+        with archive.open(zipfile.ZipInfo("embedding.npy", date_time=(1980, 1, 1, 0, 0, 0)), "w",
+                          force_zip64=True) as f:
+            np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(np.dtype(np.float32)),
+                                                     "fortran_order": False, "shape": (len(rows), width)})
+            for chunk in read_chunks(paths):
+                embedded = chunk["embedding"][chunk["reason"] == ""]  # [rows of this chunk, F]
+                f.write(((embedded - table["mean"]) / scale if standardize else embedded).astype(np.float32).tobytes())
+        for name, value in table.items():
+            write_npz_entry(archive, name, value)
+    os.replace(partial, out)
+    return {**table, "embedding_shape": (len(rows), width)}
 
 
 def embed(encoder_dir: str, out: str, cli: Config, pool: str = "mean_pool", batch_size: int = 8,
-          save_every: int = 256) -> Tuple[dict, int]:
+          save_every: int = 256, standardize: bool = False) -> Tuple[dict, int]:
     """Embed every usable volume of cli's data_root / manifest_path (with its device, cache_dir, workers,
-    index_path) with an export and write `out` (.npz); returns its arrays and how many volumes were computed now.
-    Resumes from out.partial/ (see embed_records), removed once `out` is written."""
+    index_path) with an export and write `out` (.npz); returns its arrays (the embeddings' shape in
+    'embedding_shape', not the embeddings) and how many volumes were computed now. Resumes from out.partial/ (see
+    embed_records), removed once `out` is written. The memory it needs does not grow with the rows but for their
+    identity columns."""
     pool = pool_name(pool)
     if not out.endswith(".npz") or out.startswith("gs://"):
         raise ConfigError(f"out: {out} must be a local file ending in .npz (one array per column; np.load reads it); "
@@ -249,15 +305,19 @@ def embed(encoder_dir: str, out: str, cli: Config, pool: str = "mean_pool", batc
     if batch_size % rt.local_replicas:
         raise ConfigError(f"batch_size: {batch_size} does not divide over this host's {rt.local_replicas} devices.")
     records = index_records(cfg)
+    if not records:
+        raise NoUsableData(f"no files under {cfg.data_root or cfg.manifest_path}: check the path (a folder, a glob or "
+                           f"a gs:// prefix of DICOM files; --manifest_path for a list of files).")
     usable = [r for r in records if r["ok"]]
     if not usable:
         raise NoUsableData(f"no usable volume in {cfg.data_root or cfg.manifest_path}:\n"
                            f"{format_reason_table(Counter(r['reason'] for r in records))}")
     partial = out + ".partial"
-    embeddings, reasons, computed = embed_records(encoder.to(rt.device), usable, cfg, partial, pool, batch_size,
-                                                  save_every, rt)
-    table = embedding_table(usable, embeddings, reasons, [r for r in records if not r["ok"]])
-    write_atomic(out, npz_bytes({**table, "pool": np.array(pool), "encoder": np.array(json.dumps(encoder.config))}))
+    paths, computed = embed_records(encoder.to(rt.device), usable, cfg, partial, pool, batch_size, save_every, rt)
+    stats = chunk_statistics(paths)
+    extra = {"pool": np.array(pool), "encoder": np.array(json.dumps(encoder.config)),
+             "position_share": np.array(stats.get("position_share", np.nan))}
+    table = write_embedding_table(out, usable, paths, [r for r in records if not r["ok"]], extra, stats, standardize)
     shutil.rmtree(partial, ignore_errors=True)
     return table, computed
 
@@ -266,87 +326,144 @@ def embed(encoder_dir: str, out: str, cli: Config, pool: str = "mean_pool", batc
 # Show what the encoder sees
 # ----------------------------------------------------------------------------------------------------------
 
-def feature_colours(tokens: torch.Tensor, shown: List[int]) -> np.ndarray:
-    """RGB [S, N, 3] in [0, 1] of the shown volumes' tokens: their projection on the first three principal components
-    of all tokens [M, N, E], each stretched from its 1st to its 99th percentile over all tokens."""
+def feature_colours(tokens: torch.Tensor, shown: List[int], centre: bool = True) -> Tuple[np.ndarray, np.ndarray]:
+    """(RGB [S, N, 3] in [0, 1] of the shown volumes' tokens, the share of variance of each of the 3 components):
+    their projection on the first three principal components of all tokens [M, N, E], each stretched from its 1st
+    to its 99th percentile over all tokens. centre: each grid position's mean token over the M volumes is subtracted
+    first, so the components show what differs between volumes, not where a token is (position)."""
+    if centre:
+        tokens = tokens - tokens.mean(0, keepdim=True)  # [M, N, E] minus [1, N, E]
     pca = PCA(3, random_state=0).fit(tokens.flatten(0, 1).numpy())
     every = pca.transform(tokens.flatten(0, 1).numpy())  # [M*N, 3]
     lo, hi = np.percentile(every, [1, 99], axis=0)
     rgb = (pca.transform(tokens[shown].flatten(0, 1).numpy()) - lo) / np.maximum(hi - lo, 1e-12)
-    return np.clip(rgb, 0, 1).reshape(len(shown), tokens.shape[1], 3)
+    return np.clip(rgb, 0, 1).reshape(len(shown), tokens.shape[1], 3), pca.explained_variance_ratio_
 
 
-def looks(encoder: PretrainedEncoder, volumes: torch.Tensor, labels: np.ndarray, shown: List[int], device) -> dict:
-    """What one encoder shows for the shown volumes: PCA colours of their tokens [S,gd,gh,gw,3] and of their
-    depth-averaged (en face) tokens [S,gd,gw,3], the attention [S,gd,gh,gw] (mean over heads) of an attentive probe
-    trained on the other labelled volumes, and its probability of each shown volume's class [S]."""
-    tokens = encode_volumes(encoder.to(device), volumes, device)  # [M, N, E]
+def looks(tokens: torch.Tensor, grid: List[int], labels: np.ndarray, shown: List[int]) -> dict:
+    """What one encoder's tokens [M, N, E] of the labelled volumes show for the shown ones: PCA colours of their
+    position-centred tokens [S,gd,gh,gw,3] and of their depth-averaged (en face) tokens [S,gd,gw,3], the attention
+    [S,gd,gh,gw] (mean over heads) of an attentive probe trained on the other labelled volumes, its probability of
+    each shown volume's class [S], and the tokens' position share."""
     M, _, E = tokens.shape
-    grid = encoder.grid
     enface = tokens.view(M, *grid, E).mean(2).flatten(1, 2)  # [M, gd*gw, E]
     train = np.setdiff1d(np.arange(M), shown)  # the shown volumes are held out: p is a held-out prediction
     head = fit_attentive(tokens, labels, train, Task("label"), seed=0)
     with torch.no_grad():
         attention = head.attention(tokens[shown]).mean(-1)  # [S, N]
         probs = F.softmax(head(tokens[shown]), dim=-1)[torch.arange(len(shown)), labels[shown]]
-    return {"rgb": feature_colours(tokens, shown).reshape(len(shown), *grid, 3),
-            "rgb_enface": feature_colours(enface, shown).reshape(len(shown), grid[0], grid[2], 3),
-            "attention": attention.numpy().reshape(len(shown), *grid), "prob": probs.numpy()}
+    rgb, explained = feature_colours(tokens, shown)
+    return {"rgb": rgb.reshape(len(shown), *grid, 3), "explained": explained,
+            "rgb_enface": feature_colours(enface, shown)[0].reshape(len(shown), grid[0], grid[2], 3),
+            "attention": attention.numpy().reshape(len(shown), *grid), "prob": probs.numpy(),
+            "position_share": position_share(tokens)}
 
 
-def draw_volume_row(axes, volume: np.ndarray, look: dict, s: int, slab: int, patch_depth: int) -> None:
-    """Six panels of one volume [D,H,W] for one encoder: the middle B-scan of token slab `slab`, its PCA colours
-    and the probe's attention over it; the same en face (the mean over depth; attention summed over depth)."""
+def input_spacing(path: str, cfg: Config) -> Optional[List[float]]:
+    """The voxel spacing [dz, dy, dx] mm of a file's model input (cfg's preprocessing), None when unknown."""
+    volume = read_volume(path)
+    if volume.spacing is None:
+        return None
+    if cfg.target_spacing is not None:
+        return list(cfg.target_spacing)
+    return [s * n / m for s, n, m in zip(volume.spacing, volume.voxels.shape, cfg.image_size)]
+
+
+def labelled_tokens(encoders: dict, cfg: Config, labels_csv: str, wanted: Optional[List[int]], device):
+    """One pass over a labels CSV, a volume in memory at a time: ({arm: tokens [M, N, E]} of every usable volume,
+    their labels [M] and class names, the indices of the shown ones (the rows `wanted`, 1 = the first data row, else
+    the first volume of each class), their inputs [S,1,D,H,W] and their labels-file rows, {reason: count} skipped)."""
+    rows = read_labels(labels_csv)
+    if wanted and not all(1 <= w <= len(rows) for w in wanted):
+        raise ConfigError(f"volumes: {labels_csv} has rows 1 to {len(rows)}, not {wanted}.")
+    tokens, values, shown, inputs, skipped = {arm: [] for arm in encoders}, [], [], {}, Counter()
+    for row, (path, label) in enumerate(counted(rows, "show: encode", "volume"), start=1):
+        try:
+            volume = load_val_sample(path, cfg)[None]  # [1,1,D,H,W]
+        except UnusableFile as e:
+            if row in (wanted or []):
+                raise ConfigError(f"volumes: row {row} of {labels_csv} cannot be used ({e.reason}).") from None
+            skipped[e.reason] += 1
+            continue
+        for arm, encoder in encoders.items():
+            tokens[arm].append(encoder.encode(volume.to(device)).float().cpu()[0])
+        if (row in wanted) if wanted else label not in [values[s] for s in shown]:
+            shown.append(len(values))
+            inputs[len(values)] = (volume[0], row, input_spacing(path, cfg))
+        values.append(label)
+    labels, classes = task_targets(Task("label"), np.array(values, dtype=str), labels_csv)
+    return {arm: torch.stack(t) for arm, t in tokens.items()}, labels, classes, shown, inputs, dict(skipped)
+
+
+def draw_volume_row(fig, axes, volume: np.ndarray, look: dict, s: int, slab: int, patch_depth: int,
+                    spacing: Optional[List[float]]) -> None:
+    """Six panels of one volume [D,H,W] for one encoder: the middle B-scan of token slab `slab`, its PCA colours and
+    the probe's attention over it; the same en face (the mean over depth; attention summed over depth), at the
+    volume's true aspect ratio where its spacing is known. Colour bars on the input and the attention."""
     D, H, W = volume.shape
     frame = slab * patch_depth + patch_depth // 2
     attention = look["attention"][s]  # [gd, gh, gw]
     enface = volume.mean(1)  # [D, W]
-    bscan_extent, enface_extent = (0, W, H, 0), (0, W, D, 0)
+    bscan_extent = (0, W, H, 0)
+    enface_extent = (0, W * spacing[2], D * spacing[0], 0) if spacing else (0, W, D, 0)  # mm when known
     panels = [(volume[frame], None, bscan_extent), (look["rgb"][s][slab], None, bscan_extent),
               (volume[frame], attention[slab], bscan_extent), (enface, None, enface_extent),
               (look["rgb_enface"][s], None, enface_extent), (enface, attention.sum(1), enface_extent)]
-    for ax, (image, heat, extent) in zip(axes, panels):
-        ax.imshow(image, cmap="gray" if image.ndim == 2 else None, extent=extent, aspect="auto",
-                  interpolation="nearest")
+    for k, (ax, (image, heat, extent)) in enumerate(zip(axes, panels)):
+        aspect = "equal" if extent is enface_extent and spacing else "auto"
+        shown = ax.imshow(image, cmap="gray" if image.ndim == 2 else None, extent=extent, aspect=aspect,
+                          interpolation="nearest")
         if heat is not None:
-            ax.imshow(heat / heat.max(), cmap="inferno", alpha=0.55, extent=extent, aspect="auto", vmin=0, vmax=1,
-                      interpolation="nearest")
+            shown = ax.imshow(heat / heat.max(), cmap="inferno", alpha=0.55, extent=extent, aspect=aspect, vmin=0,
+                              vmax=1, interpolation="nearest")
+        if image.ndim == 2 and k in (0, 2, 5):
+            fig.colorbar(shown, ax=ax, fraction=0.046, pad=0.02).ax.tick_params(labelsize=6)
         ax.set_xticks([])
         ax.set_yticks([])
     axes[0].set_xlabel(f"B-scan {frame} of {D}", fontsize=8)
+    if spacing:
+        axes[3].set_xlabel(f"{W * spacing[2]:.1f} x {D * spacing[0]:.1f} mm", fontsize=8)
 
 
-def show(encoder_dir: str, labels_csv: str, out: str, cli: Config, vs_random: bool = True) -> None:
-    """PNG of one labelled volume of each class: input, PCA colours of the patch features and an attentive probe's
-    attention, on a B-scan and en face, for the export and (vs_random) a random init of its architecture. The
-    B-scan is the middle one of the token slab that the export's probe attends to most."""
+def show(encoder_dir: str, labels_csv: str, out: str, cli: Config, vs_random: bool = True,
+         volumes: Optional[List[int]] = None) -> dict:
+    """PNG of labelled volumes (`volumes`: rows of the labels CSV, 1 = the first; default one of each class):
+    input, PCA colours of the position-centred patch features and an attentive probe's attention, on a B-scan and
+    en face, for the export and (vs_random) a random init of its architecture. The B-scan is the middle one of the
+    token slab that the export's probe attends to most. Returns what it drew: looks (per arm), rows, labels, title."""
     encoder = load_encoder(encoder_dir)
     cfg = replace(encoder.settings, **{k: getattr(cli, k) for k in CLI_FIELDS["show"]})
     device = probe_device(cfg)
-    volumes, values, skipped = load_labelled_volumes(cfg, labels_csv)
-    labels, classes = task_targets(Task("label"), values["label"], labels_csv)
-    if skipped:
-        print(f"skipped unusable files: {skipped}", file=sys.stderr)
-    shown = [int(np.flatnonzero(labels == c)[0]) for c in range(len(classes))]  # the first volume of each class
     arms = {"pretrained": encoder, "random init": random_encoder(encoder.config, cfg.seed)} if vs_random \
         else {"encoder": encoder}
-    looked = {arm: looks(e, volumes, labels, shown, device) for arm, e in arms.items()}
+    arms = {arm: e.to(device) for arm, e in arms.items()}
+    tokens, labels, classes, shown, inputs, skipped = labelled_tokens(arms, cfg, labels_csv, volumes, device)
+    if skipped:
+        print(f"skipped unusable files: {skipped}", file=sys.stderr)
+    looked = {arm: looks(t, encoder.grid, labels, shown) for arm, t in tokens.items()}
     titles = ["input B-scan", "features (PCA 1-3 as RGB)", "attentive probe's attention", "input en face",
               "features en face (PCA)", "attention en face"]
-    fig = Figure(figsize=(14, 2.1 * len(shown) * len(arms) + 0.6))
+    fig = Figure(figsize=(15, 2.3 * len(shown) * len(arms) + 0.8))
     axes = fig.subplots(len(shown) * len(arms), len(titles), squeeze=False)
     for ax, title in zip(axes[0], titles):
         ax.set_title(title, fontsize=10)
     for i, s in enumerate(shown):
+        volume, row, spacing = inputs[s]
         slab = int(looked[next(iter(arms))]["attention"][i].sum((1, 2)).argmax())
         for j, (arm, look) in enumerate(looked.items()):
-            row = axes[i * len(arms) + j]
-            draw_volume_row(row, volumes[s, 0].numpy(), look, i, slab, encoder.settings.patch_size[0])
-            row[0].set_ylabel(f"{arm}\n{classes[labels[s]]}, p={look['prob'][i]:.2f}", fontsize=9)
-    fig.suptitle(f"{encoder_dir}: one volume per class of {len(labels)} labelled "
-                 f"volumes; p = the probe's held-out probability of its class", fontsize=10)
+            axes_row = axes[i * len(arms) + j]
+            draw_volume_row(fig, axes_row, volume[0].numpy(), look, i, slab, encoder.settings.patch_size[0], spacing)
+            axes_row[0].set_ylabel(f"{arm}, row {row}\n{classes[labels[s]]}, p={look['prob'][i]:.2f}", fontsize=9)
+    update = (encoder.config.get("source") or {}).get("update")
+    shares = ", ".join(f"{arm} {look['position_share']:.0%}" for arm, look in looked.items())
+    explained = ", ".join(f"{v:.0%}" for v in looked[next(iter(arms))]["explained"])
+    title = (f"encoder after {update} updates: rows of the labels file, of {len(labels)} labelled volumes; p = the "
+             f"probe's held-out probability of the class.\nPCA of the tokens minus their grid position's mean (PC1-3: "
+             f"{explained} of that variance); grid position explains {shares} of the token variance")
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=90)
+    return {"looks": looked, "rows": [inputs[s][1] for s in shown], "labels": labels[shown], "title": title}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -355,24 +472,35 @@ def show(encoder_dir: str, labels_csv: str, out: str, cli: Config, vs_random: bo
 
 @script_main
 def main(argv: List[str]) -> int:
-    parser = ScriptParser(__doc__, prog="encoder.py")
+    parser = ScriptParser(__doc__, prog="encoder.py", config_flags=False)
     commands = parser.add_subparsers(dest="command", required=True)
-    ex = commands.add_parser("export", help="write a checkpoint's EMA encoder as safetensors + config.json")
+
+    def command(name: str, summary: str) -> ScriptParser:
+        flags = ", ".join(f"--{f}" for f in CLI_FIELDS[name]) or "none"
+        return commands.add_parser(name, help=summary, config_flags=False, epilog=f"The config flags it takes: {flags} "
+                                   f"(the export brings its own model and preprocessing; any other is refused).")
+
+    ex = command("export", "write a checkpoint's EMA encoder as a folder that loads anywhere (docs/encoder.md)")
     ex.add_argument("--ckpt", required=True, help="a train.py checkpoint, or a run's checkpoints folder (newest step)")
     ex.add_argument("--out", required=True, help="the export folder")
     ex.add_argument("--force", action="store_true", help="replace an export already in --out")
-    em = commands.add_parser("embed", help="one embedding per volume of a folder, manifest or gs:// prefix")
+    em = command("embed", "one embedding per volume of a folder, manifest or gs:// prefix")
     em.add_argument("--encoder", required=True, help="an export folder")
     em.add_argument("--out", required=True, help="the .npz to write (OUT.partial/ holds the rows done so far)")
     em.add_argument("--pool", default="mean_pool", choices=POOLS + tuple(POOL_ALIASES),
                     help="mean_pool: [E]; depth_rows: each depth row's mean [gh*E] (mean, axial: their old names)")
     em.add_argument("--batch_size", type=int, default=8, help="volumes per forward pass (default 8)")
     em.add_argument("--save_every", type=int, default=256, help="save the rows done every N volumes (default 256)")
-    sh = commands.add_parser("show", help="PNG: PCA of the patch features and an attentive probe's attention")
+    em.add_argument("--standardize", action="store_true",
+                    help="store (embedding - mean) / std per dimension (mean and std are stored either way)")
+    sh = command("show", "PNG: PCA of the patch features and an attentive probe's attention")
     sh.add_argument("--encoder", required=True, help="an export folder")
     sh.add_argument("--labels", required=True, help="labels CSV (path,label) whose volumes fit the PCA and the probe")
     sh.add_argument("--out", required=True, help="the PNG to write")
     sh.add_argument("--no_random", action="store_true", help="leave out the random init of the architecture")
+    sh.add_argument("--volumes", type=lambda v: [int(r) for r in v.split(",")], default=None,
+                    help="rows of the labels CSV to draw, 1 = the first data row (e.g. 1,5,9; default: the first "
+                         "volume of each class)")
     args, rest = parser.parse(argv)
     other = sorted(given_flags(rest) - set(CLI_FIELDS[args.command]))
     if other:
@@ -382,19 +510,23 @@ def main(argv: List[str]) -> int:
     cli = load_config(rest)
     if args.command == "export":
         error = export(args.ckpt, args.out, args.force)
-        print(f"exported the EMA encoder of {resolve_checkpoint(args.ckpt)} to {args.out} (config.json, "
-              f"encoder.safetensors); round trip: largest |difference| of the loaded tokens {error:.1g}")
+        print(f"exported the EMA encoder of {resolve_checkpoint(args.ckpt)} to {args.out} ({CONFIG_FILE}, "
+              f"{WEIGHTS_FILE}, {STANDALONE_MODULE}, {HUBCONF}, {MODEL_CARD}); round trip: largest |difference| of "
+              f"the loaded tokens {error:.1g}")
     elif args.command == "embed":
         if args.batch_size < 1 or args.save_every < 1:
             parser.error("--batch_size and --save_every must be at least 1")
-        table, computed = embed(args.encoder, args.out, cli, args.pool, args.batch_size, args.save_every)
-        print(f"{len(table['path'])} volumes embedded in {args.out} ({table['embedding'].shape[1]} numbers each, "
-              f"{computed} computed now)")
+        table, computed = embed(args.encoder, args.out, cli, args.pool, args.batch_size, args.save_every,
+                                args.standardize)
+        print(f"{len(table['path'])} volumes embedded in {args.out} ({table['embedding_shape'][1]} numbers each, "
+              f"{computed} computed now{', standardized' if args.standardize else ''}); grid position explains "
+              f"{float(table['position_share']):.0%} of the token variance (position_share). Standardize each "
+              f"dimension before cosine, kNN or clustering: (embedding - mean) / std (docs/encoder.md).")
         if len(table["skipped_reason"]):
             print(f"{len(table['skipped_reason'])} files or volumes skipped:\n"
                   f"{format_reason_table(Counter(table['skipped_reason'].tolist()))}")
     else:
-        show(args.encoder, args.labels, args.out, cli, vs_random=not args.no_random)
+        show(args.encoder, args.labels, args.out, cli, vs_random=not args.no_random, volumes=args.volumes)
         print(f"wrote {args.out}")
     return 0
 

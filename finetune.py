@@ -28,7 +28,7 @@ and balanced accuracy, with mean and 95% t-interval over all folds; --vs_random 
 architecture with the same splits, seeds and budget and adds the paired differences (pretrained - random).
 
 Writes OUT/report.json and, per fold of the export's full fine-tuning, OUT/full/r{repeat}_f{fold}/: config.json
-and encoder.safetensors (model.load_encoder reads them), heads.safetensors (the heads of finetune.Classifier) and
+and model.safetensors (model.load_encoder reads them), heads.safetensors (the heads of finetune.Classifier) and
 fold.json (classes, task, the paths of each part, scores, the loss of every epoch). The config flags that apply:
 device, seed (splits, probes, heads and the random init follow from it).
 """
@@ -47,7 +47,6 @@ import safetensors.torch
 import torch
 import torch.nn.functional as F
 from sklearn.model_selection import StratifiedGroupKFold
-from tqdm import tqdm
 
 from config import Config, ConfigError, ScriptParser, given_flags, load_config, script_main
 from data import resample_and_clip, to_sample
@@ -56,6 +55,7 @@ from index import format_reason_table
 from model import PretrainedEncoder, load_encoder, random_encoder, save_encoder
 from probe import (TEST_FRACTION, AttentiveProbe, Task, classification_scores, encode_volumes, fit_attentive, interval,
                    paired_difference, probe_device, read_label_rows, split_scores, stratified_split)
+from runlog import counted
 from schedules import cosine_ramp
 from volumes import read_volume
 
@@ -130,7 +130,7 @@ def load_labelled_set(labels_csv: str, cfg: Config) -> LabelledSet:
     and counted by reason."""
     paths, targets, classes, task, patients = read_label_table(labels_csv)
     keep, prepared, keys, skipped = [], [], [], Counter()
-    for i, path in enumerate(tqdm(paths, unit="volume", desc="read", disable=None)):
+    for i, path in enumerate(counted(paths, "read", "volume")):
         try:
             volume = read_volume(path, cfg.sop_classes)
             prepared.append(resample_and_clip(volume, cfg))
@@ -379,7 +379,7 @@ def run_arm(arm: str, encoder: PretrainedEncoder, data: LabelledSet, splits: Lis
                 results.setdefault(probe, []).append({"repeat": s["repeat"], "fold": s["fold"], "train": len(train_idx),
                                                       "test": len(test_idx), **scores})
     if "full" in modes:
-        for s in tqdm(splits, unit="fold", desc="fine-tune", disable=None):
+        for s in counted(splits, f"{arm}: full fine-tuning", "fold", every=1):
             train_idx, test_idx = s["split"]
             fit_idx, val_idx = validation_split(data, train_idx, settings.val_fraction, s["seed"])
             model, log = finetune_fold(encoder, tokens, data, fit_idx, val_idx, cfg, settings, s["seed"], device)

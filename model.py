@@ -10,7 +10,7 @@
 The context encoder never sees the target tokens and the target encoder moves only through
 update_target(momentum) (incident 12).
 
-An exported encoder (`python encoder.py export`: config.json + encoder.safetensors) loads without train.py or the
+An exported encoder (`python encoder.py export`: config.json + model.safetensors) loads without train.py or the
 checkpoint: load_encoder(DIR) -> PretrainedEncoder, volume [B,1,D,H,W] -> tokens [B,N,E] or a pooled embedding.
 """
 import copy
@@ -107,6 +107,17 @@ def check_volume(volume: torch.Tensor, image_size: Sequence[int]) -> None:
         raise ValueError(f"volume: expected a floating dtype, got {volume.dtype}")
 
 
+def check_encoder_input(volume: torch.Tensor, patch_size: Sequence[int], trained_size: Sequence[int]) -> None:
+    """Raise ValueError naming the shapes unless volume is a float [B,1,D,H,W] whose D, H, W are positive multiples of
+    patch_size (any such size gets its own positions; trained_size is named in the message)."""
+    size = list(volume.shape[2:])
+    if volume.dim() != 5 or volume.shape[1] != 1 or any(s < p or s % p for s, p in zip(size, patch_size)):
+        raise ValueError(f"volume: expected shape [B, 1, D, H, W] with D, H, W multiples of the patch size "
+                         f"{list(patch_size)} (trained on {list(trained_size)}), got {list(volume.shape)}")
+    if not volume.is_floating_point():
+        raise ValueError(f"volume: expected a floating dtype, got {volume.dtype}")
+
+
 def run_blocks(blocks: nn.ModuleList, x: torch.Tensor, checkpoint_fn: Optional[Callable]) -> torch.Tensor:
     """x through the blocks; with a checkpoint_fn(block, x) (grad checkpointing) each block's activations are
     recomputed in backward instead of kept."""
@@ -132,11 +143,18 @@ class Encoder(nn.Module):
         self.norm = nn.LayerNorm(dim)
         self.checkpoint_fn: Optional[Callable] = None  # set_grad_checkpointing
 
+    def positions(self, grid: Sequence[int]) -> torch.Tensor:
+        """The sin-cos positions [N, E] of a (gd, gh, gw) token grid: the buffer for the grid it was built for, built
+        anew for any other (the positions are a fixed function of the grid, so any input size gets its own)."""
+        if list(grid) == self.grid:
+            return self.pos_embed
+        return sincos_pos_embed_3d(self.pos_embed.shape[1], grid).to(self.pos_embed)
+
     def forward(self, volume: torch.Tensor, keep_idx: Optional[torch.Tensor] = None) -> torch.Tensor:
         """volume [B,1,D,H,W] -> features [B,N,E], or [B*M,K,E] for only the tokens in keep_idx [B*M,K]
         (M mask sets per volume, volume-major)."""
-        x = self.patch_embed(volume).flatten(2).transpose(1, 2)  # [B, E, gd, gh, gw] -> [B, N, E]
-        x = x + self.pos_embed
+        x = self.patch_embed(volume)  # [B, E, gd, gh, gw]
+        x = x.flatten(2).transpose(1, 2) + self.positions(x.shape[2:])  # [B, N, E]
         if keep_idx is not None:
             x = gather_tokens(x.repeat_interleave(keep_idx.shape[0] // x.shape[0], dim=0), keep_idx)
         return self.norm(run_blocks(self.blocks, x, self.checkpoint_fn))
@@ -269,11 +287,13 @@ class VJEPA3D(nn.Module):
             weight = [weight] * len(target_params)
         torch._foreach_lerp_(target_params, online_params, weight)
 
-    @torch.compiler.set_stance("force_eager")  # any batch size, no recompiles, after compile_parts() too
     @torch.no_grad()
     def encode(self, volume: torch.Tensor) -> torch.Tensor:
         """Frozen target-encoder features of whole volumes: [B,1,D,H,W] -> [B, N, E]."""
-        return self.target_encoder(volume)
+        # Eager: any batch size, no recompiles, after compile_parts() too. A context, not a decorator: importing
+        # model.py then does not import torch._dynamo (seconds of every script's --help).
+        with torch.compiler.set_stance("force_eager"):
+            return self.target_encoder(volume)
 
     def encoder_state_dict(self) -> dict:
         """The target (EMA) encoder alone, for downstream use. Keys: patch_embed.{weight,bias} (Conv3d),
@@ -383,12 +403,13 @@ def memory_per_device(cfg, model: VJEPA3D, fsdp: int, batch: int) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The exported encoder: config.json (architecture, preprocessing contract, provenance) + encoder.safetensors
+# The exported encoder: config.json (architecture, preprocessing contract, provenance) + model.safetensors
 # ----------------------------------------------------------------------------------------------------------
 
 EXPORT_FORMAT = "octjepa-encoder"
 EXPORT_VERSION = 1  # bump when config.json or the weights' layout changes meaning; newer exports are refused
-CONFIG_FILE, WEIGHTS_FILE = "config.json", "encoder.safetensors"
+CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"  # the names Hugging Face's hub tools read
+EARLIER_WEIGHTS_FILE = "encoder.safetensors"  # what exports before 2026-11-25 named their weights
 ARCHITECTURE_FIELDS = ("image_size", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio")
 PREPROCESSING_FIELDS = ("image_size", "target_spacing", "missing_spacing", "clip_percentiles", "sop_classes")
 AUGMENTATION_FIELDS = ("flip_prob", "intensity_jitter")  # training-time only: fine-tuning uses them
@@ -416,6 +437,8 @@ def export_config(cfg: Config, source: dict) -> dict:
             "architecture": {k: getattr(cfg, k) for k in ARCHITECTURE_FIELDS},
             "preprocessing": {**{k: getattr(cfg, k) for k in PREPROCESSING_FIELDS}, "steps": list(PREPROCESSING_STEPS)},
             "augmentation": {k: getattr(cfg, k) for k in AUGMENTATION_FIELDS},
+            "input_sizes": {"trained": [list(cfg.image_size)], "accepted": "any [D, H, W] that is a multiple of "
+                            "patch_size: the sin-cos positions are built for its token grid"},
             "source": source}
 
 
@@ -467,36 +490,76 @@ def pool_tokens(tokens: torch.Tensor, grid: Sequence[int], pool: str = "mean_poo
     return tokens.unflatten(1, tuple(grid)).mean(dim=(1, 3)).flatten(1)  # [B,gd,gh,gw,E] -> [B,gh,E] -> [B,gh*E]
 
 
-class PretrainedEncoder(Encoder):
-    """An exported encoder: model.Encoder with its export's settings. forward: volume [B,1,D,H,W], preprocessed as
-    `settings` says (data.load_val_sample(path, encoder.settings)), -> tokens [B,N,E]; embed: -> [B,E]
-    (pool 'mean_pool') or [B, gh*E] ('depth_rows'). Its state_dict keys are those of encoder.safetensors."""
+class ExportedEncoder(Encoder):
+    """An encoder built from an export's config.json (a dict; nothing else of octjepa needed). forward: volume
+    [B,1,D,H,W] with D, H, W multiples of patch_size (the trained image_size, or any other: positions are built for
+    its grid) -> tokens [B,N,E]; embed: -> [B,E] (pool 'mean_pool') or [B, gh*E] ('depth_rows'). Its state_dict keys are those
+    of the export's weights file."""
 
-    def __init__(self, config: dict, where: str = CONFIG_FILE):
-        s = export_settings(config, where)
-        super().__init__(s.image_size, s.patch_size, s.embed_dim, s.depth, s.num_heads, s.mlp_ratio)
-        self.settings, self.config = s, config
-        self.image_size = list(s.image_size)
-        self.embed_dim = s.embed_dim
+    def __init__(self, config: dict):
+        a = config["architecture"]
+        super().__init__(a["image_size"], a["patch_size"], a["embed_dim"], a["depth"], a["num_heads"], a["mlp_ratio"])
+        self.config = config
+        self.image_size, self.patch_size, self.embed_dim = list(a["image_size"]), list(a["patch_size"]), a["embed_dim"]
 
     def forward(self, volume: torch.Tensor, keep_idx: Optional[torch.Tensor] = None) -> torch.Tensor:
         """volume [B,1,D,H,W] -> tokens [B,N,E] (or [B*M,K,E] for keep_idx, as Encoder.forward); the shape is
         checked."""
-        check_volume(volume, self.image_size)
+        check_encoder_input(volume, self.patch_size, self.image_size)
         return super().forward(volume, keep_idx)
+
+    def token_grid(self, volume: torch.Tensor) -> List[int]:
+        """The (gd, gh, gw) token grid of a volume [B,1,D,H,W]."""
+        return [s // p for s, p in zip(volume.shape[2:], self.patch_size)]
 
     def embed(self, volume: torch.Tensor, pool: str = "mean_pool") -> torch.Tensor:
         """The pooled embedding of a volume [B,1,D,H,W] (pool_tokens)."""
-        return pool_tokens(self(volume), self.grid, pool)
+        return pool_tokens(self(volume), self.token_grid(volume), pool)
 
     def embedding_size(self, pool: str = "mean_pool") -> int:
-        """The width of embed(volume, pool): E for 'mean_pool', gh*E for 'depth_rows'."""
+        """The width of embed(volume, pool) at the trained image_size: E for 'mean_pool', gh*E for 'depth_rows'."""
         return self.embed_dim * (self.grid[1] if pool_name(pool) == "depth_rows" else 1)
 
     @torch.no_grad()
     def encode(self, volume: torch.Tensor) -> torch.Tensor:
         """Frozen tokens [B,N,E] without gradients, as VJEPA3D.encode gives them (probe.encode_volumes uses either)."""
         return self(volume)
+
+
+MONAI_VIT_KEYS = (("patch_embed.", "patch_embedding.patch_embeddings."), (".attn.proj.", ".attn.out_proj."),
+                  (".mlp.fc1.", ".mlp.linear1."), (".mlp.fc2.", ".mlp.linear2."))  # Encoder key -> monai ViT key
+
+
+def monai_vit(encoder: ExportedEncoder, img_size: Optional[Sequence[int]] = None) -> nn.Module:
+    """The encoder as MONAI's 3D ViT (monai.networks.nets.ViT, the backbone of its UNETR) for inputs of img_size
+    (default: the trained size; any multiple of patch_size): the same weights, and the encoder's sin-cos positions
+    copied in (MONAI builds its own in another axis order). vit(volume)[0] equals encoder(volume). Needs monai."""
+    from monai.networks.nets import ViT
+    size = list(img_size or encoder.image_size)
+    a = encoder.config["architecture"]
+    vit = ViT(in_channels=1, img_size=size, patch_size=encoder.patch_size, hidden_size=a["embed_dim"],
+              mlp_dim=int(a["embed_dim"] * a["mlp_ratio"]), num_layers=a["depth"], num_heads=a["num_heads"],
+              proj_type="conv", pos_embed_type="sincos", classification=False, dropout_rate=0.0, spatial_dims=3,
+              qkv_bias=True)
+    state = vit.state_dict()  # its norm_cross_attn (unused without cross-attention) stays as built
+    for key, value in encoder.state_dict().items():
+        for ours, theirs in MONAI_VIT_KEYS:
+            key = key.replace(ours, theirs)
+        state[key] = value
+    grid = [s // p for s, p in zip(size, encoder.patch_size)]
+    state["patch_embedding.position_embeddings"] = encoder.positions(grid)[None].detach().clone()  # [1, N, E]
+    vit.load_state_dict(state, strict=True)
+    return vit.eval()
+
+
+class PretrainedEncoder(ExportedEncoder):
+    """An exported encoder with its export's settings checked: `settings` is a Config of its architecture,
+    preprocessing and augmentation (data.load_val_sample(path, encoder.settings) preprocesses a DICOM file)."""
+
+    def __init__(self, config: dict, where: str = CONFIG_FILE):
+        settings = export_settings(config, where)  # validated before anything is built from it
+        super().__init__(config)
+        self.settings = settings
 
 
 def random_encoder(config: dict, seed: int) -> PretrainedEncoder:
@@ -521,7 +584,7 @@ def _sha256(payload: bytes) -> str:
 
 
 def save_encoder(state: dict, config: dict, directory: str) -> None:
-    """Write an export to a local or gs:// folder: encoder.safetensors (the Encoder state `state`), then config.json
+    """Write an export to a local or gs:// folder: model.safetensors (the Encoder state `state`), then config.json
     with the weights' sha256, each atomically (config.json last: an export without it is incomplete)."""
     weights = safetensors.torch.save({k: v.detach().cpu().contiguous() for k, v in state.items()},
                                      metadata={"format": EXPORT_FORMAT, "format_version": str(EXPORT_VERSION)})
@@ -549,7 +612,8 @@ def load_encoder(directory: str) -> PretrainedEncoder:
     config = read_export_config(directory)
     encoder = PretrainedEncoder(config, f"{directory.rstrip('/')}/{CONFIG_FILE}")
     weights = config.get("weights") or {}
-    path = f"{directory.rstrip('/')}/{WEIGHTS_FILE}"
+    name = weights.get("file") if weights.get("file") in (WEIGHTS_FILE, EARLIER_WEIGHTS_FILE) else WEIGHTS_FILE
+    path = f"{directory.rstrip('/')}/{name}"
     try:
         payload = read_bytes(path)
     except FileNotFoundError:

@@ -63,11 +63,12 @@ from sklearn.model_selection import GridSearchCV, StratifiedKFold
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
-from config import Config, ConfigError, ScriptParser, given_flags, load_config, script_main
+from config import Config, ConfigError, ScriptParser, given_flags, load_config, phantom_labels_path, script_main
 from data import load_val_sample
 from dicom import UnusableFile
 from model import POOLS, VJEPA3D, pool_tokens
 from phantom import ensure_phantom_set
+from runlog import counted
 from runtime import device_kind
 from checkpoint import list_checkpoints, read_checkpoint
 
@@ -502,9 +503,9 @@ def phantom_labels(cfg: Config, varied: bool = False) -> str:
     """labels.csv of a built-in labelled phantom set, written once: the plain set in cfg.phantom_dir + '_probe', or
     the varied one (varied eyes, balanced labels, retina_thickness) in cfg.phantom_dir + '_suite'."""
     n, seed = (SUITE_PHANTOMS, SUITE_PHANTOM_SEED) if varied else (PROBE_PHANTOMS, PROBE_PHANTOM_SEED)
-    directory = cfg.phantom_dir.rstrip("/") + ("_suite" if varied else "_probe")
-    ensure_phantom_set(directory, n, seed, "labelled phantom volumes", varied)
-    return os.path.join(directory, "labels.csv")
+    path = phantom_labels_path(cfg, varied)
+    ensure_phantom_set(os.path.dirname(path), n, seed, "labelled phantom volumes", varied)
+    return path
 
 
 def load_labelled_volumes(cfg: Config, labels_csv: str, max_volumes: Optional[int] = None,
@@ -516,7 +517,7 @@ def load_labelled_volumes(cfg: Config, labels_csv: str, max_volumes: Optional[in
         keep = np.random.default_rng(0).permutation(len(rows))[:max_volumes]
         rows = [rows[i] for i in sorted(keep)]
     volumes, kept, skipped = [], [], Counter()
-    for row in rows:
+    for row in counted(rows, "read labelled volumes", "volume"):
         try:
             volumes.append(load_val_sample(row[0], cfg))
         except UnusableFile as e:

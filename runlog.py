@@ -6,18 +6,19 @@ import json
 import math
 import os
 import secrets
+import shlex
 import sys
 import time
 from collections import deque
 from dataclasses import asdict
-from typing import Dict, List, Optional
+from typing import Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 import torch
 from matplotlib.figure import Figure
 from tqdm import tqdm
 
-from config import Config, RunPlan
+from config import Config, RunPlan, phantom_labels_path
 from model import VJEPA3D, activation_bytes_per_sample, memory_per_device, training_flops_per_sample
 from storage import write_atomic
 
@@ -294,6 +295,60 @@ def describe_memory(cfg: Config, model, fsdp: int, batch: int) -> str:
         f"by fsdp size      per device at batch {batch}: {others}"])
 
 
+def duration_text(seconds: float) -> str:
+    """A duration in words: 45s, 3m20s, 2h05m."""
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+class ProgressLines:
+    """Progress for a log file, nohup or SLURM (no terminal): a line on stderr every `every` items and at the last,
+    with the items done, the time so far and an estimate of the time left. Used like a tqdm bar (update, close,
+    with)."""
+
+    def __init__(self, total: int, desc: str, unit: str, initial: int = 0, every: Optional[int] = None):
+        self.total, self.desc, self.unit, self.n, self.first = total, desc, unit, initial, initial
+        self.every = every or max(1, (total - initial) // 10)
+        self.start = time.monotonic()
+
+    def update(self, n: int = 1) -> None:
+        """n more items done; a line when a multiple of `every` or the last item is passed."""
+        self.n += n
+        if (self.n - self.first) // self.every > (self.n - n - self.first) // self.every or self.n == self.total:
+            elapsed, done = time.monotonic() - self.start, self.n - self.first
+            left = f", about {duration_text(elapsed / done * (self.total - self.n))} left" if self.n < self.total else ""
+            print(f"{self.desc}: {self.n}/{self.total} {self.unit}s, {duration_text(elapsed)}{left}", file=sys.stderr,
+                  flush=True)
+
+    def close(self) -> None:
+        """Nothing to tidy (the tqdm interface)."""
+
+    def __enter__(self) -> "ProgressLines":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def progress(total: int, desc: str, unit: str, initial: int = 0, every: Optional[int] = None):
+    """A tqdm bar on a terminal, ProgressLines (a plain line every `every` items, with the time left) otherwise."""
+    if sys.stderr.isatty():
+        return tqdm(total=total, initial=initial, desc=desc, unit=unit, dynamic_ncols=True)
+    return ProgressLines(total, desc, unit, initial, every)
+
+
+def counted(items: Sequence, desc: str, unit: str, every: Optional[int] = None) -> Iterator:
+    """Each item in turn, with progress(): an item counts as done when the loop asks for the next one."""
+    with progress(len(items), desc, unit, every=every) as bar:
+        for item in items:
+            yield item
+            bar.update(1)
+
+
 def size_text(n_bytes: float) -> str:
     """Bytes as a short text in MiB or GiB (0.35 MiB, 12.4 GiB)."""
     return f"{n_bytes / 2 ** 30:.1f} GiB" if n_bytes >= 2 ** 30 else f"{n_bytes / 2 ** 20:.2f} MiB"
@@ -362,8 +417,26 @@ def save_training_plot(history: List[dict], path: str) -> None:
     fig.savefig(path, dpi=80)
 
 
+def next_commands(cfg: Config, run_dir: str) -> List[str]:
+    """The commands that use a run's encoder (docs/encoder.md), with the run's real paths and labels (probe_labels,
+    else the labelled phantoms of a phantom run, else a placeholder)."""
+    def path(*parts: str) -> str:
+        return shlex.quote(os.path.join(*parts))
+
+    phantoms = cfg.data_root is None and cfg.manifest_path is None
+    labels = cfg.probe_labels or (phantom_labels_path(cfg) if phantoms else "LABELS.csv")
+    encoder, labels = path(run_dir, "encoder"), shlex.quote(labels)
+    data = (f"--data_root {shlex.quote(cfg.data_root or cfg.phantom_dir)}" if cfg.manifest_path is None
+            else f"--manifest_path {shlex.quote(cfg.manifest_path)}")
+    return [f"python encoder.py export --ckpt {shlex.quote(cfg.ckpt_dir)} --out {encoder}",
+            f"python encoder.py embed --encoder {encoder} {data} --out {path(run_dir, 'embeddings.npz')}",
+            f"python encoder.py show --encoder {encoder} --labels {labels} --out {path(run_dir, 'show.png')}",
+            f"python finetune.py --encoder {encoder} --labels {labels} --out {path(run_dir, 'finetune')} --vs_random"]
+
+
 def summary(history: List[dict], run_dir: str, cfg: Config, state, versus_random: Optional[dict] = None) -> str:
-    """The one-screen end-of-run summary (`state`: train.TrainState); versus_random: probe.compare_with_random's verdict, if measured."""
+    """The one-screen end-of-run summary (`state`: train.TrainState); versus_random: probe.compare_with_random's
+    verdict, if measured; the commands to run next."""
     train = [r for r in history if r["split"] == "train"]
     val = [r for r in history if r["split"] == "val"]
     lines = ["", "=" * 72, f"done: {state.step} updates, {state.nonfinite_skipped} non-finite skipped, "
@@ -395,5 +468,9 @@ def summary(history: List[dict], run_dir: str, cfg: Config, state, versus_random
                        f" (overlapping or lower 95% intervals): {fix}")
         lines.append(f"verdict           {verdict}")
     lines += [f"metrics           {run_dir}/metrics.jsonl (events: events.jsonl, plot: training.png)",
-              f"checkpoints       {cfg.ckpt_dir if cfg.ckpt_dir else 'off (ckpt_dir null)'}", "=" * 72]
+              f"checkpoints       {cfg.ckpt_dir if cfg.ckpt_dir else 'off (ckpt_dir null)'}"]
+    if cfg.ckpt_dir:
+        commands = next_commands(cfg, run_dir)
+        lines += [f"next (docs/encoder.md): {commands[0]}"] + [f"{'':24}{c}" for c in commands[1:]]
+    lines.append("=" * 72)
     return "\n".join(lines)

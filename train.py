@@ -1,7 +1,7 @@
 """Train a 3D V-JEPA on OCT volumes. The loop is spelled out top to bottom in train_loop(), one iteration per optimizer
 update; devices and processes are in runtime.py, checkpoint files in checkpoint.py, logs and pictures in runlog.py.
 
-    python train.py                                   # the built-in demo (phantoms, CPU, a few minutes)
+    python train.py                                   # the built-in demo (phantoms, CPU, a few minutes): runs/demo/
     python train.py --config configs/pretrain_single_domain.yaml --data_root gs://bucket/oct
     python train.py --config ... --dry_run            # preflight: sizes, FLOPs, memory, schedules; runs nothing
     torchrun --standalone --nproc_per_node=8 train.py --config ...   # DDP on one machine
@@ -24,8 +24,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from config import (EXIT_OK, Config, Diverged, NoUsableData, Preempted, RunPlan, ScriptParser, StorageFailed,
-                    load_config, plan_run, save_config, script_main)
+from config import (DEMO_FLAGS, EXIT_OK, Config, Diverged, NoUsableData, Preempted, RunPlan, ScriptParser,
+                    StorageFailed, load_config, plan_run, save_config, script_main)
 from data import (build_datasets, describe_masks, format_reason_table, make_loader, make_val_loader,
                   mask_generator_from_config, mask_stats)
 from model import VJEPA3D
@@ -627,7 +627,7 @@ def finish(run: Run) -> None:
 def main(argv: List[str]) -> int:
     """Train with the config of a command line (`--config FILE`, `--field value`); returns the exit code."""
     _, flags = ScriptParser(__doc__, prog="train.py").parse(argv)
-    cfg = load_config(flags)
+    cfg = load_config(flags or DEMO_FLAGS)
     rt = setup_runtime(cfg)
     cfg = master_decides(rt, resolve_run_dir, cfg)  # one run name and checkpoint folder for every process
     check_checkpoint_folder(cfg, rt)  # writable (and, over several machines, shared), before anything trains

@@ -1,8 +1,11 @@
 """encoder.py and model.load_encoder: a researcher exports the encoder of a real training run, loads it from plain
 Python, embeds a folder or bucket (killed and resumed), and looks at its features."""
+import inspect
+import itertools
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -17,11 +20,17 @@ import torch
 from PIL import Image
 
 import encoder as encoder_cli
+import export
+import finetune
+import model
+import train
+from config import DEMO_FLAGS, ConfigError, load_config
 from data import load_val_sample
-from index import find_files, scan_files
-from model import ExportError, load_encoder, random_encoder, save_encoder
-from probe import read_model_checkpoint
 from helpers import one_thread  # noqa: F401 (autouse: tiny models, one thread)
+from index import find_files, scan_files
+from model import Encoder, ExportError, load_encoder, random_encoder, save_encoder
+from probe import read_model_checkpoint
+from volumes import read_volume
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -44,20 +53,112 @@ def test_axial_pooling_keeps_each_depth_row_and_averages_to_the_mean_pool(export
     encoder = load_encoder(export_dir)
     volume = torch.randn(2, 1, *encoder.image_size, generator=torch.Generator().manual_seed(2))
     gh, width = encoder.grid[1], encoder.embed_dim
-    axial = encoder.embed(volume, "axial")  # [B, gh*E]
-    assert axial.shape == (2, gh * width) == (2, encoder.embedding_size("axial"))
-    torch.testing.assert_close(axial.view(2, gh, width).mean(1), encoder.embed(volume, "mean"))
+    axial = encoder.embed(volume, "depth_rows")  # [B, gh*E]
+    assert axial.shape == (2, gh * width) == (2, encoder.embedding_size("depth_rows"))
+    torch.testing.assert_close(axial.view(2, gh, width).mean(1), encoder.embed(volume, "mean_pool"))
 
 
-def test_a_volume_of_the_wrong_shape_is_refused_with_both_shapes(export_dir):
+def test_a_volume_that_is_not_a_multiple_of_the_patch_size_is_refused_naming_the_sizes(export_dir):
     encoder = load_encoder(export_dir)
-    with pytest.raises(ValueError, match=r"expected shape \['B', 1, 8, 32, 32\], got \[1, 1, 8, 64, 64\]"):
-        encoder(torch.zeros(1, 1, 8, 64, 64))
+    with pytest.raises(ValueError, match=re.escape("multiples of the patch size [4, 8, 8] (trained on [8, 32, 32]), "
+                                                   "got [1, 1, 8, 36, 32]")):
+        encoder(torch.zeros(1, 1, 8, 36, 32))
+
+
+def test_another_input_size_gives_the_tokens_of_an_encoder_built_natively_at_that_size(export_dir):
+    encoder = load_encoder(export_dir)
+    size = [12, 48, 64]  # another multiple of the patch size on every axis
+    native = Encoder(size, encoder.patch_size, encoder.embed_dim, encoder.settings.depth, encoder.settings.num_heads,
+                     encoder.settings.mlp_ratio)
+    native.load_state_dict(encoder.state_dict())
+    volume = torch.randn(2, 1, *size, generator=torch.Generator().manual_seed(4))
+    tokens = encoder.encode(volume)
+    assert tokens.shape == (2, 3 * 6 * 8, encoder.embed_dim)
+    with torch.no_grad():
+        assert float((tokens - native.eval()(volume)).abs().max()) <= 1e-6
+    assert encoder.embed(volume, "depth_rows").shape == (2, 6 * encoder.embed_dim)  # gh rows of this grid
+    config = json.loads(Path(export_dir, "config.json").read_text())
+    assert config["input_sizes"]["trained"] == [encoder.image_size]
+
+
+LOAD_IN_ANOTHER_PROJECT = """
+import sys
+import numpy as np
+import torch
+sys.path.insert(0, PROJECT)  # its own config.py, data.py and model.py: importing any of them raises
+encoder = torch.hub.load(EXPORT, "encoder", source="local")
+sys.path.insert(0, EXPORT)
+import octjepa_encoder
+again = octjepa_encoder.load(EXPORT)
+volume = torch.from_numpy(np.load("volume.npy"))
+with torch.no_grad():
+    np.save("tokens.npy", encoder(volume).numpy())
+    np.save("again.npy", again.embed(volume).numpy())
+assert not {"config", "data", "model", "probe", "train"} & set(sys.modules), sorted(sys.modules)
+"""
+
+
+def test_an_export_loads_from_an_empty_folder_of_another_project_with_its_own_config_data_and_model(
+        export_dir, trained_checkpoint, tmp_path):
+    project, elsewhere, copied = tmp_path / "their_project", tmp_path / "empty", tmp_path / "copied_export"
+    project.mkdir()
+    elsewhere.mkdir()
+    for name in ("config", "data", "model"):
+        (project / f"{name}.py").write_text(f"raise ImportError('their own {name}.py, not octjepa\\'s')\n")
+    shutil.copytree(export_dir, copied)  # the folder alone: no octjepa checkout beside it
+    trained, cfg, _ = read_model_checkpoint(trained_checkpoint)
+    volume = torch.randn(2, 1, *cfg.image_size, generator=torch.Generator().manual_seed(5))
+    np.save(elsewhere / "volume.npy", volume.numpy())
+    code = f"PROJECT, EXPORT = {str(project)!r}, {str(copied)!r}\n" + LOAD_IN_ANOTHER_PROJECT
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-I", "-c", code], cwd=elsewhere, capture_output=True, text=True,
+                            env=env, timeout=600)  # -I: neither the checkout nor PYTHONPATH on sys.path
+    assert result.returncode == 0, result.stderr[-3000:]
+    expected = trained.encode(volume).numpy()
+    assert np.abs(np.load(elsewhere / "tokens.npy") - expected).max() <= 1e-6
+    assert np.abs(np.load(elsewhere / "again.npy") - expected.mean(1)).max() <= 1e-6
+
+
+def test_the_exports_standalone_module_is_model_pys_code_not_a_copy_that_can_drift(export_dir):
+    module = (Path(export_dir) / "octjepa_encoder.py").read_text()
+    for definition in (model.sincos_pos_embed_3d, model.Block, model.Encoder, model.ExportedEncoder,
+                       model.monai_vit):
+        assert inspect.getsource(definition) in module
+    assert not re.search(r"^(import|from) (config|data|storage|dicom)\b", module, re.MULTILINE)
+
+
+def test_hugging_face_from_pretrained_reads_the_export_and_saves_it_back(export_dir, trained_checkpoint, tmp_path):
+    pytest.importorskip("huggingface_hub", reason="huggingface-hub (requirements-dev.txt) is not installed")
+    standalone = export.import_standalone(export_dir)
+    trained, cfg, _ = read_model_checkpoint(trained_checkpoint)
+    volume = torch.randn(2, 1, *cfg.image_size, generator=torch.Generator().manual_seed(6))
+    hub = standalone.OCTJEPAEncoder.from_pretrained(export_dir)
+    with torch.no_grad():
+        assert float((hub(volume) - trained.encode(volume)).abs().max()) <= 1e-6
+        hub.save_pretrained(tmp_path / "saved")
+        again = standalone.OCTJEPAEncoder.from_pretrained(tmp_path / "saved")
+        assert float((again(volume) - trained.encode(volume)).abs().max()) <= 1e-6
+    card = (Path(export_dir) / "README.md").read_text()
+    for section in ("## Intended use", "## Training data", "## Evaluation", "## Licence", "## Code"):
+        assert section in card
+    assert "license: other" in card and re.search(r"commit [0-9a-f]{40}", card)
+    assert str(Path(export_dir).parent) not in card and "/tmp" not in card and "runs/" not in card
+
+
+def test_monai_vit_holds_the_encoder_exactly_at_the_trained_and_another_size(export_dir):
+    pytest.importorskip("monai", reason="monai (requirements-dev.txt) is not installed")
+    pytest.importorskip("einops", reason="einops (monai's ViT needs it; requirements-dev.txt) is not installed")
+    encoder = load_encoder(export_dir)
+    for size in (encoder.image_size, [12, 48, 64]):
+        vit = model.monai_vit(encoder, size)
+        volume = torch.randn(2, 1, *size, generator=torch.Generator().manual_seed(7))
+        with torch.no_grad():
+            assert float((vit(volume)[0] - encoder(volume)).abs().max()) <= 1e-6
 
 
 def rewrite_weights(directory: Path, edit) -> None:
     """Change the tensors of an export and record the new weights' sha256, as a careless user would."""
-    tensors = safetensors.torch.load_file(directory / "encoder.safetensors")
+    tensors = safetensors.torch.load_file(directory / "model.safetensors")
     edit(tensors)
     config = json.loads((directory / "config.json").read_text())
     save_encoder(tensors, {k: v for k, v in config.items() if k != "weights"}, str(directory))
@@ -71,8 +172,8 @@ def edit_config(directory: Path, edit) -> None:
 
 TAMPERINGS = {
     "weights changed after export": (
-        lambda d: d.joinpath("encoder.safetensors").write_bytes(d.joinpath("encoder.safetensors").read_bytes()[:-4]
-                                                                 + b"\0\0\0\0"), "weights.sha256"),
+        lambda d: d.joinpath("model.safetensors").write_bytes(d.joinpath("model.safetensors").read_bytes()[:-4]
+                                                               + b"\0\0\0\0"), "weights.sha256"),
     "a tensor missing": (lambda d: rewrite_weights(d, lambda t: t.pop("blocks.1.mlp.fc2.bias")),
                          "key blocks.1.mlp.fc2.bias is missing"),
     "a tensor too many": (lambda d: rewrite_weights(d, lambda t: t.update(extra=torch.zeros(1))),
@@ -153,6 +254,42 @@ def test_embed_writes_a_row_per_volume_with_its_identity_and_the_reason_for_each
     assert "truncated" in capsys.readouterr().out
 
 
+def cosines(rows: np.ndarray) -> np.ndarray:
+    """Pairwise cosine similarities of rows [M, F], each pair once."""
+    unit = rows / np.linalg.norm(rows, axis=1, keepdims=True)
+    return (unit @ unit.T)[np.triu_indices(len(rows), 1)]
+
+
+def test_embed_stores_what_standardizing_needs_and_the_position_share_of_the_tokens(export_dir, phantom_dir, tmp_path,
+                                                                                   capsys):
+    flags = ["embed", "--encoder", export_dir, "--data_root", phantom_dir, "--workers", "0", "--batch_size", "4",
+             "--save_every", "4"]
+    assert encoder_cli.main(flags + ["--out", str(tmp_path / "raw.npz")]) == 0
+    printed = capsys.readouterr()
+    assert "of the token variance (position_share)" in printed.out
+    # no terminal (stderr captured): plain progress lines, with the time left until the last
+    assert re.search(r"^embed: 1/10 volumes, \d+s, about \S+ left$", printed.err, re.MULTILINE), printed.err
+    assert re.search(r"^embed: 10/10 volumes, \S+$", printed.err, re.MULTILINE)
+    assert encoder_cli.main(flags + ["--out", str(tmp_path / "std.npz"), "--standardize"]) == 0
+    raw, standardized = load_npz(tmp_path / "raw.npz"), load_npz(tmp_path / "std.npz")
+    np.testing.assert_allclose(raw["mean"], raw["embedding"].astype(np.float64).mean(0), atol=1e-5)
+    np.testing.assert_allclose(raw["std"], raw["embedding"].astype(np.float64).std(0), rtol=1e-4)
+    np.testing.assert_allclose(standardized["embedding"], (raw["embedding"] - raw["mean"]) / raw["std"], atol=1e-5)
+    assert bool(standardized["standardized"]) and not bool(raw["standardized"])
+    assert np.median(cosines(standardized["embedding"])) < np.median(cosines(raw["embedding"]))
+    encoder = load_encoder(export_dir)
+    volumes = torch.stack([load_val_sample(str(p), encoder.settings) for p in raw["path"]])
+    share = encoder_cli.position_share(encoder.encode(volumes))
+    assert float(raw["position_share"]) == pytest.approx(share, abs=1e-6) and 0 < share < 1
+
+
+def test_embed_on_an_empty_folder_says_there_are_no_files_there(export_dir, tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert encoder_cli.main(["embed", "--encoder", export_dir, "--data_root", str(tmp_path / "empty"), "--out",
+                             str(tmp_path / "e.npz")]) == 3
+    assert f"no files under {tmp_path / 'empty'}" in capsys.readouterr().err
+
+
 def test_embed_refuses_rows_saved_by_another_encoder_and_never_overwrites(export_dir, phantom_dir, tmp_path, capsys):
     out = tmp_path / "emb.npz"
     other = random_encoder(load_encoder(export_dir).config, seed=3)
@@ -213,6 +350,33 @@ def test_show_draws_pretrained_and_random_features_and_attention(export_dir, pha
     assert len(np.unique(image.reshape(-1, 3), axis=0)) > 500  # colours: features, attention, the volumes
 
 
+def test_show_draws_the_chosen_rows_and_names_no_local_path(export_dir, phantom_dir, tmp_path):
+    drawn = encoder_cli.show(export_dir, f"{phantom_dir}/labels.csv", str(tmp_path / "show.png"),
+                             load_config(["--device", "cpu"]), vs_random=False, volumes=[2, 9])
+    assert drawn["rows"] == [2, 9] and "/" not in drawn["title"] and export_dir not in drawn["title"]
+    assert "grid position explains" in drawn["title"]
+    with pytest.raises(ConfigError, match="has rows 1 to 10"):
+        encoder_cli.show(export_dir, f"{phantom_dir}/labels.csv", str(tmp_path / "x.png"), load_config([]),
+                         volumes=[11])
+
+
+def colour_gap(rgb: np.ndarray) -> float:
+    """The mean |difference| of the RGB maps [S, ..., 3] of each pair of shown volumes."""
+    return float(np.mean([np.abs(rgb[a] - rgb[b]).mean() for a, b in itertools.combinations(range(len(rgb)), 2)]))
+
+
+def test_shows_pca_of_position_centred_tokens_differs_between_classes_where_plain_pca_shows_position(export_dir,
+                                                                                                    phantom_dir):
+    encoder = load_encoder(export_dir)
+    tokens, labels, _, shown, _, _ = encoder_cli.labelled_tokens({"e": encoder}, encoder.settings,
+                                                                 f"{phantom_dir}/labels.csv", None, "cpu")
+    assert len(set(labels[shown])) == len(shown) == 3  # one volume of each class
+    centred, _ = encoder_cli.feature_colours(tokens["e"], shown)
+    plain, _ = encoder_cli.feature_colours(tokens["e"], shown, centre=False)
+    # measured on the smoke run's encoder: 0.20 against 0.045 (position explains 92% of its token variance)
+    assert colour_gap(centred) > 0.1 and colour_gap(centred) > 2 * colour_gap(plain)
+
+
 def readme_snippet() -> str:
     """The Python block of the README's section on loading an exported encoder."""
     text = (REPO / "README.md").read_text()
@@ -229,3 +393,63 @@ def test_the_readme_snippet_loads_the_export_without_train_py(export_dir, phanto
     result = subprocess.run([sys.executable, "-c", code + check], cwd=REPO, capture_output=True, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def docs_block(language: str, index: int = 0) -> str:
+    """The index-th code block of that language in docs/encoder.md."""
+    text = (REPO / "docs" / "encoder.md").read_text()
+    return re.findall(rf"```{language}\n(.*?)```", text, re.DOTALL)[index]
+
+
+@pytest.mark.slow
+def test_the_docs_commands_run_in_order(smoke_phantoms, tmp_path, capsys):
+    names = sorted(n for n in os.listdir(smoke_phantoms) if n.endswith(".dcm"))
+    labels = tmp_path / "labels.csv"  # 16 volumes of 8 patients, two classes
+    labels.write_text("path,label,patient\n" + "".join(f"{smoke_phantoms}/{n},{'ab'[(i // 2) % 2]},p{i // 2}\n"
+                                                       for i, n in enumerate(names)))
+    runs = tmp_path / "runs"
+    flags = ["--config", str(REPO / "configs" / "smoke.yaml"), "--phantom_dir", smoke_phantoms, "--out_dir",
+             str(runs), "--max_steps", "4", "--probe_labels", str(labels)]
+    assert train.main(flags + DEMO_FLAGS) == 0  # the demo's run folder: runs/demo
+    summary = capsys.readouterr().out
+    commands = [line.replace("runs/demo", f"{runs}/demo").replace("data/phantoms_probe/labels.csv", str(labels))
+                .replace("data/phantoms ", f"{smoke_phantoms} ") for line in docs_block("bash").splitlines()]
+    assert len(commands) == 4
+    readme = (REPO / "README.md").read_text()
+    assert docs_block("bash") in readme[readme.index("## Use the encoder"):]  # the README shows the same commands
+    for command in commands:
+        assert command in summary  # the summary prints the docs' commands with the run's own paths
+        argv = shlex.split(command)[2:]
+        if command.startswith("python finetune.py"):
+            assert finetune.main(argv + ["--modes", "frozen", "--folds", "2"]) == 0  # quick: no full fine-tuning
+        else:
+            assert encoder_cli.main(argv) == 0
+    for written in ("encoder/octjepa_encoder.py", "embeddings.npz", "show.png", "finetune/report.json"):
+        assert (runs / "demo" / written).exists(), written
+    assert train.main(flags + DEMO_FLAGS) == 0  # the demo again: its run is done, its summary again
+    assert commands[0] in capsys.readouterr().out
+
+
+def test_the_docs_python_blocks_load_a_dicom_file_and_an_in_memory_volume_alike(export_dir, phantom_dir, tmp_path):
+    first = sorted(p for p in os.listdir(phantom_dir) if p.endswith(".dcm"))[0]
+    checkout = docs_block("python", 1).replace("runs/demo/encoder", export_dir).replace("scan.dcm",
+                                                                                        f"{phantom_dir}/{first}")
+    read = read_volume(f"{phantom_dir}/{first}")
+    in_memory = ("x_file = x\n" + docs_block("python", 4).replace("array_dhw", "read.voxels")
+                 .replace("(dz, dy, dx)", "read.spacing") + "assert torch.equal(x, x_file)\n")
+    exec(checkout + in_memory, {"read": read})
+
+
+def test_each_commands_help_lists_the_config_flags_it_takes_and_claims_no_others(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        encoder_cli.main(["embed", "--help"])
+    printed = capsys.readouterr().out
+    assert stopped.value.code == 0 and "Every Config field is also a flag" not in printed
+    assert "The config flags it takes: --device, --cache_dir, --workers, --data_root" in " ".join(printed.split())
+    assert "runs/demo/checkpoints" in encoder_cli.__doc__ and "data/phantoms_probe/labels.csv" in encoder_cli.__doc__
+
+
+def test_the_scripts_import_no_compiler_before_parsing_their_arguments():
+    code = "import sys, encoder; assert 'torch._dynamo' not in sys.modules, 'torch._dynamo imported'"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
