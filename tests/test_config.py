@@ -115,7 +115,14 @@ def test_every_exit_status_of_every_script_is_in_the_one_table_in_config():
 def test_every_script_explains_itself_and_the_config_flags_with_help(script):
     result = subprocess.run([sys.executable, str(REPO / script), "--help"], cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0 and result.stdout.startswith("usage: ")
-    assert ("Every Config field is also a flag" in result.stdout) == (script != "phantom.py")
+    assert ("Every Config field is also a flag" in result.stdout) == (script not in ("phantom.py", "encoder.py"))
+
+
+def test_each_encoder_command_lists_the_config_flags_it_takes_not_every_field():
+    result = subprocess.run([sys.executable, str(REPO / "encoder.py"), "embed", "--help"], cwd=REPO,
+                            capture_output=True, text=True)
+    assert result.returncode == 0 and "Every Config field" not in result.stdout
+    assert "The config flags it takes: --device, --cache_dir, --workers, --data_root" in result.stdout
 
 
 @pytest.mark.parametrize("argv,field", [
