@@ -6,14 +6,17 @@ train.py calls these; probe.py and encoder.py read checkpoints with read_checkpo
 processes and collectives they run on.
 """
 import contextlib
+import errno
 import hashlib
 import io
 import json
 import os
+import pickle
 import random
 import re
 import time
 import uuid
+import zipfile
 from dataclasses import asdict, replace
 from typing import Callable, List, Optional, Tuple
 
@@ -23,8 +26,8 @@ import torch
 from config import Config, ConfigError, ExitError, RunPlan, StorageFailed, plan_run
 from runtime import (Runtime, broadcast_from_master, gather_objects, master_decides, place_model_state,
                      place_optimizer_state, state_to_host)
-from storage import (copy_atomic, exists, glob_paths, is_transient, open_atomic, read_bytes, remove, remove_stale_tmp,
-                     rename, retry, storage_errors, write_atomic)
+from storage import (copy_atomic, exists, gcs_filesystem, glob_paths, is_transient, open_atomic, read_bytes, remove,
+                     remove_stale_tmp, rename, retry, storage_errors, write_atomic)
 
 
 def step_of(path: str) -> int:
@@ -39,20 +42,72 @@ def list_checkpoints(ckpt_dir: str) -> List[str]:
 
 
 class UnreadableCheckpoint(Exception):
-    """A checkpoint whose content does not load: cut short, damaged, or not an octjepa checkpoint."""
+    """A checkpoint shown to be damaged: not a whole zip file, a part whose checksum does not match, or no 'model'."""
+
+
+class CheckpointNotLoaded(StorageFailed):
+    """A checkpoint that may be intact did not load (too little memory, a type this version refuses, a storage
+    error): the run stops and renames nothing."""
+    prefix = "checkpoint not loaded: "
 
 
 def read_checkpoint(path: str, retry_seconds: float = 0.0) -> dict:
-    """Load a checkpoint (local or gs://) to CPU tensors (weights_only: no code runs on load). A transient storage
-    error is retried for retry_seconds, then raised; content that does not load raises UnreadableCheckpoint."""
-    payload = retry(read_bytes, path, seconds=retry_seconds)
+    """Load a checkpoint (local or gs://) to CPU tensors (weights_only: no code runs on load); a local file is mapped,
+    not copied (each process holds it once). A transient storage error is retried for retry_seconds, then raised.
+    UnreadableCheckpoint only on evidence of damage (checkpoint_damage); any other failure is CheckpointNotLoaded
+    (exit 74) or, for a type this version refuses, ConfigError (exit 2): the file may be intact."""
     try:
-        ckpt = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise UnreadableCheckpoint(f"{path}: {e!r}"[:500]) from None
+        ckpt = retry(_load, path, seconds=retry_seconds)
+    except Exception as e:  # torch.load raises many types: only the file itself can say whether it is damaged
+        if isinstance(e, storage_errors()) and not out_of_memory(e):
+            raise
+        damage = checkpoint_damage(path)
+        if damage:
+            raise UnreadableCheckpoint(f"{path}: {damage} ({type(e).__name__}: {str(e)[:200]})") from None
+        raise load_failure(path, e) from None
     if not isinstance(ckpt, dict) or "model" not in ckpt:
         raise UnreadableCheckpoint(f"{path}: not an octjepa checkpoint (no 'model')")
     return ckpt
+
+
+def _load(path: str) -> dict:
+    if path.startswith("gs://"):
+        return torch.load(io.BytesIO(read_bytes(path)), map_location="cpu", weights_only=True)
+    return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+
+
+def checkpoint_damage(path: str) -> Optional[str]:
+    """What shows a checkpoint file damaged (torch.save writes a zip whose parts carry a CRC-32): not a whole zip, or
+    the first part whose content does not match its checksum; None when every part is as written. A storage error
+    while reading is raised (it says nothing about the file)."""
+    try:
+        with (gcs_filesystem().open(path, "rb") if path.startswith("gs://") else open(path, "rb")) as f:
+            with zipfile.ZipFile(f) as archive:
+                bad = archive.testzip()
+    except (zipfile.BadZipFile, EOFError) as e:
+        return f"damaged: not a whole checkpoint file ({e})"
+    return f"damaged: its part {bad} does not match its checksum" if bad else None
+
+
+def out_of_memory(error: Exception) -> bool:
+    """Whether an error says memory (or address space) ran out: MemoryError, ENOMEM, or torch's allocator."""
+    return isinstance(error, MemoryError) or getattr(error, "errno", None) == errno.ENOMEM or \
+        "allocate memory" in str(error).lower()
+
+
+def load_failure(path: str, error: Exception) -> ExitError:
+    """The error that stops a run whose checkpoint is intact but did not load, saying why and what to do."""
+    refused = re.search(r"Unsupported global: .*|WeightsUnpickler error: .+", str(error))  # in torch's long text
+    what = f"{path} is intact (every part matches its checksum) but did not load ({type(error).__name__}: " \
+           f"{refused.group(0) if refused else str(error)[:300]})"
+    if isinstance(error, pickle.UnpicklingError):
+        return ConfigError(f"resume: {what}: it holds a type this version of octjepa/torch refuses to load without "
+                           f"running code. Nothing was renamed. Load it with the version that wrote it, or resume from "
+                           f"another checkpoint (--resume PATH).")
+    if out_of_memory(error):
+        return CheckpointNotLoaded(f"{what}: too little memory. Nothing was renamed; run the same command again "
+                                   f"with more memory (a higher ulimit -v or job memory limit).")
+    return CheckpointNotLoaded(f"{what}. Nothing was renamed; run the same command again once this is fixed.")
 
 
 def checkpoint_path(ckpt_dir: str, step: int) -> str:
@@ -204,9 +259,11 @@ def set_aside(path: str, reason: str, why: str) -> dict:
 def choose_resume_checkpoint(cfg: Config) -> Tuple[Optional[str], Optional[dict], List[dict]]:
     """The master's choice of what the run resumes from: (path, checkpoint), or (None, None) to start from scratch;
     plus what it did to the run's files on the way ({event, path, why}). First the tmp files of writers stopped
-    mid-write go. resume auto: the newest step checkpoint that loads; each newer one whose content does not load is
-    set aside ('unreadable'). Then every step checkpoint past the resumed update is set aside ('abandoned': a
-    timeline left by resuming an earlier file), so neither a later `--resume auto` nor keep_last sees it. A storage
+    mid-write go. resume auto: the newest step checkpoint that loads; each newer one shown to be damaged is set aside
+    ('unreadable'); when none is left that loads, the run stops (exit 2) instead of starting from scratch. Then every
+    step checkpoint past the resumed update, and a best.pt written after it, is set aside ('abandoned': a timeline
+    left by resuming an earlier file), so neither a later `--resume auto`, keep_last nor a new best overwrites it. A
+    checkpoint that may be intact but does not load stops the run with nothing renamed (read_checkpoint); a storage
     error that outlasts ckpt_retry_minutes is StorageFailed, with nothing set aside."""
     retry_seconds = cfg.ckpt_retry_minutes * 60
     path, ckpt = None, None
@@ -223,6 +280,13 @@ def choose_resume_checkpoint(cfg: Config) -> Tuple[Optional[str], Optional[dict]
                     continue
                 path = candidate
                 break
+            damaged = glob_paths(f"{cfg.ckpt_dir.rstrip('/')}/step_*.pt.unreadable-*")
+            if ckpt is None and damaged:
+                raise ConfigError(
+                    f"resume: none of the step checkpoints in {cfg.ckpt_dir} loads; each was damaged and set aside "
+                    f"({', '.join(sorted(damaged))}), so the run does not start from scratch by itself. To start "
+                    f"it over on purpose: the same command without --resume (its metrics start again), or another "
+                    f"--run_name.")
         elif cfg.resume is not None:
             path = cfg.resume
             ckpt = read_checkpoint(path, retry_seconds)
@@ -230,6 +294,9 @@ def choose_resume_checkpoint(cfg: Config) -> Tuple[Optional[str], Optional[dict]
         for later in list_checkpoints(cfg.ckpt_dir) if cfg.ckpt_dir is not None else []:
             if step_of(later) > step and later != path:
                 moved.append(set_aside(later, "abandoned", f"past update {step}, where this run resumes"))
+        best = f"{cfg.ckpt_dir.rstrip('/')}/best.pt" if cfg.ckpt_dir is not None else None
+        if ckpt is not None and best != path and best_step(best, retry_seconds) > step:
+            moved.append(set_aside(best, "abandoned", f"written after update {step}, where this run resumes"))
     except FileNotFoundError as e:
         raise ConfigError(f"resume: {cfg.resume} is not a checkpoint file ({e}); give the path of a step_*.pt or "
                           f"best.pt, or auto.") from None
@@ -240,6 +307,16 @@ def choose_resume_checkpoint(cfg: Config) -> Tuple[Optional[str], Optional[dict]
                             f"{cfg.ckpt_retry_minutes:g} min ({e!r}); nothing was changed: run the same command "
                             f"again when the storage is back.") from None
     return path, ckpt, moved
+
+
+def best_step(best: str, retry_seconds: float) -> int:
+    """The update a best.pt was written at; 0 when there is none or it is damaged (the next best replaces it)."""
+    if not exists(best):
+        return 0
+    try:
+        return read_checkpoint(best, retry_seconds)["train_state"]["step"]
+    except UnreadableCheckpoint:
+        return 0
 
 
 def load_resume_checkpoint(cfg: Config, rt: Runtime) -> Tuple[Optional[str], Optional[dict], List[dict]]:
@@ -260,7 +337,7 @@ def load_resume_checkpoint(cfg: Config, rt: Runtime) -> Tuple[Optional[str], Opt
     if path is not None and ckpt is None:
         try:
             ckpt = read_checkpoint(path, cfg.ckpt_retry_minutes * 60)
-        except (UnreadableCheckpoint, *storage_errors()) as e:
+        except (UnreadableCheckpoint, ExitError, *storage_errors()) as e:
             error = repr(e)
     failed = [f"process {rank}: {e}" for rank, e in enumerate(gather_objects(error, rt)) if e is not None]
     if failed:

@@ -63,7 +63,7 @@ from sklearn.model_selection import GridSearchCV, StratifiedKFold
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
-from config import Config, ConfigError, ScriptParser, given_flags, load_config, script_main
+from config import Config, ConfigError, ExitError, ScriptParser, given_flags, load_config, script_main
 from data import load_val_sample
 from dicom import UnusableFile
 from model import VJEPA3D
@@ -660,6 +660,8 @@ def read_model_checkpoint(ckpt: str) -> Tuple[VJEPA3D, Config, dict]:
         state = read_checkpoint(ckpt)
     except FileNotFoundError:
         raise ConfigError(f"ckpt: {ckpt} not found; {fix}.") from None
+    except ExitError:
+        raise
     except Exception as e:  # torch.load raises many types for a file that is not a weights-only checkpoint
         raise ConfigError(f"ckpt: {ckpt} is not a readable checkpoint ({type(e).__name__}: {e}); {fix}.") from None
     if not isinstance(state, dict) or not {"model", "config"} <= set(state):

@@ -397,9 +397,7 @@ def open_log(run: Run, ckpt: Optional[dict], set_aside: List[dict]) -> RunLog:
         log.event(found["event"], state.step, **{k: v for k, v in found.items() if k != "event"})
         log.print(f"{found['path']}: {found['why']}")
     if cfg.resume == "auto" and ckpt is None:
-        unreadable = sum(m["event"] == "unreadable_checkpoint" for m in set_aside)
-        log.print(f"resume auto: {f'none of the {unreadable} checkpoints' if unreadable else 'no checkpoint'} in "
-                  f"{cfg.ckpt_dir} could be loaded; starting from scratch")
+        log.print(f"resume auto: no checkpoint in {cfg.ckpt_dir} yet; starting from scratch")
     if ckpt is not None:
         log.event("resume", state.step, path=run.last_ckpt)
         log.print(f"resumed from {run.last_ckpt} at update {state.step}")
