@@ -35,7 +35,8 @@ from probe import compare_with_random, prepare_probe_set, probe_auroc, rankme
 from runlog import (RunLog, Throughput, describe_run, format_train_line, json_number, save_mask_plot,
                     save_schedule_plot, save_training_plot, summary)
 from checkpoint import (check_checkpoint_folder, checkpoint_everywhere, checkpoint_path, load_resume_checkpoint,
-                        plan_record, read_checkpoint, resolve_run_dir, restore, resumed_plan, split_fingerprint)
+                        plan_record, read_checkpoint, resolve_run_dir, restore, resumed_plan, run_folder_lock,
+                        split_fingerprint)
 from runtime import (PendingDeviceStats, Runtime, StopSignals, adamw_state, any_process, check_ranks_agree,
                      gather_objects, global_value, mark_step, master_decides, place_model, probes_in_this_process,
                      reduce_mean, setup_runtime, state_bytes_per_device, to_device, wrap_ddp, xla_counters)
@@ -639,8 +640,9 @@ def main(argv: List[str]) -> int:
     cfg = load_config(flags)
     rt = setup_runtime(cfg)
     cfg = master_decides(rt, resolve_run_dir, cfg)  # one run name and checkpoint folder for every process
-    check_checkpoint_folder(cfg, rt)  # writable (and, over several machines, shared), before anything trains
-    return train(cfg, rt)
+    with run_folder_lock(cfg, rt):  # one process at a time in a run folder
+        check_checkpoint_folder(cfg, rt)  # writable (and, over several machines, shared), before anything trains
+        return train(cfg, rt)
 
 
 if __name__ == "__main__":

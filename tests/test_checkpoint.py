@@ -1,8 +1,11 @@
 """Nothing lost: a checkpoint is set aside only when it is shown to be damaged, a best.pt is never overwritten by an
 earlier timeline, and one process at a time works in a run folder (real processes, real files)."""
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -15,13 +18,13 @@ from test_train import REPO, smoke_flags
 from train import main
 
 
-def train_process(flags, address_space_kb=None, **popen):
-    """`python train.py FLAGS` as its own process (under an address-space cap, as clusters set one); the Popen, or
-    the finished process with its output."""
+def train_process(flags, address_space_kb=None, popen=None):
+    """`python train.py FLAGS` as its own process (under an address-space cap, as clusters set one): started with
+    Popen's `popen` arguments, or, without them, run to its end with its output."""
     cap = f"ulimit -v {address_space_kb}; " if address_space_kb else ""
     command = ["bash", "-c", cap + 'exec "$@"', "bash", sys.executable, str(REPO / "train.py"), *flags]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    if popen:
+    if popen is not None:
         return subprocess.Popen(command, cwd=REPO, env=env, text=True, **popen)
     return subprocess.run(command, cwd=REPO, env=env, text=True, capture_output=True, timeout=600)
 
@@ -78,3 +81,76 @@ def test_a_best_checkpoint_written_after_the_resumed_update_is_set_aside_not_ove
     assert Path(set_aside["moved_to"]).read_bytes() == best_of_update_12
     assert [Path(p).name for p in list_checkpoints(str(ckpt_dir))] == [
         "step_0000012.pt", "step_0000008.pt", "step_0000004.pt"]
+
+
+def wait_for(condition, process, what):
+    """Poll until condition() holds; fails if `process` ended first."""
+    while not condition():
+        assert process.poll() is None, f"the first run ended (exit {process.returncode}) before {what}"
+        time.sleep(0.5)
+
+
+def test_a_second_process_on_a_live_run_folder_exits_2_naming_it_and_a_killed_ones_lock_is_taken_over(
+        tmp_path, smoke_phantoms):
+    flags = smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "400", "--ckpt_every_steps", "2")
+    run_dir = tmp_path / "runs" / "r"
+    first = train_process(flags, popen={"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL})
+    try:
+        wait_for(lambda: list_checkpoints(str(run_dir / "checkpoints")), first, "its first checkpoint")
+        second = train_process([*flags, "--resume", "auto"])
+        assert second.returncode == 2, second.stderr[-2000:]
+        assert f"in use by process {first.pid} on {socket.gethostname()}" in second.stderr
+        assert "another --run_name" in second.stderr
+        assert first.poll() is None  # the first run goes on, its files untouched by the second
+    finally:
+        first.kill()
+        first.wait()
+    assert (run_dir / ".octjepa-lock").exists()  # left by the killed process
+    third = train_process([*flags, "--resume", "auto"], popen={"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT})
+    try:
+        wait_for(lambda: '"event": "resume"' in (run_dir / "events.jsonl").read_text(), third, "it resumed")
+        assert f'"pid": {third.pid}' in (run_dir / ".octjepa-lock").read_text()
+        third.send_signal(signal.SIGTERM)
+        assert third.wait(timeout=300) == 75
+    finally:
+        third.kill()
+        third.wait()
+    assert not (run_dir / ".octjepa-lock").exists()  # given back at the end
+
+
+def test_a_gcs_checkpoint_folder_is_leased_to_one_run_at_a_time(tmp_path, smoke_phantoms, gcs_emulator):
+    from storage import exists
+    ckpt_dir = f"gs://{gcs_emulator.bucket}/leased/checkpoints"
+    flags = smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "400", "--ckpt_every_steps", "2",
+                        "--ckpt_dir", ckpt_dir)
+    first = train_process(flags, popen={"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL})
+    try:
+        wait_for(lambda: exists(f"{ckpt_dir}/.octjepa-lock"), first, "it took its lease")
+        other_run = train_process([*flags, "--run_name", "other", "--resume", "auto"])
+        assert other_run.returncode == 2, other_run.stderr[-2000:]
+        assert f"{ckpt_dir} is in use by process {first.pid}" in other_run.stderr
+    finally:
+        first.kill()
+        first.wait()
+    events_file = tmp_path / "runs" / "other" / "events.jsonl"
+    taken_over = train_process([*flags, "--run_name", "other", "--resume", "auto"],
+                               popen={"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL})
+    try:  # a killed process's lease does not block the folder
+        wait_for(lambda: events_file.exists() and '"event": "resume"' in events_file.read_text(), taken_over, "it resumed")
+        taken_over.send_signal(signal.SIGTERM)
+        assert taken_over.wait(timeout=300) == 75
+    finally:
+        taken_over.kill()
+        taken_over.wait()
+    assert not exists(f"{ckpt_dir}/.octjepa-lock")
+
+
+def test_the_stale_tmp_cleanup_leaves_a_running_writers_file_alone(tmp_path):
+    from storage import TMP_INFIX, remove_stale_tmp
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    live = tmp_path / f"step_0000004.pt{TMP_INFIX}{socket.gethostname()}-{os.getpid()}-ab12cd34"
+    stale = tmp_path / f"step_0000002.pt{TMP_INFIX}{socket.gethostname()}-{gone.stdout.strip()}-ab12cd34"
+    live.write_bytes(b"being written")
+    stale.write_bytes(b"left by a kill")
+    assert remove_stale_tmp(str(tmp_path)) == [str(stale)]
+    assert live.exists() and not stale.exists()
