@@ -211,9 +211,39 @@ SCHEDULE_FIELDS = ("schedule", "base_lr", "min_lr", "weight_decay", "weight_deca
                    "ema_schedule", "seed")
 
 
+# Settings a resume may change: where things are, how the run is watched, and how the same updates are computed.
+# Every other setting (model, preprocessing, masks, loss, optimizer; a new field too) is what the run learns with,
+# and a change is refused; the plan and schedules are compared on their own (PLAN_FIELDS, SCHEDULE_FIELDS).
+RESUME_FREE_FIELDS = (
+    "data_root", "manifest_path", "index_path", "phantom_dir", "phantom_count", "phantom_varied", "sop_classes",
+    "val_fraction", "cache_dir", "workers", "max_bad_fraction", "global_batch_size", "per_core_batch_size",
+    "grad_accum_steps", "epochs", "max_steps", "warmup_steps", "warmup_epochs", "grad_clip", "use_bf16", "compile",
+    "grad_checkpointing", "max_consecutive_nonfinite", "max_rollbacks", "rollback_lr_factor", "log_every_steps",
+    "val_every_steps", "val_batches", "probe_every_steps", "probe_labels", "summary_probe", "collapse_min_target_std",
+    "collapse_min_rankme", "collapse_window_steps", "ckpt_dir", "ckpt_every_steps", "ckpt_every_minutes",
+    "ckpt_retry_minutes", "keep_last", "resume", "extend", "extend_schedule", "ckpt_dir_shared", "wandb",
+    "wandb_project", "wandb_entity", "device", "shard", "fsdp_size", "out_dir", "run_name", "dry_run")
+
+
+def changed_settings(saved_config: dict, cfg: Config) -> List[str]:
+    """'field: saved -> now' for each model, preprocessing, mask, loss or optimizer setting that differs from the
+    checkpoint's config (a field the checkpoint does not know counts as changed only from a non-default value)."""
+    now, default = asdict(cfg), asdict(Config())
+    skip = set(RESUME_FREE_FIELDS) | set(PLAN_FIELDS) | set(SCHEDULE_FIELDS)
+    return [f"{k}: {saved_config.get(k, default[k])} -> {now[k]}" for k in now
+            if k not in skip and now[k] != saved_config.get(k, default[k])] if saved_config else []
+
+
 def split_fingerprint(train_ds, val_ds) -> str:
-    """A short hash of which volumes are in the train split and which in the val split."""
-    split = [sorted(r["paths"] for r in train_ds.records), sorted(r["paths"] for r in val_ds.records)]
+    """A short hash of which volumes are in the train split and which in the val split, by their paths below the
+    folder all of them share (the same data moved to another root keeps it)."""
+    return _fingerprint(train_ds, val_ds, relative=True)
+
+
+def _fingerprint(train_ds, val_ds, relative: bool) -> str:
+    paths = [p for ds in (train_ds, val_ds) for r in ds.records for p in r["paths"]]
+    root = os.path.commonprefix(paths).rpartition("/")[0] if relative and paths else ""
+    split = [sorted([p[len(root):] for p in r["paths"]] for r in ds.records) for ds in (train_ds, val_ds)]
     return hashlib.sha256(json.dumps(split).encode()).hexdigest()[:16]
 
 
@@ -224,12 +254,17 @@ def plan_record(cfg: Config, plan: RunPlan, train_ds, val_ds) -> dict:
             "extensions": plan.extensions}
 
 
-def resumed_plan(saved: dict, cfg: Config, plan: RunPlan, train_ds, val_ds, step: int, ckpt_path: str) -> RunPlan:
+def resumed_plan(saved: dict, cfg: Config, plan: RunPlan, train_ds, val_ds, step: int, ckpt_path: str,
+                 saved_config: Optional[dict] = None) -> RunPlan:
     """The plan a resumed run continues: the checkpoint's, or with cfg.extend the same plan made longer from update
-    `step` on. Any other difference is a ConfigError that says what changed and how to proceed."""
+    `step` on. Any other difference, in the plan or in a setting the run learns with (changed_settings of the
+    checkpoint's `saved_config`), is a ConfigError that names each change and how to proceed."""
     reference = plan_run(replace(cfg, max_steps=saved["total_steps"]), plan.world_size, len(train_ds))
     now = plan_record(cfg, reference, train_ds, val_ds)
+    if saved.get("split") == _fingerprint(train_ds, val_ds, relative=False):
+        now["split"] = saved["split"]  # a checkpoint of an older octjepa: the split by absolute paths
     changes = [f"{k}: {saved[k]} -> {now[k]}" for k in now if k != "extensions" and now[k] != saved.get(k)]
+    changes += changed_settings(saved_config or {}, cfg)
     longer = plan.total_steps > saved["total_steps"]
     if plan.total_steps != saved["total_steps"] and not (longer and cfg.extend):
         changes.insert(0, f"total_steps: {saved['total_steps']} -> {plan.total_steps}")
@@ -238,7 +273,8 @@ def resumed_plan(saved: dict, cfg: Config, plan: RunPlan, train_ds, val_ds, step
         raise ConfigError(
             f"resume: {ckpt_path} was written for another plan:\n    " + "\n    ".join(changes) +
             "\nA resume continues the plan it was started with (a changed plan would restart or jump the LR, EMA and "
-            f"data order). To continue this run: use its settings (--config {run_dir}/config.yaml --resume auto)."
+            f"data order). To continue this run: use its settings (--config {run_dir}/config.yaml --resume auto; with "
+            f"--data_root where the data is now, if it moved)."
             + (" To train longer on purpose: add --extend true (the LR, weight decay and EMA continue from their "
                "last values, never back up)." if longer and not cfg.extend and len(changes) == 1 else "")
             + " To train with the new settings: start a new run (another --run_name).")

@@ -382,7 +382,7 @@ def resume(run: Run) -> Tuple[Optional[dict], List[dict]]:
     if ckpt is not None:
         if "plan" in ckpt:
             run.plan = resumed_plan(ckpt["plan"], cfg, run.plan, run.train_ds, run.val_ds,
-                                    ckpt["train_state"]["step"], run.last_ckpt)
+                                    ckpt["train_state"]["step"], run.last_ckpt, ckpt.get("config"))
         restore(ckpt, run.model, run.optimizer, run.state, rt)
         check_ranks_agree(run.state.step, f"the update they resume {run.last_ckpt} at", rt)
     run.plan_record = plan_record(cfg, run.plan, run.train_ds, run.val_ds)

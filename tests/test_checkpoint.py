@@ -1,6 +1,7 @@
 """Nothing lost: a checkpoint is set aside only when it is shown to be damaged, a best.pt is never overwritten by an
 earlier timeline, and one process at a time works in a run folder (real processes, real files)."""
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -154,3 +155,29 @@ def test_the_stale_tmp_cleanup_leaves_a_running_writers_file_alone(tmp_path):
     stale.write_bytes(b"left by a kill")
     assert remove_stale_tmp(str(tmp_path)) == [str(stale)]
     assert live.exists() and not stale.exists()
+
+
+def test_resume_with_a_changed_model_preprocessing_or_loss_exits_2_naming_each_field(tmp_path, smoke_phantoms):
+    flags = smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "4")
+    assert main(flags) == 0
+    before = run_files(tmp_path / "runs" / "r")
+    changed = train_process([*flags, "--resume", "auto", "--num_heads", "2", "--image_size", "16,32,32",
+                             "--depth", "3", "--embed_dim", "64", "--loss", "mse", "--mask_ratio", "0.5",
+                             "--clip_percentiles", "1,99"])
+    assert changed.returncode == 2, changed.stderr[-2000:]
+    for change in ("num_heads: 4 -> 2", "image_size: [8, 32, 32] -> [16, 32, 32]", "depth: 2 -> 3",
+                   "embed_dim: 48 -> 64", "loss: l1 -> mse", "mask_ratio: 0.6 -> 0.5",
+                   "clip_percentiles: [0.5, 99.5] -> [1.0, 99.0]"):
+        assert change in changed.stderr
+    assert "Traceback" not in changed.stderr and "another --run_name" in changed.stderr
+    assert run_files(tmp_path / "runs" / "r") == before  # config.yaml and metrics as they were
+
+
+def test_a_run_whose_data_moved_to_another_root_resumes(tmp_path, smoke_phantoms):
+    shutil.copytree(smoke_phantoms, tmp_path / "old_root" / "oct")
+    flags = smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "4", "--data_root", str(tmp_path / "old_root" / "oct"))
+    assert main(flags) == 0
+    (tmp_path / "old_root").rename(tmp_path / "new_root")
+    assert main([*flags, "--data_root", str(tmp_path / "new_root" / "oct"), "--max_steps", "6", "--extend", "true",
+                 "--resume", "auto"]) == 0
+    assert [e["step"] for e in events(tmp_path / "runs" / "r", "resume")] == [4]
