@@ -11,11 +11,12 @@ augmentation, the weights' sha256, and where they came from: checkpoint, update,
 model.load_encoder(DIR), and data.load_val_sample(path, encoder.settings) preprocesses a DICOM file or series
 as the contract says.
 
-embed writes one row per usable volume to an .npz (numpy only): path (the file, or the folder of a series' files),
-files, patient (the index's hash of PatientID), study, series, laterality, manufacturer, model, spacing [dz,dy,dx]
-mm (nan when unknown), shape [D,H,W] as stored, embedding [M,E] (--pool mean) or [M, gh*E] (--pool axial: the mean
-of each depth row of tokens); and skipped_path, skipped_reason, skipped_detail for every file the reader or the
-preprocessing could not use (the reason codes of `python data.py scan`). Every --save_every volumes the rows done
+embed writes one row per usable volume to an .npz (numpy only), safe to share (docs/privacy.md): volume (a keyed id
+of its path below data_root: privacy.volume_key), files, patient (the index's keyed hash of PatientID), laterality,
+manufacturer, model, spacing [dz,dy,dx] mm (nan when unknown), shape [D,H,W] as stored, embedding [M,E] (--pool
+mean) or [M, gh*E] (--pool axial: the mean of each depth row of tokens); and skipped_volume, skipped_reason for every
+file the reader or the preprocessing could not use (the reason codes of `python data.py scan`). --with_paths adds
+path (the file, or the folder of a series' files), study, series, skipped_path and skipped_detail, for this machine. Every --save_every volumes the rows done
 are saved in OUT.partial/: the same command started again after a kill computes only the rest, and its file equals
 an uninterrupted run's byte for byte. Static shapes (the last batch is padded): it runs on cpu, cuda and xla.
 
@@ -34,7 +35,7 @@ import sys
 import zipfile
 from collections import Counter
 from dataclasses import replace
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -49,6 +50,7 @@ from dicom import UnusableFile
 from index import format_reason_table
 from model import (CONFIG_FILE, POOLS, VJEPA3D, ExportError, PretrainedEncoder, export_config, load_encoder,
                    random_encoder, save_encoder)
+from privacy import share_safe_source, volume_key
 from probe import (Task, encode_volumes, fit_attentive, load_labelled_volumes, probe_device, read_model_checkpoint,
                    resolve_checkpoint, task_targets)
 from runtime import fetch_to_host, setup_runtime, to_device
@@ -73,7 +75,7 @@ def export(ckpt: str, out: str, force: bool = False) -> float:
         raise ConfigError(f"out: {out} already holds an export; choose another --out, or --force to replace it.")
     source = {"checkpoint": path, "encoder": "target (EMA)", "update": state.get("train_state", {}).get("step"),
               "plan": state.get("plan"), "training_config": state["config"]}
-    save_encoder(model.encoder_state_dict(), export_config(cfg, source), out)
+    save_encoder(model.encoder_state_dict(), export_config(cfg, share_safe_source(source)), out)  # no paths
     error = round_trip_error(model, load_encoder(out))
     if error > ROUND_TRIP_TOLERANCE:
         raise ExportError(f"{out}: the loaded encoder differs from the checkpoint's by up to {error:.3g}.")
@@ -206,28 +208,36 @@ def volume_path(paths: List[str]) -> str:
     return paths[0] if len(paths) == 1 else os.path.dirname(os.path.commonprefix(paths) + "x")
 
 
-def embedding_table(records: List[dict], embeddings: np.ndarray, reasons: list, rejected: List[dict]) -> dict:
-    """The arrays of the embed file: a row per embedded volume, a skipped_ row per unusable file or volume."""
+def embedding_table(records: List[dict], embeddings: np.ndarray, reasons: list, rejected: List[dict],
+                    root: Optional[str] = None, with_paths: bool = False) -> dict:
+    """The arrays of the embed file: a row per embedded volume, a skipped_ row per unusable file or volume. Safe to
+    share by default: a volume is its keyed id (privacy.volume_key below `root`), never its path, UIDs or the
+    reader's details; with_paths adds path, study, series, skipped_path and skipped_detail (for this machine only)."""
     rows = [(r, e) for r, e, (reason, _) in zip(records, embeddings, reasons) if not reason]
     skipped = [(r["paths"][0], r["reason"], r["detail"] or "") for r in rejected]
     skipped += [(r["paths"][0], reason, detail) for r, (reason, detail) in zip(records, reasons) if reason]
     def column(key: str) -> np.ndarray:  # '' where an older index has no such field
         return np.array([str(r.get(key) or "") for r, _ in rows], dtype=str)
 
-    return {"path": np.array([volume_path(r["paths"]) for r, _ in rows], dtype=str),
-            "files": np.array([len(r["paths"]) for r, _ in rows], dtype=np.int64),
-            "patient": column("patient"), "study": column("study"), "series": column("series"),
-            "laterality": column("laterality"), "manufacturer": column("manufacturer"), "model": column("model"),
-            "spacing": np.array([r["spacing"] or [np.nan] * 3 for r, _ in rows], dtype=np.float64).reshape(-1, 3),
-            "shape": np.array([r["shape"] for r, _ in rows], dtype=np.int64).reshape(-1, 3),
-            "embedding": np.stack([e for _, e in rows]) if rows else embeddings[:0],
-            "skipped_path": np.array([s[0] for s in skipped], dtype=str),
-            "skipped_reason": np.array([s[1] for s in skipped], dtype=str),
-            "skipped_detail": np.array([s[2] for s in skipped], dtype=str)}
+    table = {"volume": np.array([volume_key(volume_path(r["paths"]), root) for r, _ in rows], dtype=str),
+             "files": np.array([len(r["paths"]) for r, _ in rows], dtype=np.int64),
+             "patient": column("patient"),
+             "laterality": column("laterality"), "manufacturer": column("manufacturer"), "model": column("model"),
+             "spacing": np.array([r["spacing"] or [np.nan] * 3 for r, _ in rows], dtype=np.float64).reshape(-1, 3),
+             "shape": np.array([r["shape"] for r, _ in rows], dtype=np.int64).reshape(-1, 3),
+             "embedding": np.stack([e for _, e in rows]) if rows else embeddings[:0],
+             "skipped_volume": np.array([volume_key(s[0], root) for s in skipped], dtype=str),
+             "skipped_reason": np.array([s[1] for s in skipped], dtype=str)}
+    if with_paths:
+        table.update({"path": np.array([volume_path(r["paths"]) for r, _ in rows], dtype=str),
+                      "study": column("study"), "series": column("series"),
+                      "skipped_path": np.array([s[0] for s in skipped], dtype=str),
+                      "skipped_detail": np.array([s[2] for s in skipped], dtype=str)})
+    return table
 
 
 def embed(encoder_dir: str, out: str, cli: Config, pool: str = "mean", batch_size: int = 8,
-          save_every: int = 256) -> Tuple[dict, int]:
+          save_every: int = 256, with_paths: bool = False) -> Tuple[dict, int]:
     """Embed every usable volume of cli's data_root / manifest_path (with its device, cache_dir, workers,
     index_path) with an export and write `out` (.npz); returns its arrays and how many volumes were computed now.
     Resumes from out.partial/ (see embed_records), removed once `out` is written."""
@@ -252,8 +262,10 @@ def embed(encoder_dir: str, out: str, cli: Config, pool: str = "mean", batch_siz
     partial = out + ".partial"
     embeddings, reasons, computed = embed_records(encoder.to(rt.device), usable, cfg, partial, pool, batch_size,
                                                   save_every, rt)
-    table = embedding_table(usable, embeddings, reasons, [r for r in records if not r["ok"]])
-    write_atomic(out, npz_bytes({**table, "pool": np.array(pool), "encoder": np.array(json.dumps(encoder.config))}))
+    table = embedding_table(usable, embeddings, reasons, [r for r in records if not r["ok"]], cfg.data_root,
+                            with_paths)
+    shared_config = {**encoder.config, "source": share_safe_source(encoder.config.get("source", {}))}
+    write_atomic(out, npz_bytes({**table, "pool": np.array(pool), "encoder": np.array(json.dumps(shared_config))}))
     shutil.rmtree(partial, ignore_errors=True)
     return table, computed
 
@@ -363,6 +375,8 @@ def main(argv: List[str]) -> int:
     em.add_argument("--pool", default="mean", choices=POOLS, help="mean: [E]; axial: each depth row's mean [gh*E]")
     em.add_argument("--batch_size", type=int, default=8, help="volumes per forward pass (default 8)")
     em.add_argument("--save_every", type=int, default=256, help="save the rows done every N volumes (default 256)")
+    em.add_argument("--with_paths", action="store_true", help="add each volume's path, StudyInstanceUID and "
+                    "SeriesInstanceUID (a table for this machine only: docs/privacy.md)")
     sh = commands.add_parser("show", help="PNG: PCA of the patch features and an attentive probe's attention")
     sh.add_argument("--encoder", required=True, help="an export folder")
     sh.add_argument("--labels", required=True, help="labels CSV (path,label) whose volumes fit the PCA and the probe")
@@ -382,8 +396,9 @@ def main(argv: List[str]) -> int:
     elif args.command == "embed":
         if args.batch_size < 1 or args.save_every < 1:
             parser.error("--batch_size and --save_every must be at least 1")
-        table, computed = embed(args.encoder, args.out, cli, args.pool, args.batch_size, args.save_every)
-        print(f"{len(table['path'])} volumes embedded in {args.out} ({table['embedding'].shape[1]} numbers each, "
+        table, computed = embed(args.encoder, args.out, cli, args.pool, args.batch_size, args.save_every,
+                                args.with_paths)
+        print(f"{len(table['volume'])} volumes embedded in {args.out} ({table['embedding'].shape[1]} numbers each, "
               f"{computed} computed now)")
         if len(table["skipped_reason"]):
             print(f"{len(table['skipped_reason'])} files or volumes skipped:\n"

@@ -29,7 +29,8 @@ architecture with the same splits, seeds and budget and adds the paired differen
 
 Writes OUT/report.json and, per fold of the export's full fine-tuning, OUT/full/r{repeat}_f{fold}/: config.json
 and encoder.safetensors (model.load_encoder reads them), heads.safetensors (the heads of finetune.Classifier) and
-fold.json (classes, task, the paths of each part, scores, the loss of every epoch). The config flags that apply:
+fold.json (classes, task, the keyed ids of each part's volumes, scores, the loss of every epoch); none of them
+holds a path (docs/privacy.md). The config flags that apply:
 device, seed (splits, probes, heads and the random init follow from it).
 """
 import copy
@@ -54,6 +55,7 @@ from data import resample_and_clip, to_sample
 from dicom import UnusableFile, read_volume
 from index import format_reason_table
 from model import PretrainedEncoder, load_encoder, random_encoder, save_encoder
+from privacy import share_safe_source, volume_key
 from probe import (TEST_FRACTION, AttentiveProbe, Task, classification_scores, encode_volumes, fit_attentive, interval,
                    paired_difference, probe_device, read_label_rows, split_scores, stratified_split)
 from schedules import cosine_ramp
@@ -327,16 +329,18 @@ def finetune_fold(encoder: PretrainedEncoder, tokens: torch.Tensor, data: Labell
 def save_fold(model: Classifier, encoder: PretrainedEncoder, data: LabelledSet, fold: dict, parts: dict,
               directory: str, source: dict) -> None:
     """A fold's fine-tuned model: an export of its encoder (load_encoder reads it), heads.safetensors and fold.json
-    (classes, task, the paths of each part, scores and training log)."""
+    (classes, task, the keyed ids of each part's volumes (privacy.volume_key below the CSV's folder), scores and
+    training log): no path, safe to share."""
     config = {k: v for k, v in encoder.config.items() if k != "weights"}
-    save_encoder(model.encoder.state_dict(), {**config, "source": {**source, "encoder": "fine-tuned (full)",
-                                                                   "pretrained": encoder.config["source"]}}, directory)
+    save_encoder(model.encoder.state_dict(), {**config, "source": share_safe_source(
+        {**source, "encoder": "fine-tuned (full)", "pretrained": encoder.config["source"]})}, directory)
     safetensors.torch.save_file({k: v.detach().cpu().contiguous() for k, v in model.heads.state_dict().items()},
                                 os.path.join(directory, "heads.safetensors"))
     outputs = 2 if model.multilabel else len(data.classes)
     heads = f"{len(model.heads)} x probe.AttentiveProbe({encoder.embed_dim}, {outputs}) (finetune.Classifier)"
+    root = os.path.dirname(os.path.abspath(source["labels"]))  # the CSV's folder: keys of its relative paths
     record = {"classes": data.classes, "task": data.task, "heads": heads, **fold,
-              **{f"{part}_paths": [data.paths[i] for i in idx] for part, idx in parts.items()}}
+              **{f"{part}_volumes": [volume_key(data.paths[i], root) for i in idx] for part, idx in parts.items()}}
     with open(os.path.join(directory, "fold.json"), "w") as f:
         json.dump(record, f, indent=1)
 
@@ -464,7 +468,8 @@ def main(argv: List[str]) -> int:
     splits = fold_splits(data, args.splits, args.folds, args.repeats, cfg.seed)
     arms = {"encoder": encoder, **({"random init": random_encoder(encoder.config, cfg.seed)} if args.vs_random else {})}
     source = {"finetuned_from": args.encoder, "labels": args.labels}
-    report = {"encoder": args.encoder, "labels": args.labels, "task": data.task, "classes": data.classes,
+    report = {"encoder": os.path.basename(args.encoder.rstrip("/")), "labels": os.path.basename(args.labels),
+              "task": data.task, "classes": data.classes,
               "volumes": len(data.paths), "patients": len(set(data.patients)), "skipped": data.skipped,
               "splits": args.splits, "folds": args.folds if args.splits == "kfold" else 1, "repeats": args.repeats,
               "fold_count": len(splits), "seed": cfg.seed, "full_settings": vars(settings), "arms": {}}

@@ -10,9 +10,9 @@ import hashlib
 import hmac
 import os
 import secrets
-from typing import Dict
+from typing import Dict, Optional
 
-from config import ConfigError
+from config import PATH_FIELDS, ConfigError
 
 KEY_FILE_ENV = "OCTJEPA_PATIENT_KEY_FILE"
 KEY_PREFIX = "pk1-"  # a keyed patient key; older indexes hold a bare sha256 of PatientID or "file:<path>"
@@ -59,3 +59,32 @@ def patient_key(patient_id: str, path: str) -> str:
 def is_keyed(key) -> bool:
     """Whether a patient key was made with a site secret (not an older, reversible one)."""
     return isinstance(key, str) and key.startswith(KEY_PREFIX)
+
+
+def volume_key(path: str, root: Optional[str] = None) -> str:
+    """The keyed id of a volume in outputs that leave the machine, in place of its path (whose folders may name the
+    patient): HMAC of the path below `root` (the data_root or the labels CSV's folder: moving the data keeps it).
+    This site recomputes it from a path to find the row; nobody without the secret can."""
+    if root and path.startswith(root.rstrip("/") + "/"):
+        path = path[len(root.rstrip("/")) + 1:]
+    return "vk1-" + hmac.new(site_secret(), f"volume\0{path}".encode(), hashlib.sha256).hexdigest()[:24]
+
+
+def share_safe_config(config: dict) -> dict:
+    """A run's config (Config as a dict) for outputs that leave the machine: without the fields that name files,
+    folders or URLs (config.PATH_FIELDS: data, labels, cache, checkpoint and run locations)."""
+    return {k: v for k, v in config.items() if k not in PATH_FIELDS}
+
+
+def share_safe_source(source: dict) -> dict:
+    """An export's `source` (where its weights came from) for outputs that leave the machine: file names without
+    their folders, training configs without paths (share_safe_config), nested sources likewise."""
+    safe = {}
+    for k, v in source.items():
+        if isinstance(v, dict):
+            safe[k] = share_safe_config(v) if k == "training_config" else share_safe_source(v)
+        elif isinstance(v, str) and ("/" in v or os.sep in v):
+            safe[k] = os.path.basename(v.rstrip("/"))
+        else:
+            safe[k] = v
+    return safe

@@ -13,6 +13,7 @@ import torch
 import finetune
 import probe
 from model import load_encoder, random_encoder
+from privacy import volume_key
 from probe import AttentiveProbe
 from test_probe import one_thread  # noqa: F401 (autouse: tiny models, one thread)
 
@@ -94,12 +95,12 @@ def test_full_finetuning_keeps_each_folds_best_model_which_loads_and_scores_as_r
                   "--epochs", "4", "--patience", "1", "--batch_size", "4", "--out", str(out)])
     folds = report["arms"]["encoder"]["full"]["folds"]
     assert [(f["repeat"], f["fold"]) for f in folds] == [(0, 0), (0, 1)]
-    patients = {row["path"]: row["patient"] for row in csv.DictReader(open(binary_labels))}
+    patients = {volume_key(row["path"]): row["patient"] for row in csv.DictReader(open(binary_labels))}
     for f in folds:
         assert f["best_epoch"] <= f["epochs"] <= min(4, f["best_epoch"] + 1)  # stopped 1 epoch after its best, or at 4
         assert [h["epoch"] for h in f["history"]] == list(range(f["epochs"] + 1))  # epoch 0: the probe heads alone
         saved = json.loads((out / "full" / f"r0_f{f['fold']}" / "fold.json").read_text())
-        parts = [{patients[p] for p in saved[f"{part}_paths"]} for part in ("train", "val", "test")]
+        parts = [{patients[v] for v in saved[f"{part}_volumes"]} for part in ("train", "val", "test")]
         assert not (parts[0] & parts[1] or parts[0] & parts[2] or parts[1] & parts[2])
     directory = out / "full" / "r0_f1"
     encoder = load_encoder(str(directory))
@@ -107,8 +108,9 @@ def test_full_finetuning_keeps_each_folds_best_model_which_loads_and_scores_as_r
     model.heads.load_state_dict(safetensors.torch.load_file(directory / "heads.safetensors"))
     data = finetune.load_labelled_set(binary_labels, model.encoder.settings)
     saved = json.loads((directory / "fold.json").read_text())
-    test = np.array([data.paths.index(p) for p in saved["test_paths"]])
-    val = np.array([data.paths.index(p) for p in saved["val_paths"]])
+    keys = [volume_key(p, os.path.dirname(os.path.abspath(binary_labels))) for p in data.paths]
+    test = np.array([keys.index(v) for v in saved["test_volumes"]])
+    val = np.array([keys.index(v) for v in saved["val_volumes"]])
     probs, _ = finetune.predict(model, data, test, model.encoder.settings, 4, "cpu")
     assert finetune.task_scores(probs, data.targets[test], "binary")["auroc"] == pytest.approx(folds[1]["auroc"])
     assert finetune.predict(model, data, val, model.encoder.settings, 4, "cpu")[1] == pytest.approx(saved["val_loss"])

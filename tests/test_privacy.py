@@ -81,3 +81,48 @@ def test_an_index_with_old_reversible_keys_is_migrated_with_its_data_and_refused
     migrated = data.index_records(load_config(["--index_path", str(index_path), "--data_root", phantom_dir]))
     assert all(r["patient"].startswith("pk1-") for r in migrated if r["ok"])
     assert read_index(str(index_path)) == migrated  # rewritten with keyed keys
+
+
+def tool(script, *flags):
+    """Run one of the repo's scripts as its own process; its completed process."""
+    done = subprocess.run([sys.executable, str(REPO / script), *flags], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=900)
+    assert done.returncode == 0, f"{script} {flags}: {done.stderr[-3000:]}"
+    return done
+
+
+def texts_of(path):
+    """What a file holds, as text: its bytes, and for an .npz every array's values too (it may be compressed)."""
+    raw = path.read_bytes()
+    texts = [raw.decode("latin-1")]
+    if path.suffix == ".npz":
+        import numpy as np
+        with np.load(path) as z:
+            texts += [" ".join(map(str, z[k].ravel().tolist())) for k in z.files]
+    return "\n".join(texts)
+
+
+@pytest.mark.slow
+def test_nothing_that_leaves_the_machine_names_a_patient_a_study_or_a_source_path(tmp_path, smoke_phantoms):
+    clinic, identifiers = clinic_copy(smoke_phantoms, tmp_path / "clinic")
+    identifiers |= {clinic, str(tmp_path), "HOFFMANN"}
+    labels = Path(clinic) / "labels.csv"
+    names = {p.name: p.relative_to(clinic) for p in Path(clinic).rglob("*") if p.parent.parent == Path(clinic)}
+    rows = [line.split(",") for line in (Path(smoke_phantoms) / "labels.csv").read_text().splitlines()[1:]]
+    labels.write_text("path,label\n" + "".join(f"{names[path]},{'none' if label == 'none' else 'lesion'}\n"
+                                               for path, label in rows if path in names))
+    runs, share = tmp_path / "runs", tmp_path / "share"
+    tool("train.py", "--config", "configs/smoke.yaml", "--data_root", clinic, "--out_dir", str(runs), "--run_name",
+         "r", "--max_steps", "4", "--wandb", "offline", "--phantom_dir", smoke_phantoms)
+    tool("data.py", "scan", clinic, "--out", str(tmp_path / "index.jsonl"))  # the index stays on this machine
+    tool("encoder.py", "export", "--ckpt", str(runs / "r" / "checkpoints"), "--out", str(share / "encoder"))
+    tool("encoder.py", "embed", "--encoder", str(share / "encoder"), "--data_root", clinic, "--out",
+         str(share / "embeddings.npz"), "--workers", "0")
+    tool("finetune.py", "--encoder", str(share / "encoder"), "--labels", str(labels), "--out", str(share / "ft"),
+         "--folds", "2", "--modes", "full", "--epochs", "1", "--batch_size", "4")
+    synced = [p for p in (runs / "r" / "wandb").rglob("*") if not p.name.startswith("debug")]  # W&B's own local logs
+    leaving = [p for p in [*share.rglob("*"), *synced] if p.is_file()]  # (debug*.log) are never uploaded
+    assert {p.name for p in leaving} >= {"config.json", "embeddings.npz", "fold.json", "report.json"}
+    assert any(p.suffix == ".wandb" for p in leaving)  # the W&B run as it would be synced
+    found = {str(p.relative_to(tmp_path)): sorted(i for i in identifiers if i in texts_of(p)) for p in leaving}
+    assert {p: i for p, i in found.items() if i} == {}
