@@ -113,6 +113,9 @@ def read_label_table(path: str) -> Tuple[List[str], np.ndarray, List[str], str, 
     patients = [r[PATIENT_COLUMN] for r in rows] if PATIENT_COLUMN in columns else None
     if "label" in columns:
         classes = sorted({r["label"] for r in rows})
+        if len(classes) < 2:
+            raise ConfigError(f"labels: every volume of {path} has the label {classes[0]!r}; fine-tuning a classifier "
+                              f"needs at least two classes.")
         targets = np.array([classes.index(r["label"]) for r in rows])
         return paths, targets, classes, "binary" if len(classes) == 2 else "multiclass", patients
     classes = [c for c in columns if c not in ("path", PATIENT_COLUMN)]

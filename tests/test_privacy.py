@@ -126,3 +126,4 @@ def test_nothing_that_leaves_the_machine_names_a_patient_a_study_or_a_source_pat
     assert any(p.suffix == ".wandb" for p in leaving)  # the W&B run as it would be synced
     found = {str(p.relative_to(tmp_path)): sorted(i for i in identifiers if i in texts_of(p)) for p in leaving}
     assert {p: i for p, i in found.items() if i} == {}
+
