@@ -48,8 +48,8 @@ from config import Config, ConfigError, ScriptParser, given_flags, load_config, 
 from data import NoUsableData, index_records, load_prepared, to_sample
 from dicom import UnusableFile
 from index import format_reason_table
-from model import (CONFIG_FILE, POOLS, VJEPA3D, ExportError, PretrainedEncoder, export_config, load_encoder,
-                   random_encoder, save_encoder)
+from model import (CONFIG_FILE, POOLS, VJEPA3D, ExportError, PretrainedEncoder, export_config, export_contract,
+                   load_encoder, random_encoder, save_encoder)
 from privacy import share_safe_source, volume_key
 from probe import (Task, encode_volumes, fit_attentive, load_labelled_volumes, probe_device, read_model_checkpoint,
                    resolve_checkpoint, task_targets)
@@ -75,9 +75,14 @@ def export(ckpt: str, out: str, force: bool = False) -> float:
         raise ConfigError(f"out: {out} already holds an export; choose another --out, or --force to replace it.")
     source = {"checkpoint": path, "encoder": "target (EMA)", "update": state.get("train_state", {}).get("step"),
               "plan": state.get("plan"), "training_config": state["config"]}
-    save_encoder(model.encoder_state_dict(), export_config(cfg, share_safe_source(source)), out)  # no paths
+    state_dict = model.encoder_state_dict()
+    broken = [k for k, v in state_dict.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if broken:
+        raise ExportError(f"{path}: the target encoder's {broken[0]} (and {len(broken) - 1} more) holds NaN or inf; "
+                          f"export an earlier checkpoint (best.pt or a step before the run diverged).")
+    save_encoder(state_dict, export_config(cfg, share_safe_source(source)), out)  # no paths
     error = round_trip_error(model, load_encoder(out))
-    if error > ROUND_TRIP_TOLERANCE:
+    if not error <= ROUND_TRIP_TOLERANCE:  # nan too
         raise ExportError(f"{out}: the loaded encoder differs from the checkpoint's by up to {error:.3g}.")
     return error
 
@@ -180,7 +185,8 @@ def embed_records(encoder: PretrainedEncoder, records: List[dict], cfg: Config, 
     there are not computed again."""
     size = -(-save_every // batch_size) * batch_size
     chunks = [records[i:i + size] for i in range(0, len(records), size)]
-    settings = {"encoder": encoder.config["weights"]["sha256"], "pool": pool, "batch_size": batch_size}
+    settings = {"encoder": encoder.config["weights"]["sha256"], "pool": pool, "batch_size": batch_size,
+                "contract": export_contract(encoder.config)}  # another export's rows are never mixed in
     paths = [os.path.join(partial, f"chunk_{k:06d}.npz") for k in range(len(chunks))]
     saved = [read_chunk(p, [record_key(r) for r in c], settings) for p, c in zip(paths, chunks)]
     todo = [k for k, chunk in enumerate(saved) if chunk is None]
@@ -262,6 +268,11 @@ def embed(encoder_dir: str, out: str, cli: Config, pool: str = "mean", batch_siz
     partial = out + ".partial"
     embeddings, reasons, computed = embed_records(encoder.to(rt.device), usable, cfg, partial, pool, batch_size,
                                                   save_every, rt)
+    nonfinite = [i for i, e in enumerate(embeddings) if not np.isfinite(e).all()]
+    if nonfinite:
+        raise ExportError(f"{encoder_dir}: the encoder gives NaN or inf embeddings for {len(nonfinite)} of "
+                          f"{len(usable)} volumes (e.g. {volume_path(usable[nonfinite[0]]['paths'])}); nothing was "
+                          f"written to {out}. Check the export (encoder.py export refuses NaN weights) and that file.")
     table = embedding_table(usable, embeddings, reasons, [r for r in records if not r["ok"]], cfg.data_root,
                             with_paths)
     shared_config = {**encoder.config, "source": share_safe_source(encoder.config.get("source", {}))}

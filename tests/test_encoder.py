@@ -1,5 +1,6 @@
 """encoder.py and model.load_encoder: a researcher exports the encoder of a real training run, loads it from plain
 Python, embeds a folder or bucket (killed and resumed), and looks at its features."""
+import hashlib
 import json
 import os
 import re
@@ -63,6 +64,12 @@ def rewrite_weights(directory: Path, edit) -> None:
     save_encoder(tensors, {k: v for k, v in config.items() if k != "weights"}, str(directory))
 
 
+def resign(directory: Path, payload: bytes) -> None:
+    """Replace an export's weights file and record its sha256 in config.json, as a careless user would."""
+    directory.joinpath("encoder.safetensors").write_bytes(payload)
+    edit_config(directory, lambda c: c["weights"].update(sha256=hashlib.sha256(payload).hexdigest()))
+
+
 def edit_config(directory: Path, edit) -> None:
     config = json.loads((directory / "config.json").read_text())
     edit(config)
@@ -80,7 +87,18 @@ TAMPERINGS = {
     "a tensor of another shape": (lambda d: rewrite_weights(d, lambda t: t.update({"norm.weight": torch.ones(7)})),
                                   "key norm.weight is torch.float32 [7]"),
     "another architecture": (lambda d: edit_config(d, lambda c: c["architecture"].update(depth=3)),
-                             "key blocks.2.attn.proj.bias is missing"),
+                             "differs from what its weights were exported with (architecture.depth: 2 -> 3)"),
+    "other heads": (lambda d: edit_config(d, lambda c: c["architecture"].update(num_heads=2)),
+                    "(architecture.num_heads: 4 -> 2)"),
+    "another clip": (lambda d: edit_config(d, lambda c: c["preprocessing"].update(clip_percentiles=[1.0, 99.0])),
+                     "(preprocessing.clip_percentiles: [0.5, 99.5] -> [1.0, 99.0])"),
+    "an architecture too large to build": (
+        lambda d: edit_config(d, lambda c: c["architecture"].update(embed_dim=8192, depth=64, num_heads=64)),
+        "architecture.depth: 2 -> 64; architecture.embed_dim: 48 -> 8192; architecture.num_heads: 4 -> 64"),
+    "a JSON list": (lambda d: d.joinpath("config.json").write_text("[1, 2]"), "holds a JSON list"),
+    "not UTF-8": (lambda d: d.joinpath("config.json").write_bytes(b'{"format": "\xff\xfe"}'), "is not valid JSON"),
+    "weights cut short and re-signed": (lambda d: resign(d, d.joinpath("encoder.safetensors").read_bytes()[:-64]),
+                                        "cut short or padded"),
     "a field missing": (lambda d: edit_config(d, lambda c: c["architecture"].pop("embed_dim")),
                         "architecture.embed_dim is missing"),
     "an unknown field": (lambda d: edit_config(d, lambda c: c["preprocessing"].update(gamma=2)),
@@ -229,3 +247,22 @@ def test_the_readme_snippet_loads_the_export_without_train_py(export_dir, phanto
     result = subprocess.run([sys.executable, "-c", code + check], cwd=REPO, capture_output=True, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_an_encoder_whose_weights_are_nan_is_neither_exported_nor_embedded(trained_checkpoint, export_dir, tmp_path,
+                                                                           phantom_dir, capsys):
+    ckpt = torch.load(trained_checkpoint, weights_only=True)
+    for key in ckpt["model"]:
+        if key.startswith("target_encoder.") and ckpt["model"][key].is_floating_point():
+            ckpt["model"][key] = torch.full_like(ckpt["model"][key], float("nan"))
+    torch.save(ckpt, tmp_path / "diverged.pt")
+    assert encoder_cli.main(["export", "--ckpt", str(tmp_path / "diverged.pt"), "--out", str(tmp_path / "e")]) == 2
+    assert "holds NaN or inf" in capsys.readouterr().err and not (tmp_path / "e" / "config.json").exists()
+    nan_export = tmp_path / "nan_export"  # written by hand, past export's check
+    config = json.loads(Path(export_dir, "config.json").read_text())
+    weights = {k: torch.full_like(v, float("nan")) for k, v in load_encoder(export_dir).state_dict().items()}
+    save_encoder(weights, {k: v for k, v in config.items() if k != "weights"}, str(nan_export))
+    assert encoder_cli.main(["embed", "--encoder", str(nan_export), "--data_root", phantom_dir,
+                             "--out", str(tmp_path / "e.npz"), "--workers", "0"]) == 2
+    assert "NaN or inf embeddings for 10 of 10 volumes" in capsys.readouterr().err
+    assert not (tmp_path / "e.npz").exists()
