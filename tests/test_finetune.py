@@ -3,6 +3,9 @@ probe.py's numbers back when asking for probe.py's splits."""
 import csv
 import json
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +18,7 @@ import probe
 from model import load_encoder, random_encoder
 from privacy import volume_key
 from probe import AttentiveProbe
+from test_train import REPO
 from test_probe import one_thread  # noqa: F401 (autouse: tiny models, one thread)
 
 
@@ -147,3 +151,30 @@ def test_random_init_is_the_architecture_initialised_as_pretraining_starts(expor
     assert not torch.equal(a.norm.weight, encoder.norm.weight) or not torch.equal(a.blocks[0].attn.qkv.weight,
                                                                                   encoder.blocks[0].attn.qkv.weight)
     assert a.config["source"] == {"encoder": "random init", "seed": 0} and "weights" not in a.config
+
+
+def test_a_killed_finetuning_resumes_from_the_folds_it_finished_and_an_unwritable_out_is_refused_first(
+        export_dir, binary_labels, tmp_path):
+    flags = [sys.executable, str(REPO / "finetune.py"), "--encoder", export_dir, "--labels", binary_labels,
+             "--modes", "frozen,full", "--folds", "2", "--epochs", "2", "--batch_size", "4"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    (tmp_path / "a_file").write_text("")
+    unwritable = subprocess.run([*flags, "--out", str(tmp_path / "a_file" / "ft")], cwd=REPO, env=env,
+                                capture_output=True, text=True)
+    assert unwritable.returncode == 2 and "cannot write into" in unwritable.stderr
+    out = tmp_path / "ft"
+    first = subprocess.Popen([*flags, "--out", str(out)], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    fold_0 = out / "folds" / "encoder-full-r0_f0.json"
+    while not fold_0.exists():
+        assert first.poll() is None, "the fine-tuning ended before its first fold"
+        time.sleep(0.2)
+    first.kill()  # a kill -9 in the second fold
+    first.wait()
+    written = fold_0.read_text()
+    assert not (out / "report.json").exists()
+    again = subprocess.run([*flags, "--out", str(out)], cwd=REPO, env=env, capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "repeat 0 fold 0" not in again.stderr and "repeat 0 fold 1" in again.stderr  # fold 0 not trained again
+    folds = json.loads((out / "report.json").read_text())["arms"]["encoder"]["full"]["folds"]
+    assert folds[0] == json.loads(written)["result"] and [f["fold"] for f in folds] == [0, 1]
