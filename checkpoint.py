@@ -511,6 +511,9 @@ def take_lock(folder: str) -> dict:
                     f"delete {path}" + (" or wait until its lease runs out" if gcs else "") + ".") from None
             _remove_lock(path, generation)
             continue
+        except OSError as e:
+            raise ConfigError(f"run folder: cannot create the lock {path} ({e!r}); make {folder} writable or choose "
+                              f"another --out_dir.") from None
         lock = {"path": path, "holder": holder, "stop": threading.Event()}
         if gcs:
             threading.Thread(target=_renew_lease, args=(lock,), daemon=True).start()

@@ -640,8 +640,8 @@ def main(argv: List[str]) -> int:
     cfg = load_config(flags)
     rt = setup_runtime(cfg)
     cfg = master_decides(rt, resolve_run_dir, cfg)  # one run name and checkpoint folder for every process
+    check_checkpoint_folder(cfg, rt)  # writable (and, over several machines, shared), before anything trains
     with run_folder_lock(cfg, rt):  # one process at a time in a run folder
-        check_checkpoint_folder(cfg, rt)  # writable (and, over several machines, shared), before anything trains
         return train(cfg, rt)
 
 
