@@ -59,7 +59,7 @@ def read_checkpoint(path: str, retry_seconds: float = 0.0) -> dict:
     UnreadableCheckpoint only on evidence of damage (checkpoint_damage); any other failure is CheckpointNotLoaded
     (exit 74) or, for a type this version refuses, ConfigError (exit 2): the file may be intact."""
     try:
-        ckpt = retry(_load, path, seconds=retry_seconds)
+        ckpt = retry(load_file, path, seconds=retry_seconds)
     except Exception as e:  # torch.load raises many types: only the file itself can say whether it is damaged
         if isinstance(e, storage_errors()) and not out_of_memory(e):
             raise
@@ -72,7 +72,8 @@ def read_checkpoint(path: str, retry_seconds: float = 0.0) -> dict:
     return ckpt
 
 
-def _load(path: str) -> dict:
+def load_file(path: str) -> dict:
+    """torch.load of a checkpoint file (weights_only) to the CPU: a local file mapped, a gs:// object downloaded."""
     if path.startswith("gs://"):
         return torch.load(io.BytesIO(read_bytes(path)), map_location="cpu", weights_only=True)
     return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
