@@ -6,14 +6,19 @@ train.py calls these; probe.py and encoder.py read checkpoints with read_checkpo
 processes and collectives they run on.
 """
 import contextlib
+import errno
 import hashlib
 import io
 import json
 import os
+import pickle
 import random
 import re
+import socket
+import threading
 import time
 import uuid
+import zipfile
 from dataclasses import asdict, replace
 from typing import Callable, List, Optional, Tuple
 
@@ -23,8 +28,8 @@ import torch
 from config import Config, ConfigError, ExitError, RunPlan, StorageFailed, plan_run
 from runtime import (Runtime, broadcast_from_master, gather_objects, master_decides, place_model_state,
                      place_optimizer_state, state_to_host)
-from storage import (copy_atomic, exists, glob_paths, is_transient, open_atomic, read_bytes, remove, remove_stale_tmp,
-                     rename, retry, storage_errors, write_atomic)
+from storage import (copy_atomic, exists, gcs_filesystem, glob_paths, is_transient, open_atomic, process_is_running,
+                     read_bytes, remove, remove_stale_tmp, rename, retry, storage_errors, write_atomic)
 
 
 def step_of(path: str) -> int:
@@ -39,20 +44,73 @@ def list_checkpoints(ckpt_dir: str) -> List[str]:
 
 
 class UnreadableCheckpoint(Exception):
-    """A checkpoint whose content does not load: cut short, damaged, or not an octjepa checkpoint."""
+    """A checkpoint shown to be damaged: not a whole zip file, a part whose checksum does not match, or no 'model'."""
+
+
+class CheckpointNotLoaded(StorageFailed):
+    """A checkpoint that may be intact did not load (too little memory, a type this version refuses, a storage
+    error): the run stops and renames nothing."""
+    prefix = "checkpoint not loaded: "
 
 
 def read_checkpoint(path: str, retry_seconds: float = 0.0) -> dict:
-    """Load a checkpoint (local or gs://) to CPU tensors (weights_only: no code runs on load). A transient storage
-    error is retried for retry_seconds, then raised; content that does not load raises UnreadableCheckpoint."""
-    payload = retry(read_bytes, path, seconds=retry_seconds)
+    """Load a checkpoint (local or gs://) to CPU tensors (weights_only: no code runs on load); a local file is mapped,
+    not copied (each process holds it once). A transient storage error is retried for retry_seconds, then raised.
+    UnreadableCheckpoint only on evidence of damage (checkpoint_damage); any other failure is CheckpointNotLoaded
+    (exit 74) or, for a type this version refuses, ConfigError (exit 2): the file may be intact."""
     try:
-        ckpt = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise UnreadableCheckpoint(f"{path}: {e!r}"[:500]) from None
+        ckpt = retry(load_file, path, seconds=retry_seconds)
+    except Exception as e:  # torch.load raises many types: only the file itself can say whether it is damaged
+        if isinstance(e, storage_errors()) and not out_of_memory(e):
+            raise
+        damage = checkpoint_damage(path)
+        if damage:
+            raise UnreadableCheckpoint(f"{path}: {damage} ({type(e).__name__}: {str(e)[:200]})") from None
+        raise load_failure(path, e) from None
     if not isinstance(ckpt, dict) or "model" not in ckpt:
         raise UnreadableCheckpoint(f"{path}: not an octjepa checkpoint (no 'model')")
     return ckpt
+
+
+def load_file(path: str) -> dict:
+    """torch.load of a checkpoint file (weights_only) to the CPU: a local file mapped, a gs:// object downloaded."""
+    if path.startswith("gs://"):
+        return torch.load(io.BytesIO(read_bytes(path)), map_location="cpu", weights_only=True)
+    return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+
+
+def checkpoint_damage(path: str) -> Optional[str]:
+    """What shows a checkpoint file damaged (torch.save writes a zip whose parts carry a CRC-32): not a whole zip, or
+    the first part whose content does not match its checksum; None when every part is as written. A storage error
+    while reading is raised (it says nothing about the file)."""
+    try:
+        with (gcs_filesystem().open(path, "rb") if path.startswith("gs://") else open(path, "rb")) as f:
+            with zipfile.ZipFile(f) as archive:
+                bad = archive.testzip()
+    except (zipfile.BadZipFile, EOFError) as e:
+        return f"damaged: not a whole checkpoint file ({e})"
+    return f"damaged: its part {bad} does not match its checksum" if bad else None
+
+
+def out_of_memory(error: Exception) -> bool:
+    """Whether an error says memory (or address space) ran out: MemoryError, ENOMEM, or torch's allocator."""
+    return isinstance(error, MemoryError) or getattr(error, "errno", None) == errno.ENOMEM or \
+        "allocate memory" in str(error).lower()
+
+
+def load_failure(path: str, error: Exception) -> ExitError:
+    """The error that stops a run whose checkpoint is intact but did not load, saying why and what to do."""
+    refused = re.search(r"Unsupported global: .*|WeightsUnpickler error: .+", str(error))  # in torch's long text
+    what = f"{path} is intact (every part matches its checksum) but did not load ({type(error).__name__}: " \
+           f"{refused.group(0) if refused else str(error)[:300]})"
+    if isinstance(error, pickle.UnpicklingError):
+        return ConfigError(f"resume: {what}: it holds a type this version of octjepa/torch refuses to load without "
+                           f"running code. Nothing was renamed. Load it with the version that wrote it, or resume from "
+                           f"another checkpoint (--resume PATH).")
+    if out_of_memory(error):
+        return CheckpointNotLoaded(f"{what}: too little memory. Nothing was renamed; run the same command again "
+                                   f"with more memory (a higher ulimit -v or job memory limit).")
+    return CheckpointNotLoaded(f"{what}. Nothing was renamed; run the same command again once this is fixed.")
 
 
 def checkpoint_path(ckpt_dir: str, step: int) -> str:
@@ -154,9 +212,39 @@ SCHEDULE_FIELDS = ("schedule", "base_lr", "min_lr", "weight_decay", "weight_deca
                    "ema_schedule", "seed")
 
 
+# Settings a resume may change: where things are, how the run is watched, and how the same updates are computed.
+# Every other setting (model, preprocessing, masks, loss, optimizer; a new field too) is what the run learns with,
+# and a change is refused; the plan and schedules are compared on their own (PLAN_FIELDS, SCHEDULE_FIELDS).
+RESUME_FREE_FIELDS = (
+    "data_root", "manifest_path", "index_path", "phantom_dir", "phantom_count", "phantom_varied", "sop_classes",
+    "val_fraction", "cache_dir", "workers", "max_bad_fraction", "global_batch_size", "per_core_batch_size",
+    "grad_accum_steps", "epochs", "max_steps", "warmup_steps", "warmup_epochs", "grad_clip", "use_bf16", "compile",
+    "grad_checkpointing", "max_consecutive_nonfinite", "max_rollbacks", "rollback_lr_factor", "log_every_steps",
+    "val_every_steps", "val_batches", "probe_every_steps", "probe_labels", "summary_probe", "collapse_min_target_std",
+    "collapse_min_rankme", "collapse_window_steps", "ckpt_dir", "ckpt_every_steps", "ckpt_every_minutes",
+    "ckpt_retry_minutes", "keep_last", "resume", "extend", "extend_schedule", "ckpt_dir_shared", "wandb",
+    "wandb_project", "wandb_entity", "device", "shard", "fsdp_size", "out_dir", "run_name", "dry_run")
+
+
+def changed_settings(saved_config: dict, cfg: Config) -> List[str]:
+    """'field: saved -> now' for each model, preprocessing, mask, loss or optimizer setting that differs from the
+    checkpoint's config (a field the checkpoint does not know counts as changed only from a non-default value)."""
+    now, default = asdict(cfg), asdict(Config())
+    skip = set(RESUME_FREE_FIELDS) | set(PLAN_FIELDS) | set(SCHEDULE_FIELDS)
+    return [f"{k}: {saved_config.get(k, default[k])} -> {now[k]}" for k in now
+            if k not in skip and now[k] != saved_config.get(k, default[k])] if saved_config else []
+
+
 def split_fingerprint(train_ds, val_ds) -> str:
-    """A short hash of which volumes are in the train split and which in the val split."""
-    split = [sorted(r["paths"] for r in train_ds.records), sorted(r["paths"] for r in val_ds.records)]
+    """A short hash of which volumes are in the train split and which in the val split, by their paths below the
+    folder all of them share (the same data moved to another root keeps it)."""
+    return _fingerprint(train_ds, val_ds, relative=True)
+
+
+def _fingerprint(train_ds, val_ds, relative: bool) -> str:
+    paths = [p for ds in (train_ds, val_ds) for r in ds.records for p in r["paths"]]
+    root = os.path.commonprefix(paths).rpartition("/")[0] if relative and paths else ""
+    split = [sorted([p[len(root):] for p in r["paths"]] for r in ds.records) for ds in (train_ds, val_ds)]
     return hashlib.sha256(json.dumps(split).encode()).hexdigest()[:16]
 
 
@@ -167,12 +255,17 @@ def plan_record(cfg: Config, plan: RunPlan, train_ds, val_ds) -> dict:
             "extensions": plan.extensions}
 
 
-def resumed_plan(saved: dict, cfg: Config, plan: RunPlan, train_ds, val_ds, step: int, ckpt_path: str) -> RunPlan:
+def resumed_plan(saved: dict, cfg: Config, plan: RunPlan, train_ds, val_ds, step: int, ckpt_path: str,
+                 saved_config: Optional[dict] = None) -> RunPlan:
     """The plan a resumed run continues: the checkpoint's, or with cfg.extend the same plan made longer from update
-    `step` on. Any other difference is a ConfigError that says what changed and how to proceed."""
+    `step` on. Any other difference, in the plan or in a setting the run learns with (changed_settings of the
+    checkpoint's `saved_config`), is a ConfigError that names each change and how to proceed."""
     reference = plan_run(replace(cfg, max_steps=saved["total_steps"]), plan.world_size, len(train_ds))
     now = plan_record(cfg, reference, train_ds, val_ds)
+    if saved.get("split") == _fingerprint(train_ds, val_ds, relative=False):
+        now["split"] = saved["split"]  # a checkpoint of an older octjepa: the split by absolute paths
     changes = [f"{k}: {saved[k]} -> {now[k]}" for k in now if k != "extensions" and now[k] != saved.get(k)]
+    changes += changed_settings(saved_config or {}, cfg)
     longer = plan.total_steps > saved["total_steps"]
     if plan.total_steps != saved["total_steps"] and not (longer and cfg.extend):
         changes.insert(0, f"total_steps: {saved['total_steps']} -> {plan.total_steps}")
@@ -181,7 +274,8 @@ def resumed_plan(saved: dict, cfg: Config, plan: RunPlan, train_ds, val_ds, step
         raise ConfigError(
             f"resume: {ckpt_path} was written for another plan:\n    " + "\n    ".join(changes) +
             "\nA resume continues the plan it was started with (a changed plan would restart or jump the LR, EMA and "
-            f"data order). To continue this run: use its settings (--config {run_dir}/config.yaml --resume auto)."
+            f"data order). To continue this run: use its settings (--config {run_dir}/config.yaml --resume auto; with "
+            f"--data_root where the data is now, if it moved)."
             + (" To train longer on purpose: add --extend true (the LR, weight decay and EMA continue from their "
                "last values, never back up)." if longer and not cfg.extend and len(changes) == 1 else "")
             + " To train with the new settings: start a new run (another --run_name).")
@@ -204,9 +298,11 @@ def set_aside(path: str, reason: str, why: str) -> dict:
 def choose_resume_checkpoint(cfg: Config) -> Tuple[Optional[str], Optional[dict], List[dict]]:
     """The master's choice of what the run resumes from: (path, checkpoint), or (None, None) to start from scratch;
     plus what it did to the run's files on the way ({event, path, why}). First the tmp files of writers stopped
-    mid-write go. resume auto: the newest step checkpoint that loads; each newer one whose content does not load is
-    set aside ('unreadable'). Then every step checkpoint past the resumed update is set aside ('abandoned': a
-    timeline left by resuming an earlier file), so neither a later `--resume auto` nor keep_last sees it. A storage
+    mid-write go. resume auto: the newest step checkpoint that loads; each newer one shown to be damaged is set aside
+    ('unreadable'); when none is left that loads, the run stops (exit 2) instead of starting from scratch. Then every
+    step checkpoint past the resumed update, and a best.pt written after it, is set aside ('abandoned': a timeline
+    left by resuming an earlier file), so neither a later `--resume auto`, keep_last nor a new best overwrites it. A
+    checkpoint that may be intact but does not load stops the run with nothing renamed (read_checkpoint); a storage
     error that outlasts ckpt_retry_minutes is StorageFailed, with nothing set aside."""
     retry_seconds = cfg.ckpt_retry_minutes * 60
     path, ckpt = None, None
@@ -223,6 +319,13 @@ def choose_resume_checkpoint(cfg: Config) -> Tuple[Optional[str], Optional[dict]
                     continue
                 path = candidate
                 break
+            damaged = glob_paths(f"{cfg.ckpt_dir.rstrip('/')}/step_*.pt.unreadable-*")
+            if ckpt is None and damaged:
+                raise ConfigError(
+                    f"resume: none of the step checkpoints in {cfg.ckpt_dir} loads; each was damaged and set aside "
+                    f"({', '.join(sorted(damaged))}), so the run does not start from scratch by itself. To start "
+                    f"it over on purpose: the same command without --resume (its metrics start again), or another "
+                    f"--run_name.")
         elif cfg.resume is not None:
             path = cfg.resume
             ckpt = read_checkpoint(path, retry_seconds)
@@ -230,6 +333,9 @@ def choose_resume_checkpoint(cfg: Config) -> Tuple[Optional[str], Optional[dict]
         for later in list_checkpoints(cfg.ckpt_dir) if cfg.ckpt_dir is not None else []:
             if step_of(later) > step and later != path:
                 moved.append(set_aside(later, "abandoned", f"past update {step}, where this run resumes"))
+        best = f"{cfg.ckpt_dir.rstrip('/')}/best.pt" if cfg.ckpt_dir is not None else None
+        if ckpt is not None and best != path and best_step(best, retry_seconds) > step:
+            moved.append(set_aside(best, "abandoned", f"written after update {step}, where this run resumes"))
     except FileNotFoundError as e:
         raise ConfigError(f"resume: {cfg.resume} is not a checkpoint file ({e}); give the path of a step_*.pt or "
                           f"best.pt, or auto.") from None
@@ -240,6 +346,16 @@ def choose_resume_checkpoint(cfg: Config) -> Tuple[Optional[str], Optional[dict]
                             f"{cfg.ckpt_retry_minutes:g} min ({e!r}); nothing was changed: run the same command "
                             f"again when the storage is back.") from None
     return path, ckpt, moved
+
+
+def best_step(best: str, retry_seconds: float) -> int:
+    """The update a best.pt was written at; 0 when there is none or it is damaged (the next best replaces it)."""
+    if not exists(best):
+        return 0
+    try:
+        return read_checkpoint(best, retry_seconds)["train_state"]["step"]
+    except UnreadableCheckpoint:
+        return 0
 
 
 def load_resume_checkpoint(cfg: Config, rt: Runtime) -> Tuple[Optional[str], Optional[dict], List[dict]]:
@@ -260,7 +376,7 @@ def load_resume_checkpoint(cfg: Config, rt: Runtime) -> Tuple[Optional[str], Opt
     if path is not None and ckpt is None:
         try:
             ckpt = read_checkpoint(path, cfg.ckpt_retry_minutes * 60)
-        except (UnreadableCheckpoint, *storage_errors()) as e:
+        except (UnreadableCheckpoint, ExitError, *storage_errors()) as e:
             error = repr(e)
     failed = [f"process {rank}: {e}" for rank, e in enumerate(gather_objects(error, rt)) if e is not None]
     if failed:
@@ -320,3 +436,154 @@ def write_probe(cfg: Config) -> str:
         raise ConfigError(f"ckpt_dir: cannot write checkpoints to {cfg.ckpt_dir} ({e!r}); make it writable, or "
                           f"choose another --ckpt_dir (none: no checkpoints).") from None
     return probe
+
+
+LOCK_NAME = ".octjepa-lock"  # in the run folder (and in ckpt_dir when it lies elsewhere)
+LEASE_SECONDS = 600  # a gs:// lock not renewed for this long (its process gone) is taken over; renewed every 1/4
+
+
+@contextlib.contextmanager
+def run_folder_lock(cfg: Config, rt: Runtime):
+    """One process at a time in a run folder: the master takes the lock of out_dir/run_name (and of ckpt_dir when it
+    lies elsewhere, e.g. gs://) for as long as the block runs. A folder that another live process holds stops every
+    process with a ConfigError naming the holder; the lock of a process gone from this host (or, on gs://, not
+    renewed for LEASE_SECONDS) is taken over. A dry run writes nothing and takes none."""
+    folders = [] if cfg.dry_run else [os.path.join(cfg.out_dir, cfg.run_name)]
+    if cfg.ckpt_dir is not None and folders and not os.path.abspath(cfg.ckpt_dir).startswith(
+            os.path.abspath(folders[0]) + os.sep):
+        folders.append(cfg.ckpt_dir)
+    held = []  # the master's locks (a lease's renewal thread stays in its process)
+    try:
+        master_decides(rt, lambda: held.extend(take_lock(folder) for folder in folders))
+        yield
+    finally:
+        for lock in held:
+            release_lock(lock)
+
+
+def process_started(pid: int) -> Optional[str]:
+    """When a process of this host started (clock ticks after boot, /proc/PID/stat's field 22); None if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def lock_holder() -> dict:
+    """Who takes a lock: this process (host, pid and its start, to tell a reused pid), a unique token, the time."""
+    return {"host": socket.gethostname(), "pid": os.getpid(), "pid_started": process_started(os.getpid()),
+            "token": uuid.uuid4().hex, "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "expires": time.time() + LEASE_SECONDS}
+
+
+def holder_is_gone(holder: dict, gcs: bool) -> bool:
+    """Whether a lock's holder no longer runs: a process gone from this host (or its pid now another process's),
+    or, on gs://, a lease not renewed in time."""
+    if gcs and holder.get("expires", 0) < time.time():
+        return True
+    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
+        return False
+    if not process_is_running(holder["host"], holder["pid"]):
+        return True
+    started = process_started(holder["pid"])
+    return None not in (started, holder.get("pid_started")) and started != holder["pid_started"]
+
+
+def take_lock(folder: str) -> dict:
+    """Take `folder`'s lock (local: a file created only if absent; gs://: a lease object created only if absent,
+    renewed by a thread); the lock, for release_lock. ConfigError naming the holder when a live process has it."""
+    path = f"{folder.rstrip('/')}/{LOCK_NAME}"
+    gcs = path.startswith("gs://")
+    for _ in range(3):  # a holder gone is removed, then the lock taken again; a race lost ends in the error
+        holder = lock_holder()
+        try:
+            (_create_lease if gcs else _create_lock_file)(path, holder)
+        except FileExistsError:
+            try:
+                current, generation = _read_lock(path)
+            except FileNotFoundError:
+                continue  # released meanwhile
+            if not holder_is_gone(current, gcs):
+                raise ConfigError(
+                    f"run folder: {folder} is in use by process {current.get('pid')} on {current.get('host')} "
+                    f"(since {current.get('since')}; lock {path}). One process at a time writes a run folder: wait "
+                    f"for it to finish, or choose another --run_name. If that process is gone (another machine), "
+                    f"delete {path}" + (" or wait until its lease runs out" if gcs else "") + ".") from None
+            _remove_lock(path, generation)
+            continue
+        except OSError as e:
+            raise ConfigError(f"run folder: cannot create the lock {path} ({e!r}); make {folder} writable or choose "
+                              f"another --out_dir.") from None
+        lock = {"path": path, "holder": holder, "stop": threading.Event()}
+        if gcs:
+            threading.Thread(target=_renew_lease, args=(lock,), daemon=True).start()
+        return lock
+    raise ConfigError(f"run folder: could not take the lock {path}: other processes keep taking it; run one at a time.")
+
+
+def _create_lock_file(path: str, holder: dict) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{holder['token']}"
+    with open(tmp, "w") as f:
+        json.dump(holder, f)
+    try:
+        os.link(tmp, path)  # whole or absent, never a part (also on NFS); FileExistsError when held
+    finally:
+        os.remove(tmp)
+
+
+def _create_lease(path: str, holder: dict) -> None:
+    fs = gcs_filesystem()
+    fs.invalidate_cache(path)
+    if fs.exists(path):  # GCS checks the precondition below itself; a store that ignores it, here
+        raise FileExistsError(path)
+    try:
+        fs.pipe_file(path, json.dumps(holder).encode(), mode="create")  # ifGenerationMatch=0: only if absent
+    except Exception as e:
+        if "412" in str(e) or isinstance(e, FileExistsError):
+            raise FileExistsError(path) from None
+        raise
+
+
+def _read_lock(path: str) -> Tuple[dict, Optional[str]]:
+    """The holder a lock file or lease names ({} when unreadable) and, on gs://, its generation."""
+    if path.startswith("gs://"):
+        fs = gcs_filesystem()
+        fs.invalidate_cache(path)
+        generation = fs.info(path).get("generation")
+    else:
+        generation = None
+    try:
+        holder = json.loads(read_bytes(path))
+    except ValueError:
+        holder = {}
+    return (holder if isinstance(holder, dict) else {}), generation
+
+
+def _remove_lock(path: str, generation: Optional[str]) -> None:
+    """Remove a lock whose holder is gone: on gs://, only the generation that was read (a lease taken meanwhile
+    stays)."""
+    with contextlib.suppress(FileNotFoundError):
+        if path.startswith("gs://"):
+            bucket, key = path[len("gs://"):].split("/", 1)
+            gcs_filesystem().call("DELETE", "b/{}/o/{}", bucket, key, ifGenerationMatch=generation)
+            gcs_filesystem().invalidate_cache(path)
+        else:
+            os.remove(path)
+
+
+def _renew_lease(lock: dict) -> None:
+    while not lock["stop"].wait(LEASE_SECONDS / 4):
+        with contextlib.suppress(Exception):  # a missed renewal is tried again; the lease lasts 4 of them
+            lock["holder"]["expires"] = time.time() + LEASE_SECONDS
+            gcs_filesystem().pipe_file(lock["path"], json.dumps(lock["holder"]).encode())
+
+
+def release_lock(lock: dict) -> None:
+    """Give a lock back (only while it still names this holder)."""
+    lock["stop"].set()
+    with contextlib.suppress(*storage_errors()):
+        holder, generation = _read_lock(lock["path"])
+        if holder.get("token") == lock["holder"]["token"]:
+            _remove_lock(lock["path"], generation)

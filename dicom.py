@@ -4,7 +4,7 @@ rejected with a reason) and reads a volume [D,H,W] with its spacing; index.py sc
 the same decision; data.py turns a Volume into training batches.
 
 Reading a file: parse (pydicom; pixel data not decoded) -> Header (maker, size, bit depth, per-frame geometry and
-rescale, spacing tags, a hash of PatientID) -> decode every frame with pydicom's plugins (every transfer syntax they
+rescale, spacing tags, a keyed hash of PatientID) -> decode every frame with pydicom's plugins (every transfer syntax they
 decode: native little and big endian, deflated, RLE, JPEG, JPEG-LS, JPEG 2000, HTJ2K; never a rewritten syntax:
 incident 11) -> MONOCHROME1 and each frame's rescale. Per-frame functional groups are honoured per frame: a frame's
 own PlaneOrientation/PlanePosition/PixelValueTransformation/PixelMeasures, else the shared groups, else the top level.
@@ -39,6 +39,7 @@ import pydicom
 from pydicom.dataelem import RawDataElement
 from pydicom.errors import BytesLengthException, InvalidDicomError
 
+from privacy import patient_key
 from storage import gcs_filesystem
 
 # ----------------------------------------------------------------------------------------------------------
@@ -345,9 +346,9 @@ def _frame(ds: pydicom.Dataset, item: Optional[pydicom.Dataset], single: bool) -
 
 
 def _patient_key(ds: pydicom.Dataset, path: str) -> str:
-    """A hash of PatientID (the index holds no identifiers), else the file: the unit of the train/val split."""
-    patient = str(ds.get("PatientID", "") or "").strip()
-    return hashlib.sha256(patient.encode()).hexdigest()[:16] if patient else f"file:{path}"
+    """The keyed hash of PatientID, else of the file (privacy.patient_key): the unit of the train/val split. The
+    index holds this key, never the PatientID, but it does hold the files' paths (docs/privacy.md)."""
+    return patient_key(str(ds.get("PatientID", "") or "").strip(), path)
 
 
 def _spacing_tags(ds: pydicom.Dataset, items: Sequence[pydicom.Dataset]):

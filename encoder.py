@@ -14,14 +14,17 @@ OCTJEPAEncoder.from_pretrained(DIR) with huggingface_hub, monai_vit(encoder)), h
 "encoder", source="local")) and README.md (the model card). In this checkout: model.load_encoder(DIR), and
 data.load_val_sample(path, encoder.settings) preprocesses a DICOM file or series as the contract says.
 
-embed writes one row per usable volume to an .npz (numpy only): path (the file, or the folder of a series' files),
-files, patient (the index's hash of PatientID), study, series, laterality, manufacturer, model, spacing [dz,dy,dx]
-mm (nan when unknown), shape [D,H,W] as stored, embedding [M,E] (--pool mean_pool) or [M, gh*E] (--pool depth_rows:
-the mean of each depth row of tokens; model.pool_tokens, as probe.py's read-outs of those names); and skipped_path,
-skipped_reason, skipped_detail for every file the reader or the preprocessing could not use (the reason codes of
-`python data.py scan`). Every --save_every volumes the rows done are saved in OUT.partial/: the same command started
-again after a kill computes only the rest, and its file equals an uninterrupted run's byte for byte. Static shapes
-(the last batch is padded): it runs on cpu, cuda and xla.
+embed writes one row per usable volume to an .npz (numpy only), safe to share (docs/privacy.md): volume (a keyed id
+of its path below data_root: privacy.volume_key), files, patient (the index's keyed hash of PatientID), laterality,
+manufacturer, model, spacing [dz,dy,dx] mm (nan when unknown), shape [D,H,W] as stored, embedding [M,E] (--pool
+mean_pool) or [M, gh*E] (--pool depth_rows: the mean of each depth row of tokens; model.pool_tokens, as probe.py's
+read-outs of those names), each dimension's mean and std (standardize before cosine or kNN; --standardize stores
+standardized rows), position_share (the share of token variance grid position explains); and skipped_volume,
+skipped_reason for every file the reader or the preprocessing could not use (the reason codes of `python data.py
+scan`). --with_paths adds path (the file, or the folder of a series' files), study, series, skipped_path and
+skipped_detail, for this machine only. Every --save_every volumes the rows done are saved in OUT.partial/: the same
+command started again after a kill computes only the rest, and its file equals an uninterrupted run's byte for
+byte. Static shapes (the last batch is padded): it runs on cpu, cuda and xla.
 
 show draws, for one labelled volume of each class and for the encoder beside a random init of its architecture: a
 B-scan and the en-face view of the input, the first three principal components of the patch features as RGB on
@@ -53,8 +56,9 @@ from data import load_prepared, load_val_sample, to_sample
 from dicom import UnusableFile
 from export import HUBCONF, MODEL_CARD, STANDALONE_MODULE, export
 from index import format_reason_table, index_records
-from model import (CONFIG_FILE, POOL_ALIASES, POOLS, WEIGHTS_FILE, PretrainedEncoder, load_encoder, pool_name,
-                   pool_tokens, random_encoder)
+from model import (CONFIG_FILE, POOL_ALIASES, POOLS, WEIGHTS_FILE, ExportError, PretrainedEncoder, export_contract,
+                   load_encoder, pool_name, pool_tokens, random_encoder)
+from privacy import share_safe_source, volume_key
 from probe import Task, fit_attentive, probe_device, read_labels, resolve_checkpoint, task_targets
 from runlog import counted, progress
 from volumes import read_volume
@@ -186,7 +190,8 @@ def embed_records(encoder: PretrainedEncoder, records: List[dict], cfg: Config, 
     chunk is in memory at a time."""
     size = -(-save_every // batch_size) * batch_size
     chunks = [records[i:i + size] for i in range(0, len(records), size)]
-    settings = {"encoder": encoder.config["weights"]["sha256"], "pool": pool, "batch_size": batch_size}
+    settings = {"encoder": encoder.config["weights"]["sha256"], "pool": pool, "batch_size": batch_size,
+                "contract": export_contract(encoder.config)}  # another export's rows are never mixed in
     paths = [os.path.join(partial, f"chunk_{k:06d}.npz") for k in range(len(chunks))]
     todo = [k for k, (p, c) in enumerate(zip(paths, chunks))
             if read_chunk(p, [record_key(r) for r in c], settings) is None]
@@ -220,18 +225,19 @@ def read_chunks(paths: List[str]):
 
 def chunk_statistics(paths: List[str]) -> dict:
     """Over the embedded rows of the saved chunks: how many, each dimension's mean and standard deviation (float32,
-    computed in float64), and the position share of their tokens."""
-    count, sums, token_sums = 0, 0.0, 0.0
+    computed in float64), the position share of their tokens, and how many rows hold NaN or inf (nonfinite)."""
+    count, nonfinite, sums, token_sums = 0, 0, 0.0, 0.0
     for chunk in read_chunks(paths):
         rows = chunk["embedding"][chunk["reason"] == ""].astype(np.float64)
         count += len(rows)
+        nonfinite += int((~np.isfinite(rows).all(1)).sum())
         sums = sums + np.stack([rows.sum(0), (rows ** 2).sum(0)])
         token_sums = token_sums + torch.from_numpy(chunk["position_sums"])
     if not count:
-        return {"rows": 0}
+        return {"rows": 0, "nonfinite": 0}
     mean = sums[0] / count
     std = np.sqrt(np.maximum(sums[1] / count - mean ** 2, 0))
-    return {"rows": count, "mean": mean.astype(np.float32), "std": std.astype(np.float32),
+    return {"rows": count, "nonfinite": nonfinite, "mean": mean.astype(np.float32), "std": std.astype(np.float32),
             "position_share": position_share_of_sums(token_sums, count)}
 
 
@@ -242,10 +248,13 @@ def write_npz_entry(archive: zipfile.ZipFile, name: str, value) -> None:
 
 
 def write_embedding_table(out: str, records: List[dict], paths: List[str], rejected: List[dict], extra: dict,
-                          stats: dict, standardize: bool) -> dict:
+                          stats: dict, standardize: bool, root: Optional[str] = None,
+                          with_paths: bool = False) -> dict:
     """Write the embed file `out` (atomically): a row per embedded volume, a skipped_ row per unusable file or volume,
     mean and std, and `extra`; the embedding column streamed chunk by chunk from the saved chunks, standardized
-    with mean and std when `standardize`. Returns its arrays but the embeddings, and their shape."""
+    with mean and std when `standardize`. Returns its arrays but the embeddings, and their shape. Safe to share by
+    default: a volume is its keyed id (privacy.volume_key below `root`), never its path, UIDs or the reader's
+    details; with_paths adds path, study, series, skipped_path and skipped_detail (for this machine only)."""
     reasons = [(r, d) for c in read_chunks(paths) for r, d in zip(c["reason"].tolist(), c["detail"].tolist())]
     rows = [r for r, (reason, _) in zip(records, reasons) if not reason]
     skipped = [(r["paths"][0], r["reason"], r["detail"] or "") for r in rejected]
@@ -255,18 +264,22 @@ def write_embedding_table(out: str, records: List[dict], paths: List[str], rejec
         return np.array([str(r.get(key) or "") for r in rows], dtype=str)
 
     width = len(stats.get("mean", [])) or (next(read_chunks(paths))["embedding"].shape[1] if paths else 0)
-    table = {"path": np.array([volume_path(r["paths"]) for r in rows], dtype=str),
+    table = {"volume": np.array([volume_key(volume_path(r["paths"]), root) for r in rows], dtype=str),
              "files": np.array([len(r["paths"]) for r in rows], dtype=np.int64),
-             "patient": column("patient"), "study": column("study"), "series": column("series"),
+             "patient": column("patient"),
              "laterality": column("laterality"), "manufacturer": column("manufacturer"), "model": column("model"),
              "spacing": np.array([r["spacing"] or [np.nan] * 3 for r in rows], dtype=np.float64).reshape(-1, 3),
              "shape": np.array([r["shape"] for r in rows], dtype=np.int64).reshape(-1, 3),
-             "skipped_path": np.array([s[0] for s in skipped], dtype=str),
+             "skipped_volume": np.array([volume_key(s[0], root) for s in skipped], dtype=str),
              "skipped_reason": np.array([s[1] for s in skipped], dtype=str),
-             "skipped_detail": np.array([s[2] for s in skipped], dtype=str),
              "mean": stats.get("mean", np.zeros(width, np.float32)),
              "std": stats.get("std", np.zeros(width, np.float32)),
              "standardized": np.array(standardize), **extra}
+    if with_paths:
+        table.update({"path": np.array([volume_path(r["paths"]) for r in rows], dtype=str),
+                      "study": column("study"), "series": column("series"),
+                      "skipped_path": np.array([s[0] for s in skipped], dtype=str),
+                      "skipped_detail": np.array([s[2] for s in skipped], dtype=str)})
     scale = np.where(table["std"] > 0, table["std"], 1).astype(np.float32)
     partial = out + ".writing"
     with zipfile.ZipFile(partial, "w") as archive:
@@ -284,7 +297,7 @@ def write_embedding_table(out: str, records: List[dict], paths: List[str], rejec
 
 
 def embed(encoder_dir: str, out: str, cli: Config, pool: str = "mean_pool", batch_size: int = 8,
-          save_every: int = 256, standardize: bool = False) -> Tuple[dict, int]:
+          save_every: int = 256, standardize: bool = False, with_paths: bool = False) -> Tuple[dict, int]:
     """Embed every usable volume of cli's data_root / manifest_path (with its device, cache_dir, workers,
     index_path) with an export and write `out` (.npz); returns its arrays (the embeddings' shape in
     'embedding_shape', not the embeddings) and how many volumes were computed now. Resumes from out.partial/ (see
@@ -315,9 +328,15 @@ def embed(encoder_dir: str, out: str, cli: Config, pool: str = "mean_pool", batc
     partial = out + ".partial"
     paths, computed = embed_records(encoder.to(rt.device), usable, cfg, partial, pool, batch_size, save_every, rt)
     stats = chunk_statistics(paths)
-    extra = {"pool": np.array(pool), "encoder": np.array(json.dumps(encoder.config)),
+    if stats["nonfinite"]:
+        raise ExportError(f"{encoder_dir}: the encoder gives NaN or inf embeddings for {stats['nonfinite']} of "
+                          f"{len(usable)} volumes; nothing was written to {out}. Check the export (encoder.py export "
+                          f"refuses NaN weights) and those files.")
+    shared_config = {**encoder.config, "source": share_safe_source(encoder.config.get("source", {}))}
+    extra = {"pool": np.array(pool), "encoder": np.array(json.dumps(shared_config)),
              "position_share": np.array(stats.get("position_share", np.nan))}
-    table = write_embedding_table(out, usable, paths, [r for r in records if not r["ok"]], extra, stats, standardize)
+    table = write_embedding_table(out, usable, paths, [r for r in records if not r["ok"]], extra, stats, standardize,
+                                  cfg.data_root, with_paths)
     shutil.rmtree(partial, ignore_errors=True)
     return table, computed
 
@@ -493,6 +512,8 @@ def main(argv: List[str]) -> int:
     em.add_argument("--save_every", type=int, default=256, help="save the rows done every N volumes (default 256)")
     em.add_argument("--standardize", action="store_true",
                     help="store (embedding - mean) / std per dimension (mean and std are stored either way)")
+    em.add_argument("--with_paths", action="store_true", help="add each volume's path, StudyInstanceUID and "
+                    "SeriesInstanceUID (a table for this machine only: docs/privacy.md)")
     sh = command("show", "PNG: PCA of the patch features and an attentive probe's attention")
     sh.add_argument("--encoder", required=True, help="an export folder")
     sh.add_argument("--labels", required=True, help="labels CSV (path,label) whose volumes fit the PCA and the probe")
@@ -517,8 +538,8 @@ def main(argv: List[str]) -> int:
         if args.batch_size < 1 or args.save_every < 1:
             parser.error("--batch_size and --save_every must be at least 1")
         table, computed = embed(args.encoder, args.out, cli, args.pool, args.batch_size, args.save_every,
-                                args.standardize)
-        print(f"{len(table['path'])} volumes embedded in {args.out} ({table['embedding_shape'][1]} numbers each, "
+                                args.standardize, args.with_paths)
+        print(f"{len(table['volume'])} volumes embedded in {args.out} ({table['embedding_shape'][1]} numbers each, "
               f"{computed} computed now{', standardized' if args.standardize else ''}); grid position explains "
               f"{float(table['position_share']):.0%} of the token variance (position_share). Standardize each "
               f"dimension before cosine, kNN or clustering: (embedding - mean) / std (docs/encoder.md).")

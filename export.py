@@ -8,7 +8,8 @@
     README.md           the model card (no paths)
 
 export() builds it in a local staging folder, loads it back with both loaders and compares the tokens with the
-checkpoint's target encoder before anything reaches `out`.
+checkpoint's target encoder before anything reaches `out` (nothing is written when they differ, or when the
+weights hold NaN).
 """
 import ast
 import importlib.util
@@ -24,6 +25,7 @@ import torch
 from config import Config, ConfigError
 from model import (CONFIG_FILE, EXPORT_FORMAT, EXPORT_VERSION, VJEPA3D, WEIGHTS_FILE, ExportedEncoder, ExportError,
                    export_config, load_encoder, save_encoder)
+from privacy import share_safe_source
 from probe import read_model_checkpoint, resolve_checkpoint
 from storage import exists, write_atomic
 
@@ -40,20 +42,26 @@ def export(ckpt: str, out: str, force: bool = False) -> float:
         raise ConfigError(f"out: {out} already holds an export; choose another --out, or --force to replace it.")
     source = {"checkpoint": path, "encoder": "target (EMA)", "update": state.get("train_state", {}).get("step"),
               "plan": state.get("plan"), "training_config": state["config"]}
-    config = export_config(cfg, source)
+    state_dict = model.encoder_state_dict()
+    broken = [k for k, v in state_dict.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if broken:
+        raise ExportError(f"{path}: the target encoder's {broken[0]} (and {len(broken) - 1} more) holds NaN or inf; "
+                          f"export an earlier checkpoint (best.pt or a step before the run diverged).")
+    config = export_config(cfg, share_safe_source(source))  # no paths of this machine
     with tempfile.TemporaryDirectory() as staging:  # built and checked here, then copied: config.json last
-        save_encoder(model.encoder_state_dict(), config, staging)
+        save_encoder(state_dict, config, staging)
         for name, text in ((STANDALONE_MODULE, standalone_module()), (HUBCONF, HUBCONF_SOURCE),
                            (MODEL_CARD, model_card(config, cfg))):
             with open(os.path.join(staging, name), "w") as f:
                 f.write(text)
-        standalone_error = round_trip_error(model, import_standalone(staging).load(staging))
+        error = max(round_trip_error(model, load_encoder(staging)),
+                    round_trip_error(model, import_standalone(staging).load(staging)))
+        if not error <= ROUND_TRIP_TOLERANCE:  # nan too
+            raise ExportError(f"{out}: the loaded encoder differs from the checkpoint's by up to {error:.3g}; "
+                              f"nothing was written.")
         for name in (WEIGHTS_FILE, STANDALONE_MODULE, HUBCONF, MODEL_CARD, CONFIG_FILE):
             with open(os.path.join(staging, name), "rb") as f:
                 write_atomic(f"{out.rstrip('/')}/{name}", f.read())
-    error = max(round_trip_error(model, load_encoder(out)), standalone_error)
-    if error > ROUND_TRIP_TOLERANCE:
-        raise ExportError(f"{out}: the loaded encoder differs from the checkpoint's by up to {error:.3g}.")
     return error
 
 
@@ -112,6 +120,11 @@ def load(folder: str) -> OCTJEPAEncoder:
     if hashlib.sha256(payload).hexdigest() != config["weights"]["sha256"]:
         raise ValueError(f"{{path}}: its sha256 differs from config.json's weights.sha256: the weights were changed "
                          f"or belong to another export.")
+    header = json.loads(payload[8:8 + int.from_bytes(payload[:8], "little")])  # safetensors: size, JSON header
+    bound = (header.get("__metadata__") or {{}}).get("contract")  # absent in exports of older versions
+    if bound is not None and bound != export_contract(config):
+        raise ValueError(f"{{folder}}/config.json: its architecture, preprocessing or augmentation differ from what "
+                         f"the weights were exported with: it was edited or belongs to another export.")
     encoder = OCTJEPAEncoder(config)
     encoder.load_state_dict(safetensors.torch.load(payload), strict=True)
     return encoder.eval()
@@ -270,9 +283,9 @@ def model_definitions(roots: Sequence[str]) -> Tuple[str, str]:
 
 
 def standalone_module() -> str:
-    """The source of octjepa_encoder.py: model.py's ExportedEncoder and monai_vit with what they need, and a
-    loader."""
-    imports, definitions = model_definitions(["ExportedEncoder", "monai_vit"])
+    """The source of octjepa_encoder.py: model.py's ExportedEncoder, monai_vit and export_contract with what they
+    need, and a loader."""
+    imports, definitions = model_definitions(["ExportedEncoder", "monai_vit", "export_contract"])
     needed = ("import hashlib", "import json", "import os", "import safetensors.torch")
     imports += "".join(f"\n{line}" for line in needed if line not in imports.splitlines())
     return (STANDALONE_HEADER.format(commit=code_commit(), imports=imports) + "\n\n" + definitions + "\n" +

@@ -27,12 +27,15 @@ comparing with probe.py's numbers (patients may then be on both sides). Scores p
 and balanced accuracy, with mean and 95% t-interval over all folds; --vs_random runs a random init of the same
 architecture with the same splits, seeds and budget and adds the paired differences (pretrained - random).
 
-Writes OUT/report.json and, per fold of the export's full fine-tuning, OUT/full/r{repeat}_f{fold}/: config.json
-and model.safetensors (model.load_encoder reads them), heads.safetensors (the heads of finetune.Classifier) and
-fold.json (classes, task, the paths of each part, scores, the loss of every epoch). The config flags that apply:
+Writes each split's result to OUT/folds/ as it finishes (the same command after a kill computes only the rest; --out
+is checked writable before any work), then OUT/report.json and, per fold of the export's full fine-tuning,
+OUT/full/r{repeat}_f{fold}/: config.json and model.safetensors (model.load_encoder reads them), heads.safetensors
+(the heads of finetune.Classifier) and fold.json (classes, task, the keyed ids of each part's volumes, scores, the
+loss of every epoch); none of them holds a path (docs/privacy.md). The config flags that apply:
 device, seed (splits, probes, heads and the random init follow from it).
 """
 import copy
+import hashlib
 import json
 import math
 import os
@@ -40,7 +43,7 @@ import sys
 import warnings
 from collections import Counter
 from dataclasses import dataclass, replace
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import safetensors.torch
@@ -53,10 +56,12 @@ from data import resample_and_clip, to_sample
 from dicom import UnusableFile
 from index import format_reason_table
 from model import PretrainedEncoder, load_encoder, random_encoder, save_encoder
+from privacy import share_safe_source, volume_key
 from probe import (TEST_FRACTION, AttentiveProbe, Task, classification_scores, encode_volumes, fit_attentive, interval,
                    paired_difference, probe_device, read_label_rows, split_scores, stratified_split)
 from runlog import counted
 from schedules import cosine_ramp
+from storage import write_atomic
 from volumes import read_volume
 
 CLI_FIELDS = ("device", "seed")
@@ -112,6 +117,9 @@ def read_label_table(path: str) -> Tuple[List[str], np.ndarray, List[str], str, 
     patients = [r[PATIENT_COLUMN] for r in rows] if PATIENT_COLUMN in columns else None
     if "label" in columns:
         classes = sorted({r["label"] for r in rows})
+        if len(classes) < 2:
+            raise ConfigError(f"labels: every volume of {path} has the label {classes[0]!r}; fine-tuning a classifier "
+                              f"needs at least two classes.")
         targets = np.array([classes.index(r["label"]) for r in rows])
         return paths, targets, classes, "binary" if len(classes) == 2 else "multiclass", patients
     classes = [c for c in columns if c not in ("path", PATIENT_COLUMN)]
@@ -328,16 +336,18 @@ def finetune_fold(encoder: PretrainedEncoder, tokens: torch.Tensor, data: Labell
 def save_fold(model: Classifier, encoder: PretrainedEncoder, data: LabelledSet, fold: dict, parts: dict,
               directory: str, source: dict) -> None:
     """A fold's fine-tuned model: an export of its encoder (load_encoder reads it), heads.safetensors and fold.json
-    (classes, task, the paths of each part, scores and training log)."""
+    (classes, task, the keyed ids of each part's volumes (privacy.volume_key below the CSV's folder), scores and
+    training log): no path, safe to share."""
     config = {k: v for k, v in encoder.config.items() if k != "weights"}
-    save_encoder(model.encoder.state_dict(), {**config, "source": {**source, "encoder": "fine-tuned (full)",
-                                                                   "pretrained": encoder.config["source"]}}, directory)
+    save_encoder(model.encoder.state_dict(), {**config, "source": share_safe_source(
+        {**source, "encoder": "fine-tuned (full)", "pretrained": encoder.config["source"]})}, directory)
     safetensors.torch.save_file({k: v.detach().cpu().contiguous() for k, v in model.heads.state_dict().items()},
                                 os.path.join(directory, "heads.safetensors"))
     outputs = 2 if model.multilabel else len(data.classes)
     heads = f"{len(model.heads)} x probe.AttentiveProbe({encoder.embed_dim}, {outputs}) (finetune.Classifier)"
+    root = os.path.dirname(os.path.abspath(source["labels"]))  # the CSV's folder: keys of its relative paths
     record = {"classes": data.classes, "task": data.task, "heads": heads, **fold,
-              **{f"{part}_paths": [data.paths[i] for i in idx] for part, idx in parts.items()}}
+              **{f"{part}_volumes": [volume_key(data.paths[i], root) for i in idx] for part, idx in parts.items()}}
     with open(os.path.join(directory, "fold.json"), "w") as f:
         json.dump(record, f, indent=1)
 
@@ -365,36 +375,67 @@ def fold_splits(data: LabelledSet, splits: str, folds: int, repeats: int, seed: 
     return out
 
 
+def fold_result(done: Optional[dict], arm: str, mode: str, split: dict, compute: Callable[[], dict]) -> dict:
+    """A split's result of one arm and mode: read from done['directory'] when an earlier run of the same fine-tuning
+    (done['fingerprint']) finished it, else computed and written there at once (a kill loses at most the split in
+    progress). A result of another fine-tuning there is a ConfigError."""
+    if done is None:
+        return compute()
+    path = os.path.join(done["directory"], f"{arm.replace(' ', '_')}-{mode}-r{split['repeat']}_f{split['fold']}.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            saved = json.load(f)
+        if saved.get("fingerprint") != done["fingerprint"]:
+            raise ConfigError(f"out: {path} holds a result of another fine-tuning (another encoder, labels or "
+                              f"settings); choose another --out.")
+        return saved["result"]
+    result = compute()
+    write_atomic(path, json.dumps({"fingerprint": done["fingerprint"], "result": result}, indent=1,
+                                  default=lambda o: o.tolist()).encode())  # numpy numbers
+    return result
+
+
 def run_arm(arm: str, encoder: PretrainedEncoder, data: LabelledSet, splits: List[dict], modes, cfg: Config,
-            settings: FullSettings, device, save: Optional[dict] = None) -> Dict[str, List[dict]]:
+            settings: FullSettings, device, save: Optional[dict] = None,
+            done: Optional[dict] = None) -> Dict[str, List[dict]]:
     """{mode or probe: one result per split} of one encoder (named `arm` in the progress lines): the frozen probes
     (probe.split_scores) and full fine-tuning. save: {'directory', 'source'} to keep each fold's fine-tuned model
-    (save_fold)."""
+    (save_fold). done: {'directory', 'fingerprint'} where each split's result is written as it finishes and found
+    again by the same command after a kill (fold_result)."""
     results: Dict[str, List[dict]] = {}
     tokens = encode_volumes(encoder.to(device), model_inputs(data, range(len(data.paths)), cfg), device).cpu()
     if "frozen" in modes:
         for s in splits:
             train_idx, test_idx = s["split"]
-            for probe, scores in frozen_fold(tokens, data, train_idx, test_idx, s["seed"]).items():
+            scored = fold_result(done, arm, "frozen", s,
+                                 lambda: frozen_fold(tokens, data, train_idx, test_idx, s["seed"]))
+            for probe, scores in scored.items():
                 results.setdefault(probe, []).append({"repeat": s["repeat"], "fold": s["fold"], "train": len(train_idx),
                                                       "test": len(test_idx), **scores})
     if "full" in modes:
         for s in counted(splits, f"{arm}: full fine-tuning", "fold", every=1):
-            train_idx, test_idx = s["split"]
-            fit_idx, val_idx = validation_split(data, train_idx, settings.val_fraction, s["seed"])
-            model, log = finetune_fold(encoder, tokens, data, fit_idx, val_idx, cfg, settings, s["seed"], device)
-            probs, _ = predict(model, data, test_idx, cfg, settings.batch_size, device)
-            fold = {"repeat": s["repeat"], "fold": s["fold"], "train": len(fit_idx), "val": len(val_idx),
-                    "test": len(test_idx), **task_scores(probs, data.targets[test_idx], data.task), **log}
-            results.setdefault("full", []).append(fold)
-            print(f"{arm}, full fine-tuning, repeat {s['repeat']} fold {s['fold']}: AUROC {fold['auroc']:.3f}, "
-                  f"balanced accuracy {fold['balanced_accuracy']:.3f}, {log['epochs']} epochs "
-                  f"(best {log['best_epoch']})",
-                  file=sys.stderr)
-            if save:
-                save_fold(model, encoder, data, fold, {"train": fit_idx, "val": val_idx, "test": test_idx},
-                          os.path.join(save["directory"], f"r{s['repeat']}_f{s['fold']}"), save["source"])
+            results.setdefault("full", []).append(fold_result(
+                done, arm, "full", s, lambda: full_fold(arm, encoder, tokens, data, s, cfg, settings, device, save)))
     return results
+
+
+def full_fold(arm: str, encoder: PretrainedEncoder, tokens: torch.Tensor, data: LabelledSet, s: dict, cfg: Config,
+              settings: FullSettings, device, save: Optional[dict]) -> dict:
+    """Full fine-tuning on one split `s`: its scores and training log (and its model kept, with save)."""
+    train_idx, test_idx = s["split"]
+    fit_idx, val_idx = validation_split(data, train_idx, settings.val_fraction, s["seed"])
+    model, log = finetune_fold(encoder, tokens, data, fit_idx, val_idx, cfg, settings, s["seed"], device)
+    probs, _ = predict(model, data, test_idx, cfg, settings.batch_size, device)
+    fold = {"repeat": s["repeat"], "fold": s["fold"], "train": len(fit_idx), "val": len(val_idx),
+            "test": len(test_idx), **task_scores(probs, data.targets[test_idx], data.task), **log}
+    print(f"{arm}, full fine-tuning, repeat {s['repeat']} fold {s['fold']}: AUROC {fold['auroc']:.3f}, "
+          f"balanced accuracy {fold['balanced_accuracy']:.3f}, {log['epochs']} epochs "
+          f"(best {log['best_epoch']})",
+          file=sys.stderr)
+    if save:
+        save_fold(model, encoder, data, fold, {"train": fit_idx, "val": val_idx, "test": test_idx},
+                  os.path.join(save["directory"], f"r{s['repeat']}_f{s['fold']}"), save["source"])
+    return fold
 
 
 def summarize(results: Dict[str, List[dict]]) -> dict:
@@ -455,6 +496,10 @@ def main(argv: List[str]) -> int:
     report_path = os.path.join(args.out, "report.json")
     if os.path.exists(report_path):
         raise ConfigError(f"out: {report_path} exists; choose another --out (nothing is overwritten).")
+    try:  # before any work: an --out that cannot be written would lose it all
+        write_atomic(os.path.join(args.out, "folds", ".write-probe"), b"octjepa")
+    except OSError as e:
+        raise ConfigError(f"out: cannot write into {args.out} ({e}); choose a writable --out.") from None
     encoder = load_encoder(args.encoder)
     cli = load_config(rest)
     cfg = replace(encoder.settings, **{k: getattr(cli, k) for k in CLI_FIELDS})
@@ -465,13 +510,20 @@ def main(argv: List[str]) -> int:
     splits = fold_splits(data, args.splits, args.folds, args.repeats, cfg.seed)
     arms = {"encoder": encoder, **({"random init": random_encoder(encoder.config, cfg.seed)} if args.vs_random else {})}
     source = {"finetuned_from": args.encoder, "labels": args.labels}
-    report = {"encoder": args.encoder, "labels": args.labels, "task": data.task, "classes": data.classes,
+    report = {"encoder": os.path.basename(args.encoder.rstrip("/")), "labels": os.path.basename(args.labels),
+              "task": data.task, "classes": data.classes,
               "volumes": len(data.paths), "patients": len(set(data.patients)), "skipped": data.skipped,
               "splits": args.splits, "folds": args.folds if args.splits == "kfold" else 1, "repeats": args.repeats,
               "fold_count": len(splits), "seed": cfg.seed, "full_settings": vars(settings), "arms": {}}
+    with open(args.labels, "rb") as f:
+        labels_sha = hashlib.sha256(f.read()).hexdigest()
+    done = {"directory": os.path.join(args.out, "folds"), "fingerprint": {
+        "encoder": encoder.config["weights"]["sha256"], "labels": labels_sha, "splits": args.splits,
+        "folds": args.folds, "seed": cfg.seed, "full_settings": vars(settings)}}
     for arm, arm_encoder in arms.items():
         save = {"directory": os.path.join(args.out, "full"), "source": source} if arm == "encoder" else None
-        report["arms"][arm] = summarize(run_arm(arm, arm_encoder, data, splits, modes, cfg, settings, device, save))
+        report["arms"][arm] = summarize(run_arm(arm, arm_encoder, data, splits, modes, cfg, settings, device, save,
+                                                done))
     if args.vs_random:
         report["pretrained_minus_random"] = paired_differences(report["arms"]["encoder"], report["arms"]["random init"])
     print(format_report(report))

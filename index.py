@@ -25,6 +25,7 @@ from tqdm import tqdm
 from config import Config, ConfigError
 from dicom import REASONS, TRANSIENT_REASONS, UnusableFile, folder_files, inspect_file, is_candidate
 from phantom import ensure_phantom_set
+from privacy import KEY_PREFIX, is_keyed
 from storage import exists, gcs_filesystem, read_bytes, write_atomic
 from volumes import Unit, units
 
@@ -149,24 +150,33 @@ def read_index_with_source(path: str) -> Tuple[Optional[dict], List[dict]]:
 
 
 def read_index(path: str) -> List[dict]:
-    """The records of an index written by write_index / `python data.py scan --out`."""
-    return read_index_with_source(path)[1]
+    """The records of an index written by write_index / `python data.py scan --out`. An index whose patient keys
+    are not keyed (an older octjepa's: reversible, and the same at every site) is a ConfigError saying how to scan
+    it again (with data_root, update_index does that by itself)."""
+    records = read_index_with_source(path)[1]
+    if any(r["ok"] and not is_keyed(r.get("patient")) for r in records):
+        raise ConfigError(f"index_path: {path} holds patient keys an older octjepa wrote (a plain hash of PatientID, "
+                          f"reversible and the same at every site); scan the data again with this version: python "
+                          f"data.py scan DATA_ROOT --out {path} (or give --data_root with --index_path: it is "
+                          f"migrated), then delete any table made from the old index.")
+    return records
 
 
 def _unchanged(record: dict, identities: Dict[str, str]) -> bool:
     """The record's files are all still listed, unchanged, and its verdict was not a passing failure."""
     sources = record.get("sources") or []
     return (record["reason"] not in TRANSIENT_REASONS and len(sources) == len(record["paths"])
+            and (not record["ok"] or is_keyed(record.get("patient")))  # an older index's reversible keys: again
             and all(p in identities and identities[p] == s for p, s in zip(record["paths"], sources)))
 
 
 def index_source(data_root: Optional[str], manifest_path: Optional[str], sop_classes: str,
                  identities: Dict[str, str]) -> dict:
-    """What an index is built from: the source, the sop_classes setting and a hash of the listing (every file's
-    path and identity)."""
+    """What an index is built from: the source, the sop_classes setting, a hash of the listing (every file's
+    path and identity) and the kind of patient keys (privacy.KEY_PREFIX)."""
     listing = "\n".join(f"{p}\t{identities[p]}" for p in sorted(identities))
     return {"data_root": data_root, "manifest_path": manifest_path, "sop_classes": sop_classes,
-            "listing": hashlib.sha256(listing.encode()).hexdigest()[:32]}
+            "listing": hashlib.sha256(listing.encode()).hexdigest()[:32], "patient_keys": KEY_PREFIX}
 
 
 def update_index(records: Sequence[dict], identities: Dict[str, str], sop_classes: str,

@@ -583,11 +583,23 @@ def _sha256(payload: bytes) -> str:
     return hashlib.sha256(payload).hexdigest()
 
 
+SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+CONTRACT_SECTIONS = ("architecture", "preprocessing", "augmentation")  # config.json's parts bound to the weights
+
+
+def export_contract(config: dict) -> str:
+    """How to build and feed the encoder (config.json's architecture, preprocessing and augmentation) as canonical
+    JSON. save_encoder stores it in the weights' metadata, so that the weights' sha256 covers it too."""
+    return json.dumps({k: config.get(k) for k in CONTRACT_SECTIONS}, sort_keys=True)
+
+
 def save_encoder(state: dict, config: dict, directory: str) -> None:
-    """Write an export to a local or gs:// folder: model.safetensors (the Encoder state `state`), then config.json
-    with the weights' sha256, each atomically (config.json last: an export without it is incomplete)."""
+    """Write an export to a local or gs:// folder: model.safetensors (the Encoder state `state`, with the export's
+    contract in its metadata), then config.json with the weights' sha256, each atomically (config.json last: an
+    export without it is incomplete)."""
     weights = safetensors.torch.save({k: v.detach().cpu().contiguous() for k, v in state.items()},
-                                     metadata={"format": EXPORT_FORMAT, "format_version": str(EXPORT_VERSION)})
+                                     metadata={"format": EXPORT_FORMAT, "format_version": str(EXPORT_VERSION),
+                                               "contract": export_contract(config)})
     config = {**config, "weights": {"file": WEIGHTS_FILE, "sha256": _sha256(weights)}}
     write_atomic(f"{directory.rstrip('/')}/{WEIGHTS_FILE}", weights)
     write_atomic(f"{directory.rstrip('/')}/{CONFIG_FILE}", (json.dumps(config, indent=2) + "\n").encode())
@@ -597,21 +609,41 @@ def read_export_config(directory: str) -> dict:
     """The config.json of an export; ExportError when it is missing or not JSON."""
     path = f"{directory.rstrip('/')}/{CONFIG_FILE}"
     try:
-        return json.loads(read_bytes(path))
+        config = json.loads(read_bytes(path))
     except FileNotFoundError:
         raise ExportError(f"{path} not found; export a checkpoint with `python encoder.py export --ckpt CKPT --out "
                           f"{directory}`.") from None
-    except json.JSONDecodeError as e:
+    except ValueError as e:  # not JSON, or not UTF-8
         raise ExportError(f"{path} is not valid JSON ({e}).") from None
+    if not isinstance(config, dict):
+        raise ExportError(f"{path} holds a JSON {type(config).__name__}, not the object an export writes; export the "
+                          f"checkpoint again.")
+    return config
+
+
+def weights_header(payload: bytes, path: str) -> dict:
+    """The header of a safetensors payload ({key: {dtype, shape, data_offsets}, '__metadata__': {...}}), read
+    without loading a tensor; ExportError when the file is cut short or not safetensors."""
+    try:
+        size = int.from_bytes(payload[:8], "little")
+        header = json.loads(payload[8:8 + size])
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+        raise ExportError(f"{path} is not a safetensors file ({e!r}); export the checkpoint again.") from None
+    if len(payload) != 8 + size + end:
+        raise ExportError(f"{path} is {len(payload)} bytes, its header says {8 + size + end}: cut short or padded; "
+                          f"copy the whole export again.")
+    return header
 
 
 def load_encoder(directory: str) -> PretrainedEncoder:
     """The encoder exported to `directory` (local or gs://), in eval mode on the CPU. The weights must match
-    config.json exactly: their sha256, every key, shape and dtype (strict). Raises ExportError naming the file, key or
-    field otherwise."""
+    config.json exactly: their sha256, the contract they were exported with (export_contract: architecture,
+    preprocessing, augmentation), every key, shape and dtype, all checked before the architecture is built (a
+    tampered config.json costs no memory). Raises ExportError naming the file, key or field otherwise."""
     config = read_export_config(directory)
-    encoder = PretrainedEncoder(config, f"{directory.rstrip('/')}/{CONFIG_FILE}")
-    weights = config.get("weights") or {}
+    settings = export_settings(config, f"{directory.rstrip('/')}/{CONFIG_FILE}")  # every field, before any weight
+    weights = config.get("weights") if isinstance(config.get("weights"), dict) else {}
     name = weights.get("file") if weights.get("file") in (WEIGHTS_FILE, EARLIER_WEIGHTS_FILE) else WEIGHTS_FILE
     path = f"{directory.rstrip('/')}/{name}"
     try:
@@ -623,16 +655,31 @@ def load_encoder(directory: str) -> PretrainedEncoder:
         raise ExportError(f"{path}: its sha256 {_sha256(payload)[:16]}... differs from {CONFIG_FILE} "
                           f"weights.sha256 {str(weights.get('sha256'))[:16]}...: the weights were changed or belong to "
                           f"another export.")
-    tensors = safetensors.torch.load(payload)
-    expected = encoder.state_dict()
-    missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
+    header = weights_header(payload, path)
+    bound = (header.get("__metadata__") or {}).get("contract")  # absent in exports of older versions
+    if bound is not None and bound != export_contract(config):
+        signed, given = ({s: v if isinstance(v, dict) else {} for s, v in json.loads(c).items()}
+                         for c in (bound, export_contract(config)))
+        changed = [f"{section}.{k}: {signed[section].get(k)} -> {given[section].get(k)}"
+                   for section in CONTRACT_SECTIONS for k in sorted({*signed[section], *given[section]})
+                   if signed[section].get(k) != given[section].get(k)]
+        raise ExportError(f"{directory.rstrip('/')}/{CONFIG_FILE} differs from what its weights were exported with "
+                          f"({'; '.join(changed)}): it was edited or belongs to another export; export the "
+                          f"checkpoint again.")
+    with torch.device("meta"):  # the architecture's shapes without its memory: checked before it is built
+        expected = {k: (v.shape, v.dtype) for k, v in
+                    PretrainedEncoder(config, f"{directory.rstrip('/')}/{CONFIG_FILE}").state_dict().items()}
+    found = {k: (torch.Size(t["shape"]), t["dtype"]) for k, t in header.items() if k != "__metadata__"}
+    missing, unexpected = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
     if missing or unexpected:
         problem = f"key {missing[0]} is missing" if missing else f"unexpected key {unexpected[0]}"
-        raise ExportError(f"{path}: {problem} for the architecture in {CONFIG_FILE} ({encoder.settings.depth} blocks "
-                          f"of width {encoder.settings.embed_dim}).")
-    for key, tensor in tensors.items():
-        if tensor.shape != expected[key].shape or tensor.dtype != expected[key].dtype:
-            raise ExportError(f"{path}: key {key} is {tensor.dtype} {list(tensor.shape)}, the architecture in "
-                              f"{CONFIG_FILE} needs {expected[key].dtype} {list(expected[key].shape)}.")
-    encoder.load_state_dict(tensors, strict=True)
+        raise ExportError(f"{path}: {problem} for the architecture in {CONFIG_FILE} ({settings.depth} blocks "
+                          f"of width {settings.embed_dim}).")
+    for key, (shape, dtype) in found.items():
+        if shape != expected[key][0] or SAFETENSORS_DTYPES.get(dtype) != expected[key][1]:
+            raise ExportError(f"{path}: key {key} is {SAFETENSORS_DTYPES.get(dtype, dtype)} {list(shape)}, the "
+                              f"architecture in "
+                              f"{CONFIG_FILE} needs {expected[key][1]} {list(expected[key][0])}.")
+    encoder = PretrainedEncoder(config, f"{directory.rstrip('/')}/{CONFIG_FILE}")
+    encoder.load_state_dict(safetensors.torch.load(payload), strict=True)
     return encoder.eval()

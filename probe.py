@@ -38,7 +38,6 @@ During pretraining, train.py calls prepare_probe_set(cfg) once and probe_auroc(m
 probe_every_steps updates; at the end of the run compare_with_random (summary_probe) says whether the encoder beats
 a random one on the linear read-outs (mean_pool, depth_rows).
 """
-import copy
 import csv
 import dataclasses
 import json
@@ -63,7 +62,8 @@ from sklearn.model_selection import GridSearchCV, StratifiedKFold
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
-from config import Config, ConfigError, ScriptParser, given_flags, load_config, phantom_labels_path, script_main
+from config import (Config, ConfigError, ExitError, ScriptParser, given_flags, load_config, phantom_labels_path,
+                    script_main)
 from data import load_val_sample
 from dicom import UnusableFile
 from model import POOLS, VJEPA3D, pool_tokens
@@ -476,17 +476,59 @@ def comparisons(report: dict, scores: dict, readout: str) -> dict:
 # Labelled volumes and their features
 # ----------------------------------------------------------------------------------------------------------
 
+MISSING_LABEL_WORDS = ("nan", "na", "n/a", "null")  # what a spreadsheet writes for an empty cell
+
+
 def read_label_rows(path: str, header_hint: str) -> List[dict]:
-    """The rows of a labels CSV as dicts, their `path` made absolute (relative to the CSV's folder unless a URL or
-    absolute); a missing file is a ConfigError that adds header_hint (what the CSV should hold)."""
+    """The rows of a labels CSV as dicts (an Excel BOM is fine), their `path` made absolute (relative to the CSV's
+    folder unless a URL or absolute). A ConfigError naming the rows and the fix, adding header_hint (what the CSV
+    should hold): a missing file, a header alone, a header cell in another case or padded (`Label`), an empty path
+    or one leaving the CSV's folder (`..`), the same volume twice, an empty, NaN or padded value, a blank patient
+    cell, no path that exists. Paths that do not exist, when others do, are named on stderr (and left out later)."""
     if not os.path.isfile(path):
         raise ConfigError(f"labels: {path} not found; {header_hint}.")
-    with open(path, newline="") as f:
-        rows = list(csv.DictReader(f))
+    with open(path, newline="", encoding="utf-8-sig") as f:
+        reader = csv.DictReader(f)
+        rows, header = list(reader), reader.fieldnames or []
+    for cell in header:
+        if cell != cell.strip().lower() and cell.strip().lower() in ("path", "label", "patient"):
+            raise ConfigError(f"labels: {path}: the header cell {cell!r} should read {cell.strip().lower()!r} (lower "
+                              f"case, no spaces); {header_hint}.")
+    if not rows:
+        raise ConfigError(f"labels: {path} holds a header ({','.join(header) or 'empty'}) but no rows; {header_hint}.")
     root = os.path.dirname(os.path.abspath(path))
-    for r in rows:
-        if r.get("path") is not None and "://" not in r["path"] and not os.path.isabs(r["path"]):
-            r["path"] = os.path.join(root, r["path"])
+    problems, seen = [], {}
+    for line, r in enumerate(rows, start=2):
+        given = r.get("path")
+        if given is None:
+            continue
+        if given.strip() in ("", ".") or os.path.normpath(given).split(os.sep)[0] == "..":
+            problems.append(f"line {line}: path {given!r} is not a volume inside the CSV's folder")
+            continue
+        if "://" not in given and not os.path.isabs(given):
+            r["path"] = os.path.normpath(os.path.join(root, given))
+        if r["path"] in seen:
+            problems.append(f"line {line}: {given} is the volume of line {seen[r['path']]} again")
+        seen.setdefault(r["path"], line)
+        for column, value in r.items():
+            if column in ("path", None):  # None: cells beyond the header
+                continue
+            if value is None or value.strip() == "" or value.strip().lower() in MISSING_LABEL_WORDS:
+                problems.append(f"line {line}: {column} is empty ({value!r})")
+            elif value != value.strip():
+                problems.append(f"line {line}: {column} {value!r} has spaces around it")
+    if problems:
+        raise ConfigError(f"labels: {path}:\n    " + "\n    ".join(problems[:10]) +
+                          (f"\n    ... and {len(problems) - 10} more" if len(problems) > 10 else "") +
+                          "\nFix these rows (every volume once, a value in every cell).")
+    local = [r["path"] for r in rows if r.get("path") and "://" not in r["path"]]
+    unknown = [p for p in local if not os.path.exists(p)]
+    if unknown and len(unknown) == len(rows):
+        raise ConfigError(f"labels: none of the {len(rows)} paths in {path} exists (e.g. {unknown[0]}); paths are "
+                          f"relative to the CSV's folder {root}.")
+    if unknown:
+        print(f"labels: {len(unknown)} paths in {path} do not exist and are left out: {', '.join(unknown[:5])}"
+              + (" ..." if len(unknown) > 5 else ""), file=sys.stderr)
     return rows
 
 
@@ -652,6 +694,8 @@ def read_model_checkpoint(ckpt: str) -> Tuple[VJEPA3D, Config, dict]:
         state = read_checkpoint(ckpt)
     except FileNotFoundError:
         raise ConfigError(f"ckpt: {ckpt} not found; {fix}.") from None
+    except ExitError:
+        raise
     except Exception as e:  # torch.load raises many types for a file that is not a weights-only checkpoint
         raise ConfigError(f"ckpt: {ckpt} is not a readable checkpoint ({type(e).__name__}: {e}); {fix}.") from None
     if not isinstance(state, dict) or not {"model", "config"} <= set(state):

@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from config import Config, RunPlan, phantom_labels_path
 from model import VJEPA3D, activation_bytes_per_sample, memory_per_device, training_flops_per_sample
+from privacy import share_safe_config
 from storage import write_atomic
 
 
@@ -212,14 +213,18 @@ def start_wandb(cfg: Config, run_dir: str):
     if mode == "disabled":
         return None
     import wandb
-    settings = wandb.Settings(init_timeout=30, silent=True)
+    # Metrics and a config without paths only: no console (a reader's warning may name a patient's file), no
+    # command line, host, code or git metadata (docs/privacy.md).
+    settings = wandb.Settings(init_timeout=30, silent=True, console="off", save_code=False, disable_code=True,
+                              disable_git=True, x_disable_meta=True)
     # One W&B run per run folder, however often it is resumed: its id is kept beside metrics.jsonl.
     id_path = os.path.join(run_dir, "wandb_id")
     if not os.path.exists(id_path):
         write_atomic(id_path, secrets.token_hex(6).encode())  # W&B ids: [a-z0-9]
     with open(id_path) as f:
         run_id = f.read().strip()
-    same_run = dict(project=cfg.wandb_project, name=os.path.basename(run_dir), dir=run_dir, config=asdict(cfg),
+    same_run = dict(project=cfg.wandb_project, name=os.path.basename(run_dir), dir=run_dir,
+                    config=share_safe_config(asdict(cfg)),
                     settings=settings, id=run_id, resume="allow")
     try:
         run = wandb.init(entity=cfg.wandb_entity, mode=mode, **same_run)

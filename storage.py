@@ -118,13 +118,30 @@ def rename(source: str, destination: str) -> None:
 
 def remove_stale_tmp(folder: str) -> List[str]:
     """Delete the tmp files that writers killed mid-write left in a local folder (open_atomic's; gs:// uploads leave
-    none); returns their paths. Only for a folder no one is writing to now."""
+    none); returns their paths. Only for a folder no one else is writing to now (the run folder's lock); even so, the
+    tmp file of a process still running on this host is left alone."""
     if folder.startswith("gs://"):
         return []
-    stale = glob.glob(os.path.join(glob.escape(folder), f"*{TMP_INFIX}*"))
-    for path in stale:
-        os.remove(path)
+    stale = []
+    for path in glob.glob(os.path.join(glob.escape(folder), f"*{TMP_INFIX}*")):
+        host, pid, _ = path.rsplit(TMP_INFIX, 1)[1].rsplit("-", 2)
+        if not (pid.isdigit() and process_is_running(host, int(pid))):
+            os.remove(path)
+            stale.append(path)
     return stale
+
+
+def process_is_running(host: str, pid: int) -> bool:
+    """Whether process `pid` runs on `host`: on another host, assumed so (nothing here can tell)."""
+    if host != socket.gethostname():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def storage_errors() -> tuple:

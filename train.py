@@ -33,7 +33,8 @@ from probe import compare_with_random, prepare_probe_set, probe_auroc, rankme
 from runlog import (RunLog, Throughput, describe_run, format_train_line, json_number, save_mask_plot,
                     save_schedule_plot, save_training_plot, summary)
 from checkpoint import (check_checkpoint_folder, checkpoint_everywhere, checkpoint_path, load_resume_checkpoint,
-                        plan_record, read_checkpoint, resolve_run_dir, restore, resumed_plan, split_fingerprint)
+                        plan_record, read_checkpoint, resolve_run_dir, restore, resumed_plan, run_folder_lock,
+                        split_fingerprint)
 from runtime import (PendingDeviceStats, Runtime, StopSignals, adamw_state, any_process, check_ranks_agree,
                      gather_objects, global_value, mark_step, master_decides, place_model, probes_in_this_process,
                      reduce_mean, setup_runtime, state_bytes_per_device, to_device, wrap_ddp, xla_counters)
@@ -370,7 +371,7 @@ def resume(run: Run) -> Tuple[Optional[dict], List[dict]]:
     if ckpt is not None:
         if "plan" in ckpt:
             run.plan = resumed_plan(ckpt["plan"], cfg, run.plan, run.train_ds, run.val_ds,
-                                    ckpt["train_state"]["step"], run.last_ckpt)
+                                    ckpt["train_state"]["step"], run.last_ckpt, ckpt.get("config"))
         restore(ckpt, run.model, run.optimizer, run.state, rt)
         check_ranks_agree(run.state.step, f"the update they resume {run.last_ckpt} at", rt)
     run.plan_record = plan_record(cfg, run.plan, run.train_ds, run.val_ds)
@@ -386,9 +387,7 @@ def open_log(run: Run, ckpt: Optional[dict], set_aside: List[dict]) -> RunLog:
         log.event(found["event"], state.step, **{k: v for k, v in found.items() if k != "event"})
         log.print(f"{found['path']}: {found['why']}")
     if cfg.resume == "auto" and ckpt is None:
-        unreadable = sum(m["event"] == "unreadable_checkpoint" for m in set_aside)
-        log.print(f"resume auto: {f'none of the {unreadable} checkpoints' if unreadable else 'no checkpoint'} in "
-                  f"{cfg.ckpt_dir} could be loaded; starting from scratch")
+        log.print(f"resume auto: no checkpoint in {cfg.ckpt_dir} yet; starting from scratch")
     if ckpt is not None:
         log.event("resume", state.step, path=run.last_ckpt)
         log.print(f"resumed from {run.last_ckpt} at update {state.step}")
@@ -631,7 +630,8 @@ def main(argv: List[str]) -> int:
     rt = setup_runtime(cfg)
     cfg = master_decides(rt, resolve_run_dir, cfg)  # one run name and checkpoint folder for every process
     check_checkpoint_folder(cfg, rt)  # writable (and, over several machines, shared), before anything trains
-    return train(cfg, rt)
+    with run_folder_lock(cfg, rt):  # one process at a time in a run folder
+        return train(cfg, rt)
 
 
 if __name__ == "__main__":

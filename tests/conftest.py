@@ -2,6 +2,7 @@
 training checkpoint and its exported encoder, and a real local GCS emulator; the order tests start in."""
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `pytest` run from anywhere imports the repo's flat modules
 from helpers import GCSEmulator  # noqa: E402
+
+# The patient-key secret of the tests' "site" (privacy.py), never the user's own ~/.config/octjepa/site.key.
+os.environ.setdefault("OCTJEPA_PATIENT_KEY_FILE", os.path.join(tempfile.mkdtemp(prefix="octjepa-tests-"), "site.key"))
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # A worker per core (pytest.ini's -n): torch's threads in each worker, and in the runs its tests start, would

@@ -53,15 +53,15 @@ if "nan_5_7" in faults:
     train.forward_backward = forward_backward
 
 if rank == 1 and faults & {"read_once", "read_twice", "read_always"}:
-    real_read_bytes, reads = checkpoint.read_bytes, []
+    real_load_file, reads = checkpoint.load_file, []
 
-    def read_bytes(path):
+    def load_file(path):
         reads.append(path)
         if "read_always" in faults or len(reads) <= 1 + ("read_twice" in faults):
             raise OSError(f"injected read error for {path}")
-        return real_read_bytes(path)
+        return real_load_file(path)
 
-    checkpoint.read_bytes = read_bytes
+    checkpoint.load_file = load_file
 
 if rank == 1 and faults & {"bad_files", "no_data"}:
     real_load = data.load_prepared

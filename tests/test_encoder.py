@@ -2,6 +2,7 @@
 Python, embeds a folder or bucket (killed and resumed), and looks at its features."""
 import inspect
 import itertools
+import hashlib
 import json
 import os
 import re
@@ -42,7 +43,7 @@ def test_export_then_load_gives_the_training_target_encoders_tokens(export_dir, 
     assert float((encoder.encode(volume) - trained.encode(volume)).abs().max()) <= 1e-6
     assert torch.equal(encoder.embed(volume), encoder.encode(volume).mean(1))
     config = json.loads(Path(export_dir, "config.json").read_text())
-    assert config["source"]["checkpoint"] == trained_checkpoint  # the folder's newest step checkpoint
+    assert config["source"]["checkpoint"] == os.path.basename(trained_checkpoint)  # the newest step; no folder
     assert config["source"]["update"] == 4 and config["source"]["plan"]["total_steps"] == 4
     assert config["preprocessing"]["image_size"] == cfg.image_size == encoder.image_size
     assert config["preprocessing"]["clip_percentiles"] == cfg.clip_percentiles
@@ -164,6 +165,12 @@ def rewrite_weights(directory: Path, edit) -> None:
     save_encoder(tensors, {k: v for k, v in config.items() if k != "weights"}, str(directory))
 
 
+def resign(directory: Path, payload: bytes) -> None:
+    """Replace an export's weights file and record its sha256 in config.json, as a careless user would."""
+    directory.joinpath("encoder.safetensors").write_bytes(payload)
+    edit_config(directory, lambda c: c["weights"].update(sha256=hashlib.sha256(payload).hexdigest()))
+
+
 def edit_config(directory: Path, edit) -> None:
     config = json.loads((directory / "config.json").read_text())
     edit(config)
@@ -181,7 +188,18 @@ TAMPERINGS = {
     "a tensor of another shape": (lambda d: rewrite_weights(d, lambda t: t.update({"norm.weight": torch.ones(7)})),
                                   "key norm.weight is torch.float32 [7]"),
     "another architecture": (lambda d: edit_config(d, lambda c: c["architecture"].update(depth=3)),
-                             "key blocks.2.attn.proj.bias is missing"),
+                             "differs from what its weights were exported with (architecture.depth: 2 -> 3)"),
+    "other heads": (lambda d: edit_config(d, lambda c: c["architecture"].update(num_heads=2)),
+                    "(architecture.num_heads: 4 -> 2)"),
+    "another clip": (lambda d: edit_config(d, lambda c: c["preprocessing"].update(clip_percentiles=[1.0, 99.0])),
+                     "(preprocessing.clip_percentiles: [0.5, 99.5] -> [1.0, 99.0])"),
+    "an architecture too large to build": (
+        lambda d: edit_config(d, lambda c: c["architecture"].update(embed_dim=8192, depth=64, num_heads=64)),
+        "architecture.depth: 2 -> 64; architecture.embed_dim: 48 -> 8192; architecture.num_heads: 4 -> 64"),
+    "a JSON list": (lambda d: d.joinpath("config.json").write_text("[1, 2]"), "holds a JSON list"),
+    "not UTF-8": (lambda d: d.joinpath("config.json").write_bytes(b'{"format": "\xff\xfe"}'), "is not valid JSON"),
+    "weights cut short and re-signed": (lambda d: resign(d, d.joinpath("encoder.safetensors").read_bytes()[:-64]),
+                                        "cut short or padded"),
     "a field missing": (lambda d: edit_config(d, lambda c: c["architecture"].pop("embed_dim")),
                         "architecture.embed_dim is missing"),
     "an unknown field": (lambda d: edit_config(d, lambda c: c["preprocessing"].update(gamma=2)),
@@ -236,13 +254,13 @@ def test_embed_writes_a_row_per_volume_with_its_identity_and_the_reason_for_each
     (data / "cut.dcm").write_bytes(blob[: len(blob) // 2])  # an interrupted copy
     out = tmp_path / "emb.npz"
     assert encoder_cli.main(["embed", "--encoder", export_dir, "--data_root", str(data), "--out", str(out),
-                             "--workers", "0", "--batch_size", "3", "--save_every", "4"]) == 0
+                             "--workers", "0", "--batch_size", "3", "--save_every", "4", "--with_paths"]) == 0
     table = load_npz(out)
     records = [r for r in scan_files(find_files(str(data))) if r["ok"]]
     encoder = load_encoder(export_dir)
     assert len(table["path"]) == len(records) == 10 and table["embedding"].shape == (10, encoder.embed_dim)
     assert list(table["skipped_path"]) == [str(data / "cut.dcm")] and list(table["skipped_reason"]) == ["truncated"]
-    assert set(table["laterality"]) <= {"R", "L"} and all(len(p) == 16 for p in table["patient"])
+    assert set(table["laterality"]) <= {"R", "L"} and all(p.startswith("pk1-") for p in table["patient"])
     assert list(table["series"]) == [r["series"] for r in records] and all(s.startswith("1.2.") for s in table["study"])
     assert np.isfinite(table["spacing"]).all() and (table["shape"] > 0).all()
     assert json.loads(str(table["encoder"]))["weights"] == encoder.config["weights"]
@@ -264,7 +282,7 @@ def test_embed_stores_what_standardizing_needs_and_the_position_share_of_the_tok
                                                                                    capsys):
     flags = ["embed", "--encoder", export_dir, "--data_root", phantom_dir, "--workers", "0", "--batch_size", "4",
              "--save_every", "4"]
-    assert encoder_cli.main(flags + ["--out", str(tmp_path / "raw.npz")]) == 0
+    assert encoder_cli.main(flags + ["--out", str(tmp_path / "raw.npz"), "--with_paths"]) == 0
     printed = capsys.readouterr()
     assert "of the token variance (position_share)" in printed.out
     # no terminal (stderr captured): plain progress lines, with the time left until the last
@@ -453,3 +471,22 @@ def test_the_scripts_import_no_compiler_before_parsing_their_arguments():
     code = "import sys, encoder; assert 'torch._dynamo' not in sys.modules, 'torch._dynamo imported'"
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_an_encoder_whose_weights_are_nan_is_neither_exported_nor_embedded(trained_checkpoint, export_dir, tmp_path,
+                                                                           phantom_dir, capsys):
+    ckpt = torch.load(trained_checkpoint, weights_only=True)
+    for key in ckpt["model"]:
+        if key.startswith("target_encoder.") and ckpt["model"][key].is_floating_point():
+            ckpt["model"][key] = torch.full_like(ckpt["model"][key], float("nan"))
+    torch.save(ckpt, tmp_path / "diverged.pt")
+    assert encoder_cli.main(["export", "--ckpt", str(tmp_path / "diverged.pt"), "--out", str(tmp_path / "e")]) == 2
+    assert "holds NaN or inf" in capsys.readouterr().err and not (tmp_path / "e" / "config.json").exists()
+    nan_export = tmp_path / "nan_export"  # written by hand, past export's check
+    config = json.loads(Path(export_dir, "config.json").read_text())
+    weights = {k: torch.full_like(v, float("nan")) for k, v in load_encoder(export_dir).state_dict().items()}
+    save_encoder(weights, {k: v for k, v in config.items() if k != "weights"}, str(nan_export))
+    assert encoder_cli.main(["embed", "--encoder", str(nan_export), "--data_root", phantom_dir,
+                             "--out", str(tmp_path / "e.npz"), "--workers", "0"]) == 2
+    assert "NaN or inf embeddings for 10 of 10 volumes" in capsys.readouterr().err
+    assert not (tmp_path / "e.npz").exists()

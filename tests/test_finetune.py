@@ -3,6 +3,9 @@ probe.py's numbers back when asking for probe.py's splits."""
 import csv
 import json
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -12,9 +15,10 @@ import torch
 
 import finetune
 import probe
+from helpers import REPO, one_thread  # noqa: F401 (one_thread: autouse, tiny models, one thread)
 from model import load_encoder, random_encoder
+from privacy import volume_key
 from probe import AttentiveProbe
-from helpers import one_thread  # noqa: F401 (autouse: tiny models, one thread)
 
 
 def write_labels(path: Path, phantoms: str, header, row) -> str:
@@ -94,12 +98,12 @@ def test_full_finetuning_keeps_each_folds_best_model_which_loads_and_scores_as_r
                   "--epochs", "4", "--patience", "1", "--batch_size", "4", "--out", str(out)])
     folds = report["arms"]["encoder"]["full"]["folds"]
     assert [(f["repeat"], f["fold"]) for f in folds] == [(0, 0), (0, 1)]
-    patients = {row["path"]: row["patient"] for row in csv.DictReader(open(binary_labels))}
+    patients = {volume_key(row["path"]): row["patient"] for row in csv.DictReader(open(binary_labels))}
     for f in folds:
         assert f["best_epoch"] <= f["epochs"] <= min(4, f["best_epoch"] + 1)  # stopped 1 epoch after its best, or at 4
         assert [h["epoch"] for h in f["history"]] == list(range(f["epochs"] + 1))  # epoch 0: the probe heads alone
         saved = json.loads((out / "full" / f"r0_f{f['fold']}" / "fold.json").read_text())
-        parts = [{patients[p] for p in saved[f"{part}_paths"]} for part in ("train", "val", "test")]
+        parts = [{patients[v] for v in saved[f"{part}_volumes"]} for part in ("train", "val", "test")]
         assert not (parts[0] & parts[1] or parts[0] & parts[2] or parts[1] & parts[2])
     directory = out / "full" / "r0_f1"
     encoder = load_encoder(str(directory))
@@ -107,8 +111,9 @@ def test_full_finetuning_keeps_each_folds_best_model_which_loads_and_scores_as_r
     model.heads.load_state_dict(safetensors.torch.load_file(directory / "heads.safetensors"))
     data = finetune.load_labelled_set(binary_labels, model.encoder.settings)
     saved = json.loads((directory / "fold.json").read_text())
-    test = np.array([data.paths.index(p) for p in saved["test_paths"]])
-    val = np.array([data.paths.index(p) for p in saved["val_paths"]])
+    keys = [volume_key(p, os.path.dirname(os.path.abspath(binary_labels))) for p in data.paths]
+    test = np.array([keys.index(v) for v in saved["test_volumes"]])
+    val = np.array([keys.index(v) for v in saved["val_volumes"]])
     probs, _ = finetune.predict(model, data, test, model.encoder.settings, 4, "cpu")
     assert finetune.task_scores(probs, data.targets[test], "binary")["auroc"] == pytest.approx(folds[1]["auroc"])
     assert finetune.predict(model, data, val, model.encoder.settings, 4, "cpu")[1] == pytest.approx(saved["val_loss"])
@@ -145,3 +150,30 @@ def test_random_init_is_the_architecture_initialised_as_pretraining_starts(expor
     assert not torch.equal(a.norm.weight, encoder.norm.weight) or not torch.equal(a.blocks[0].attn.qkv.weight,
                                                                                   encoder.blocks[0].attn.qkv.weight)
     assert a.config["source"] == {"encoder": "random init", "seed": 0} and "weights" not in a.config
+
+
+def test_a_killed_finetuning_resumes_from_the_folds_it_finished_and_an_unwritable_out_is_refused_first(
+        export_dir, binary_labels, tmp_path):
+    flags = [sys.executable, str(REPO / "finetune.py"), "--encoder", export_dir, "--labels", binary_labels,
+             "--modes", "frozen,full", "--folds", "2", "--epochs", "2", "--batch_size", "4"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    (tmp_path / "a_file").write_text("")
+    unwritable = subprocess.run([*flags, "--out", str(tmp_path / "a_file" / "ft")], cwd=REPO, env=env,
+                                capture_output=True, text=True)
+    assert unwritable.returncode == 2 and "cannot write into" in unwritable.stderr
+    out = tmp_path / "ft"
+    first = subprocess.Popen([*flags, "--out", str(out)], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    fold_0 = out / "folds" / "encoder-full-r0_f0.json"
+    while not fold_0.exists():
+        assert first.poll() is None, "the fine-tuning ended before its first fold"
+        time.sleep(0.2)
+    first.kill()  # a kill -9 in the second fold
+    first.wait()
+    written = fold_0.read_text()
+    assert not (out / "report.json").exists()
+    again = subprocess.run([*flags, "--out", str(out)], cwd=REPO, env=env, capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "repeat 0 fold 0" not in again.stderr and "repeat 0 fold 1" in again.stderr  # fold 0 not trained again
+    folds = json.loads((out / "report.json").read_text())["arms"]["encoder"]["full"]["folds"]
+    assert folds[0] == json.loads(written)["result"] and [f["fold"] for f in folds] == [0, 1]

@@ -133,6 +133,7 @@ def test_probe_auroc_leaves_the_model_as_it_found_it(phantom_dir):
 
 def test_labels_may_hold_series_folders_and_absolute_paths(tmp_path):
     rows = [("/abs/a.dcm", "x"), ("sub/b", "y")]
+    (tmp_path / "sub" / "b").mkdir(parents=True)  # one path that exists: the other is named on stderr
     (tmp_path / "labels.csv").write_text("path,label\n" + "".join(f"{p},{l}\n" for p, l in rows))
     assert probe.read_labels(str(tmp_path / "labels.csv")) == [("/abs/a.dcm", "x"), (str(tmp_path / "sub/b"), "y")]
 
@@ -191,8 +192,8 @@ def test_missing_or_malformed_labels_exit_2(capsys, tmp_path):
 
 
 def test_labels_with_a_single_class_exit_2(capsys, tmp_path, phantom_dir):
-    first = open(f"{phantom_dir}/labels.csv").read().splitlines()[1].split(",")[0]
-    (tmp_path / "labels.csv").write_text(f"path,label\n{phantom_dir}/{first},none\n{phantom_dir}/{first},none\n")
+    first, second = (line.split(",")[0] for line in open(f"{phantom_dir}/labels.csv").read().splitlines()[1:3])
+    (tmp_path / "labels.csv").write_text(f"path,label\n{phantom_dir}/{first},none\n{phantom_dir}/{second},none\n")
     code, err = run_cli(capsys, "--ckpt", "random", "--labels", str(tmp_path / "labels.csv"), *TINY)
     assert code == 2 and "two classes" in err
 

@@ -278,19 +278,24 @@ def test_a_manual_rollback_abandons_the_later_checkpoints_for_good(tmp_path, smo
 
 
 @pytest.mark.slow
-def test_a_run_whose_checkpoints_all_fail_to_load_starts_again_with_a_fresh_log_and_keeps_its_new_checkpoints(
+def test_a_run_whose_checkpoints_are_all_damaged_stops_instead_of_starting_from_scratch(
         tmp_path, smoke_phantoms, capsys):
     flags = smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "6", "--ckpt_every_steps", "2")
     assert main(flags) == 0
-    ckpt_dir = tmp_path / "runs" / "r" / "checkpoints"
+    run_dir = tmp_path / "runs" / "r"
+    ckpt_dir = run_dir / "checkpoints"
     for path in list_checkpoints(str(ckpt_dir)):  # step 4 and 6 (keep_last 2)
         damage(path)
+    metrics_before = (run_dir / "metrics.jsonl").read_bytes()
     capsys.readouterr()
-    assert main([*flags, "--resume", "auto"]) == 0
-    assert "none of the 2 checkpoints" in capsys.readouterr().out
-    assert [Path(p).name for p in list_checkpoints(str(ckpt_dir))] == ["step_0000006.pt", "step_0000004.pt"]
-    assert torch.load(ckpt_dir / "step_0000006.pt", weights_only=True)["train_state"]["step"] == 6
-    assert [r["step"] for r in metrics(tmp_path / "runs" / "r")] == list(range(1, 7))  # no stale lines before them
+    assert main([*flags, "--resume", "auto"]) == 2
+    err = capsys.readouterr().err
+    assert "none of the step checkpoints" in err and "step_0000006.pt.unreadable-" in err
+    assert "without --resume" in err and "another --run_name" in err
+    assert (run_dir / "metrics.jsonl").read_bytes() == metrics_before
+    assert main([*flags, "--resume", "auto"]) == 2  # and again: the set-aside files still say a run was here
+    assert main(flags) == 0  # started over on purpose
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, 7))
 
 
 def test_a_metrics_line_cut_short_is_dropped_with_a_warning_when_the_run_resumes(tmp_path, smoke_phantoms, capsys):

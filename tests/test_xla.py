@@ -203,7 +203,7 @@ def test_an_exported_encoder_embeds_on_xla_as_on_cpu(tmp_path, export_dir, phant
     def embed(name, python, device, devices=1):
         out = tmp_path / f"{name}.npz"
         flags = ["embed", "--encoder", export_dir, "--data_root", phantom_dir, "--out", str(out), "--device", device,
-                 "--workers", "0", "--batch_size", "4"]
+                 "--workers", "0", "--batch_size", "4", "--with_paths"]
         if python:
             run_train(python, flags, devices, script="encoder.py")
         else:

@@ -1,0 +1,183 @@
+"""Nothing lost: a checkpoint is set aside only when it is shown to be damaged, a best.pt is never overwritten by an
+earlier timeline, and one process at a time works in a run folder (real processes, real files)."""
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from checkpoint import list_checkpoints
+from test_resume import events
+from test_train import REPO, smoke_flags
+from train import main
+
+
+def train_process(flags, address_space_kb=None, popen=None):
+    """`python train.py FLAGS` as its own process (under an address-space cap, as clusters set one): started with
+    Popen's `popen` arguments, or, without them, run to its end with its output."""
+    cap = f"ulimit -v {address_space_kb}; " if address_space_kb else ""
+    command = ["bash", "-c", cap + 'exec "$@"', "bash", sys.executable, str(REPO / "train.py"), *flags]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if popen is not None:
+        return subprocess.Popen(command, cwd=REPO, env=env, text=True, **popen)
+    return subprocess.run(command, cwd=REPO, env=env, text=True, capture_output=True, timeout=600)
+
+
+def run_files(run_dir):
+    """Every file under a run folder with its bytes."""
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(Path(run_dir).rglob("*")) if p.is_file()}
+
+
+@pytest.mark.slow
+def test_a_resume_short_of_memory_stops_with_exit_74_and_renames_nothing(tmp_path, smoke_phantoms):
+    flags = smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "4")
+    assert main(flags) == 0
+    run_dir = tmp_path / "runs" / "r"
+    step_file = run_dir / "checkpoints" / "step_0000004.pt"
+    ckpt = torch.load(step_file, weights_only=True)
+    ckpt["optimizer_extra"] = torch.zeros(2**28)  # 1 GiB more: a large model's checkpoint
+    torch.save(ckpt, step_file)
+    before = run_files(run_dir)
+    relaunch = train_process([*flags, "--resume", "auto"], address_space_kb=1_800_000)
+    assert relaunch.returncode == 74, relaunch.stderr[-2000:]
+    assert "too little memory" in relaunch.stderr and "Nothing was renamed" in relaunch.stderr
+    assert run_files(run_dir) == before  # no checkpoint set aside, no metrics dropped, best.pt as it was
+
+
+def test_a_checkpoint_holding_a_type_this_version_refuses_stops_with_exit_2_and_renames_nothing(
+        tmp_path, smoke_phantoms):
+    flags = smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "4")
+    assert main(flags) == 0
+    run_dir = tmp_path / "runs" / "r"
+    step_file = run_dir / "checkpoints" / "step_0000004.pt"
+    ckpt = torch.load(step_file, weights_only=True)
+    ckpt["train_state"]["best_val_loss"] = np.float64(ckpt["train_state"]["best_val_loss"])  # another version's
+    torch.save(ckpt, step_file)
+    before = run_files(run_dir)
+    relaunch = train_process([*flags, "--resume", "auto"])
+    assert relaunch.returncode == 2, relaunch.stderr[-2000:]
+    assert "step_0000004.pt is intact" in relaunch.stderr and "numpy" in relaunch.stderr
+    assert "Nothing was renamed" in relaunch.stderr
+    assert run_files(run_dir) == before
+
+
+@pytest.mark.slow
+def test_a_best_checkpoint_written_after_the_resumed_update_is_set_aside_not_overwritten(tmp_path, smoke_phantoms):
+    flags = smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "12", "--ckpt_every_steps", "4", "--keep_last", "3",
+                        "--val_every_steps", "4")
+    assert main(flags) == 0
+    ckpt_dir = tmp_path / "runs" / "r" / "checkpoints"
+    (ckpt_dir / "best.pt").write_bytes((ckpt_dir / "step_0000012.pt").read_bytes())  # the best was update 12
+    best_of_update_12 = (ckpt_dir / "best.pt").read_bytes()
+    assert main([*flags, "--resume", str(ckpt_dir / "step_0000004.pt")]) == 0  # back to update 4 by hand
+    (set_aside,) = [e for e in events(tmp_path / "runs" / "r", "abandoned_checkpoint") if
+                    e["path"].endswith("best.pt")]
+    assert Path(set_aside["moved_to"]).read_bytes() == best_of_update_12
+    assert [Path(p).name for p in list_checkpoints(str(ckpt_dir))] == [
+        "step_0000012.pt", "step_0000008.pt", "step_0000004.pt"]
+
+
+def wait_for(condition, process, what):
+    """Poll until condition() holds; fails if `process` ended first."""
+    while not condition():
+        assert process.poll() is None, f"the first run ended (exit {process.returncode}) before {what}"
+        time.sleep(0.5)
+
+
+def test_a_second_process_on_a_live_run_folder_exits_2_naming_it_and_a_killed_ones_lock_is_taken_over(
+        tmp_path, smoke_phantoms):
+    flags = smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "400", "--ckpt_every_steps", "2")
+    run_dir = tmp_path / "runs" / "r"
+    first = train_process(flags, popen={"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL})
+    try:
+        wait_for(lambda: list_checkpoints(str(run_dir / "checkpoints")), first, "its first checkpoint")
+        second = train_process([*flags, "--resume", "auto"])
+        assert second.returncode == 2, second.stderr[-2000:]
+        assert f"in use by process {first.pid} on {socket.gethostname()}" in second.stderr
+        assert "another --run_name" in second.stderr
+        assert first.poll() is None  # the first run goes on, its files untouched by the second
+    finally:
+        first.kill()
+        first.wait()
+    assert (run_dir / ".octjepa-lock").exists()  # left by the killed process
+    third = train_process([*flags, "--resume", "auto"], popen={"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT})
+    try:
+        wait_for(lambda: '"event": "resume"' in (run_dir / "events.jsonl").read_text(), third, "it resumed")
+        assert f'"pid": {third.pid}' in (run_dir / ".octjepa-lock").read_text()
+        third.send_signal(signal.SIGTERM)
+        assert third.wait(timeout=300) == 75
+    finally:
+        third.kill()
+        third.wait()
+    assert not (run_dir / ".octjepa-lock").exists()  # given back at the end
+
+
+def test_a_gcs_checkpoint_folder_is_leased_to_one_run_at_a_time(tmp_path, smoke_phantoms, gcs_emulator):
+    from storage import exists
+    ckpt_dir = f"gs://{gcs_emulator.bucket}/leased/checkpoints"
+    flags = smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "400", "--ckpt_every_steps", "2",
+                        "--ckpt_dir", ckpt_dir)
+    first = train_process(flags, popen={"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL})
+    try:
+        wait_for(lambda: exists(f"{ckpt_dir}/.octjepa-lock"), first, "it took its lease")
+        other_run = train_process([*flags, "--run_name", "other", "--resume", "auto"])
+        assert other_run.returncode == 2, other_run.stderr[-2000:]
+        assert f"{ckpt_dir} is in use by process {first.pid}" in other_run.stderr
+    finally:
+        first.kill()
+        first.wait()
+    events_file = tmp_path / "runs" / "other" / "events.jsonl"
+    taken_over = train_process([*flags, "--run_name", "other", "--resume", "auto"],
+                               popen={"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL})
+    try:  # a killed process's lease does not block the folder
+        wait_for(lambda: events_file.exists() and '"event": "resume"' in events_file.read_text(), taken_over, "it resumed")
+        taken_over.send_signal(signal.SIGTERM)
+        assert taken_over.wait(timeout=300) == 75
+    finally:
+        taken_over.kill()
+        taken_over.wait()
+    assert not exists(f"{ckpt_dir}/.octjepa-lock")
+
+
+def test_the_stale_tmp_cleanup_leaves_a_running_writers_file_alone(tmp_path):
+    from storage import TMP_INFIX, remove_stale_tmp
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    live = tmp_path / f"step_0000004.pt{TMP_INFIX}{socket.gethostname()}-{os.getpid()}-ab12cd34"
+    stale = tmp_path / f"step_0000002.pt{TMP_INFIX}{socket.gethostname()}-{gone.stdout.strip()}-ab12cd34"
+    live.write_bytes(b"being written")
+    stale.write_bytes(b"left by a kill")
+    assert remove_stale_tmp(str(tmp_path)) == [str(stale)]
+    assert live.exists() and not stale.exists()
+
+
+def test_resume_with_a_changed_model_preprocessing_or_loss_exits_2_naming_each_field(tmp_path, smoke_phantoms):
+    flags = smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "4")
+    assert main(flags) == 0
+    before = run_files(tmp_path / "runs" / "r")
+    changed = train_process([*flags, "--resume", "auto", "--num_heads", "2", "--image_size", "16,32,32",
+                             "--depth", "3", "--embed_dim", "64", "--loss", "mse", "--mask_ratio", "0.5",
+                             "--clip_percentiles", "1,99"])
+    assert changed.returncode == 2, changed.stderr[-2000:]
+    for change in ("num_heads: 4 -> 2", "image_size: [8, 32, 32] -> [16, 32, 32]", "depth: 2 -> 3",
+                   "embed_dim: 48 -> 64", "loss: l1 -> mse", "mask_ratio: 0.6 -> 0.5",
+                   "clip_percentiles: [0.5, 99.5] -> [1.0, 99.0]"):
+        assert change in changed.stderr
+    assert "Traceback" not in changed.stderr and "another --run_name" in changed.stderr
+    assert run_files(tmp_path / "runs" / "r") == before  # config.yaml and metrics as they were
+
+
+def test_a_run_whose_data_moved_to_another_root_resumes(tmp_path, smoke_phantoms):
+    shutil.copytree(smoke_phantoms, tmp_path / "old_root" / "oct")
+    flags = smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "4", "--data_root", str(tmp_path / "old_root" / "oct"))
+    assert main(flags) == 0
+    (tmp_path / "old_root").rename(tmp_path / "new_root")
+    assert main([*flags, "--data_root", str(tmp_path / "new_root" / "oct"), "--max_steps", "6", "--extend", "true",
+                 "--resume", "auto"]) == 0
+    assert [e["step"] for e in events(tmp_path / "runs" / "r", "resume")] == [4]

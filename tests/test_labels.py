@@ -1,0 +1,54 @@
+"""Labels CSV: every mistake a spreadsheet makes is refused with the row and the fix, by probe.py and finetune.py
+alike (real phantom DICOM files beside the CSV)."""
+import shutil
+from pathlib import Path
+
+import pytest
+
+from config import ConfigError
+
+LABEL_CASES = {  # what a labels CSV holds -> what the message must say
+    "header only": ("path,label\n", "holds a header (path,label) but no rows"),
+    "Label header": ("path,Label\n{a},yes\n", "'Label' should read 'label'"),
+    "empty label": ("path,label\n{a},yes\n{b},\n", "line 3: label is empty"),
+    "nan label": ("path,label\n{a},yes\n{b},nan\n", "line 3: label is empty ('nan')"),
+    "padded label": ("path,label\n{a},yes\n{b},yes \n", "line 3: label 'yes ' has spaces around it"),
+    "duplicate path": ("path,label\n{a},yes\n{a},no\n", "line 3: {a} is the volume of line 2 again"),
+    "dot dot path": ("path,label\n..,yes\n{a},no\n", "line 2: path '..' is not a volume inside the CSV's folder"),
+    "empty path": ("path,label\n,yes\n{a},no\n", "line 2: path '' is not a volume inside the CSV's folder"),
+    "blank patient": ("path,label,patient\n{a},yes,p1\n{b},no, \n", "line 3: patient is empty"),
+    "no known path": ("path,label\nmissing1.dcm,yes\nmissing2.dcm,no\n", "none of the 2 paths"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LABEL_CASES))
+def test_a_labels_csv_with_a_mistake_is_refused_by_probe_and_finetune_naming_the_row(case, tmp_path, phantom_dir):
+    from probe import read_labels
+    from finetune import read_label_table
+    text, message = LABEL_CASES[case]
+    a, b = sorted(p.name for p in Path(phantom_dir).glob("*.dcm"))[:2]
+    for name in (a, b):
+        shutil.copy(Path(phantom_dir) / name, tmp_path / name)
+    labels = tmp_path / "labels.csv"
+    labels.write_text(text.format(a=a, b=b))
+    with pytest.raises(ConfigError) as refused:
+        read_labels(str(labels), ("label",) if "patient" not in text else ("label", "patient"))
+    assert message.format(a=a) in str(refused.value)
+    with pytest.raises(ConfigError):
+        read_label_table(str(labels))
+
+
+def test_a_labels_csv_saved_by_excel_with_a_bom_reads_and_unknown_paths_are_named(tmp_path, phantom_dir, capsys):
+    from probe import read_labels
+    from finetune import read_label_table
+    a, b = sorted(p.name for p in Path(phantom_dir).glob("*.dcm"))[:2]
+    for name in (a, b):
+        shutil.copy(Path(phantom_dir) / name, tmp_path / name)
+    labels = tmp_path / "labels.csv"
+    labels.write_bytes(f"\ufeffpath,label\n{a},yes\n{b},no\ngone.dcm,no\n".encode())
+    assert [row[1] for row in read_labels(str(labels))] == ["yes", "no", "no"]
+    assert "gone.dcm" in capsys.readouterr().err
+    one_class = tmp_path / "one.csv"
+    one_class.write_text(f"path,label\n{a},yes\n{b},yes\n")
+    with pytest.raises(ConfigError, match="needs at least two classes"):
+        read_label_table(str(one_class))
