@@ -19,7 +19,7 @@ from config import FIELD_NAMES
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = ["README.md", "docs/data.md", "docs/outputs.md", "docs/tpu.md", "docs/sharding.md", "docs/performance.md",
-         "docs/encoder.md", "experiments/README.md"]
+         "docs/encoder.md", "docs/privacy.md", "experiments/README.md"]
 TABLES = ("experiments/table.py", "experiments/finetune_table.py")  # cheap: they read the committed reports
 
 
