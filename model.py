@@ -304,7 +304,8 @@ class VJEPA3D(nn.Module):
         pred, context_pred = self.predictor(context, context_idx, target_idx)  # [B*M, Nt, L*E], [B*M, Nc, L*E]
         loss, target_std = self.loss_fn(pred, target, self.loss_type)
         if context_pred is not None:
-            weights = context_distance_weights(context_idx, target_idx, self.grid) if self.context_loss_distance else None
+            weights = (context_distance_weights(context_idx, target_idx, self.grid) if self.context_loss_distance
+                       else None)
             loss = loss + self.context_loss_weight * context_loss(context_pred, gather_tokens(h, context_idx),
                                                                   self.loss_type, weights)
         return JEPAOutput(loss=loss, pred=pred, target=target, target_std=target_std)

@@ -65,9 +65,10 @@ from sklearn.preprocessing import StandardScaler
 
 from config import Config, ConfigError, ScriptParser, given_flags, load_config, script_main
 from data import load_val_sample
+import dense
 from dicom import UnusableFile
 from model import VJEPA3D
-from phantom import ensure_phantom_set
+from phantom import ensure_phantom_set, set_voxel_layers
 from runtime import device_kind
 from checkpoint import list_checkpoints, read_checkpoint
 
@@ -98,28 +99,6 @@ def rankme(embeddings: torch.Tensor, eps: float = 1e-7) -> float:
     s = torch.linalg.svdvals(embeddings.float())
     p = s / (s.sum() + eps) + eps
     return float(torch.exp(-(p * p.log()).sum()))
-
-
-def position_sums(tokens: torch.Tensor) -> torch.Tensor:
-    """Per grid position, the sum and the sum of squares over volumes of tokens [V, N, E]: [2, N, E] (float64), what
-    position_share_of_sums needs; the sums of several batches of volumes add up."""
-    t = tokens.detach().cpu().double()
-    return torch.stack([t.sum(0), t.pow(2).sum(0)])
-
-
-def position_share_of_sums(sums: torch.Tensor, volumes: int) -> float:
-    """position_share of the tokens of `volumes` volumes whose position_sums (added over batches) are sums [2, N, E]."""
-    s1, s2 = sums / volumes  # [N, E] each: per-position means of x and x^2
-    within = (s2 - s1 ** 2).clamp_min(0).sum(-1).mean()  # mean over positions of the variance over volumes
-    total = (s2.mean(0) - s1.mean(0) ** 2).clamp_min(0).sum()  # variance over all tokens of all volumes
-    return float(1.0 - within / total) if total > 0 else 0.0
-
-
-def position_share(tokens: torch.Tensor) -> float:
-    """The share of token variance explained by grid position, for tokens [V, N, E] of V volumes: 1 - (mean over the
-    N positions of the variance over volumes) / (variance over all V*N tokens), variances summed over the E features.
-    1: every token is where it is, nothing of its volume (a position code); 0: position tells nothing."""
-    return position_share_of_sums(position_sums(tokens), tokens.shape[0])
 
 
 def classification_scores(probs: np.ndarray, labels: np.ndarray) -> dict:
@@ -171,6 +150,7 @@ class Task:
     column: str = "label"
     regression: bool = False
     shots: Optional[int] = None
+    dense: bool = False  # a target per token: where the phantom drew its lesions (dense.py), not the column
 
     @property
     def metric(self) -> str:
@@ -180,7 +160,8 @@ class Task:
 
 SUITE = {"plain": (Task("plain_lesion"),),
          "varied": (Task("lesion", "lesion"), Task("thickness", "retina_thickness", regression=True),
-                    Task("lesion_10shot", "lesion", shots=10))}  # the built-in tasks, by the phantom set they use
+                    Task("lesion_10shot", "lesion", shots=10),
+                    Task("lesion_tokens", "lesion", dense=True))}  # the built-in tasks, by the phantom set they use
 
 
 def stratified_split(labels: np.ndarray, test_fraction: float, seed: int) -> Tuple[np.ndarray, np.ndarray]:
@@ -488,6 +469,28 @@ def task_report(task: Task, targets: np.ndarray, tokens: Dict[str, torch.Tensor]
     return report
 
 
+def dense_report(labels: np.ndarray, paths: np.ndarray, labels_csv: str, tokens: Dict[str, torch.Tensor],
+                 grid: Sequence[int], volumes: torch.Tensor, seeds: Sequence[int], reference: bool = True) -> dict:
+    """The dense task (dense.py) in task_report's layout, its one read-out `token_linear`, on the volume splits of
+    the volume labels [M] (the `lesion` task's), for the phantom set of labels_csv (the volumes' paths [M])."""
+    targets = dense.set_token_targets(set_voxel_layers(os.path.dirname(labels_csv)), paths,
+                                      dense.target_grid(volumes.shape[2:]))
+    runs = dense.stack_runs([dense.split_scores(tokens, grid, volumes, targets, *task_split(labels, Task("lesion"), s),
+                                                s, reference) for s in seeds])
+    report = {"metric": "auroc", "regression": False, "shots": None, "scored_tokens": int((targets >= 0).sum()),
+              "lesion_tokens": int((targets == 1).sum()),
+              "encoders": {name: {"token_linear": intervals(runs[name])} for name in tokens}}
+    if reference:
+        report["handmade"] = {n.split(":", 1)[1]: intervals(r) for n, r in runs.items() if n.startswith("handmade:")}
+        report["best_handmade"] = max(report["handmade"], key=lambda f: report["handmade"][f]["auroc"]["mean"])
+        report["supervised"] = intervals(runs["supervised"])
+        report["valid"] = bool(report["handmade"][report["best_handmade"]]["auroc"]["mean"] <= VALID_SHORTCUT_MAX
+                               and report["supervised"]["auroc"]["mean"] >= VALID_CEILING_MIN)
+    report["versus"] = {name: {"token_linear": comparisons(report, scores["token_linear"]["auroc"], "token_linear")}
+                        for name, scores in report["encoders"].items() if name != "random"}
+    return report
+
+
 def comparisons(report: dict, scores: dict, readout: str) -> dict:
     """An encoder read-out's headline interval `scores` against what the task report holds: the random init's same
     read-out, the best hand-made features, the supervised CNN. Per reference: the paired difference (same splits)
@@ -770,7 +773,8 @@ def main(argv: List[str]) -> int:
     report = {"ckpt": ckpt, "test_fraction": TEST_FRACTION, "seeds": args.seeds, "readouts": readouts, "tasks": {}}
     for csv_path, tasks in sets:
         probe_cfg = cfg if labels_csv else dataclasses.replace(cfg, cache_dir=os.path.dirname(csv_path) + "-cache")
-        volumes, values, skipped = load_labelled_volumes(probe_cfg, csv_path, columns=sorted({t.column for t in tasks}))
+        columns = sorted({t.column for t in tasks} | ({"path"} if any(t.dense for t in tasks) else set()))
+        volumes, values, skipped = load_labelled_volumes(probe_cfg, csv_path, columns=columns)
         if skipped:
             print(f"{csv_path}: skipped unusable files: {skipped}", file=sys.stderr)
         targets = {t.name: task_targets(t, values[t.column], f"{csv_path} (unusable files: {skipped or 'none'})")
@@ -782,8 +786,10 @@ def main(argv: List[str]) -> int:
             counts = {"class_counts": {n: int((y == i).sum()) for i, n in enumerate(names)}} if names else {}
             report["tasks"][task.name] = {
                 "labels": csv_path, "column": task.column, "volumes": len(volumes), "skipped": skipped, **counts,
-                **task_report(task, y, tokens, model.grid, volumes, range(args.seeds), readouts,
-                              reference=not args.no_reference)}
+                **(dense_report(y, values["path"], csv_path, tokens, model.grid, volumes, range(args.seeds),
+                                not args.no_reference) if task.dense else
+                   task_report(task, y, tokens, model.grid, volumes, range(args.seeds), readouts,
+                               reference=not args.no_reference))}
     print(format_report(report))
     if args.json:
         with open(args.json, "w") as f:
