@@ -479,6 +479,7 @@ def dense_report(labels: np.ndarray, paths: np.ndarray, labels_csv: str, tokens:
                                                 s, reference) for s in seeds])
     report = {"metric": "auroc", "regression": False, "shots": None, "scored_tokens": int((targets >= 0).sum()),
               "lesion_tokens": int((targets == 1).sum()),
+              "position_share": {name: dense.position_share(t) for name, t in tokens.items()},
               "encoders": {name: {"token_linear": intervals(runs[name])} for name in tokens}}
     if reference:
         report["handmade"] = {n.split(":", 1)[1]: intervals(r) for n, r in runs.items() if n.startswith("handmade:")}
