@@ -94,6 +94,6 @@ def reference_table() -> None:
 
 
 if __name__ == "__main__":
-    command, args = sys.argv[1], sys.argv[2:]
+    command, args = (sys.argv[1:2] or ["help"])[0], sys.argv[2:]
     {"arms": lambda: arms_table(args), "compare": lambda: compare_table(*args), "health": lambda: health_table(args),
      "reference": reference_table}.get(command, lambda: sys.exit(__doc__))()
