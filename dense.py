@@ -38,7 +38,7 @@ RPE_LAYER = [name for name, _, _ in LAYERS].index("rpe")
 TOKEN_CS = (0.01, 0.1, 1.0)  # logistic regression: inverse L2 strengths tried by cross-validation over volumes
 TOKEN_PERCENTILES = (10, 25, 50, 75, 90)
 TOKEN_BINS = 16  # histogram over [-3, 3] standard deviations of the normalized volume
-FCN_STEPS, FCN_BATCH, FCN_LR, FCN_WIDTH = 300, 8, 2e-3, 16  # the supervised reference's fixed budget
+FCN_STEPS, FCN_BATCH, FCN_LR, FCN_WIDTH = 300, 8, 2e-3, 8  # the supervised reference's fixed budget
 
 
 def position_sums(tokens: torch.Tensor) -> torch.Tensor:
@@ -137,14 +137,14 @@ def linear_token_probe(features: np.ndarray, targets: np.ndarray, train_idx: np.
 
 
 class TokenFCN(nn.Module):
-    """The supervised reference: three 3x3x3 convolutions (BatchNorm, GELU; the last two of stride 2), average-pooled
+    """The supervised reference: three 3x3x3 convolutions (BatchNorm, GELU; strides 1x2x2, 2, 1), average-pooled
     onto the token grid, then a 1x1x1 convolution to one lesion logit per token. [M, 1, D, H, W] -> [M, N]."""
 
     def __init__(self, grid: Sequence[int], width: int = FCN_WIDTH):
         super().__init__()
         self.grid = tuple(grid)
-        channels, layers = [1, width, 2 * width, 2 * width], []
-        for c_in, c_out, stride in zip(channels, channels[1:], (1, 2, 2)):
+        channels, layers = [1, width, 2 * width, 4 * width], []
+        for c_in, c_out, stride in zip(channels, channels[1:], ((1, 2, 2), 2, 1)):
             layers += [nn.Conv3d(c_in, c_out, 3, stride=stride, padding=1, bias=False), nn.BatchNorm3d(c_out), nn.GELU()]
         self.features = nn.Sequential(*layers)
         self.head = nn.Conv3d(channels[-1], 1, 1)

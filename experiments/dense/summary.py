@@ -1,6 +1,8 @@
 """Markdown tables of issue 33's runs from the probe reports experiments/dense/ARM_sK.json (experiments/dense/probe.sh)
 and the references on the same splits (experiments/dense/reference.json: hand-made token features and the token FCN;
-experiments/dense/random448_sK.json: random inits with 4x4x8 tubelets).
+experiments/dense/random448_sK.json: random inits with 4x4x8 tubelets). A run probed without its random init
+(RANDOM=no experiments/dense/probe.sh) is compared with the random init of RANDOM_FROM's run of the same seed: the
+same encoder architecture and seed (the weights differ, as the predictor's size moves the random stream).
 
     python experiments/dense/summary.py arms ARM [ARM...]     # per arm and read-out: mean over pretraining seeds
                                                               # [95% interval], random init, pretrained - random
@@ -19,8 +21,8 @@ sys.path[:0] = [os.path.dirname(HERE), os.path.dirname(os.path.dirname(HERE))]
 from probe import interval  # noqa: E402  (the repo's flat modules)
 from table import cell, signed  # noqa: E402  (experiments/table.py)
 
-ROWS = (("lesion", "attentive"), ("lesion", "depth_rows"), ("lesion", "mean_pool"), ("lesion_tokens", "token_linear"),
-        ("plain_lesion", "depth_rows"), ("plain_lesion", "attentive"), ("plain_lesion", "mean_pool"))
+ROWS = (("lesion", "attentive"), ("lesion", "mean_pool"), ("lesion_tokens", "token_linear"),
+        ("plain_lesion", "depth_rows"))  # what experiments/dense/probe.sh measures
 
 
 def load(name: str) -> dict:
@@ -34,8 +36,14 @@ def runs_of(arm: str) -> dict:
     return {int(n.rsplit("s", 1)[1]): load(n) for n in names if re.fullmatch(rf"{re.escape(arm)}_s\d+", n)}
 
 
-def score(report: dict, task: str, readout: str, encoder: str = "pretrained") -> float:
-    """The mean over probe splits of a read-out's AUROC."""
+RANDOM_FROM = "b4"  # the arm whose random inits stand in for a run probed without its own
+
+
+def score(report: dict, task: str, readout: str, encoder: str = "pretrained", seed: int = 0) -> float:
+    """The mean over probe splits of a read-out's AUROC (the random init: RANDOM_FROM's of the seed if the report has
+    none)."""
+    if encoder not in report["tasks"][task]["encoders"]:
+        report = runs_of(RANDOM_FROM)[seed]
     return report["tasks"][task]["encoders"][encoder][readout]["auroc"]["mean"]
 
 
@@ -46,7 +54,7 @@ def arms_table(arms: list) -> None:
         runs = runs_of(arm)
         for task, readout in ROWS:
             p = [score(r, task, readout) for r in runs.values()]
-            q = [score(r, task, readout, "random") for r in runs.values()]
+            q = [score(r, task, readout, "random", seed) for seed, r in runs.items()]
             print(f"| {arm} ({len(runs)}) | {task} | {readout} | {cell(interval(p))} | {cell(interval(q))} | "
                   f"{signed(interval([a - b for a, b in zip(p, q)]))} |")
 
@@ -73,7 +81,8 @@ def health_table(arms: list) -> None:
         for seed, r in sorted(runs_of(arm).items()):
             share, val = r["tasks"]["lesion_tokens"]["position_share"], r["pretrain"]["last_val"]
             val_share = f"{val['position_share']:.3f}" if "position_share" in val else "-"
-            print(f"| {arm}_s{seed} | {share['pretrained']:.3f} / {share['random']:.3f} | {val_share} | "
+            random = share.get("random", runs_of(RANDOM_FROM)[seed]["tasks"]["lesion_tokens"]["position_share"]["random"])
+            print(f"| {arm}_s{seed} | {share['pretrained']:.3f} / {random:.3f} | {val_share} | "
                   f"{val['rankme']:.1f} | {val['target_std']:.3f} | {r['pretrain']['cpu_s']:.0f} |")
 
 
