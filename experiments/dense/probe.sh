@@ -2,14 +2,14 @@
 # Probe one pretraining run of experiments/dense/pretrain.sh on the volume task `lesion` (attentive and mean_pool),
 # the dense task `lesion_tokens` and the guard `plain_lesion` (depth_rows), 10 splits each:
 #   experiments/dense/probe.sh NAME            -> experiments/dense/NAME.json, with a random init of its architecture
-#   RANDOM=no experiments/dense/probe.sh NAME  -> the same without the random init (compared with another arm's)
+#   WITH_RANDOM=no experiments/dense/probe.sh NAME  -> the same without the random init (compared with another arm's)
 # The report gets "pretrain": the run's wall and CPU seconds, its command and its last validation (loss, target_std,
 # RankMe, position share); paths in it are relative to the repository.
 set -e
 cd "$(dirname "$0")/../.."
 name=$1
 export OMP_NUM_THREADS=1
-vs_random=$([ "${RANDOM:-yes}" = no ] || echo --vs_random)
+vs_random=$([ "${WITH_RANDOM:-yes}" = no ] || echo --vs_random)
 ckpt="experiments/runs/$name/checkpoints"
 python probe.py --ckpt "$ckpt" --phantom_dir data/phantoms256 $vs_random --seeds 10 --no_reference \
   --tasks lesion,lesion_tokens --readouts attentive,mean_pool --json "experiments/runs/$name.varied.json" \
@@ -23,8 +23,9 @@ report = json.load(open(f"experiments/runs/{name}.varied.json"))
 report["tasks"].update(json.load(open(f"experiments/runs/{name}.plain.json"))["tasks"])
 for t in report["tasks"].values():  # without a random init the encoder is called "encoder": it is the pretrained one
     t["encoders"] = {("pretrained" if k == "encoder" else k): v for k, v in t["encoders"].items()}
-    t.get("position_share", {}).update({"pretrained": t.get("position_share", {}).pop("encoder", None)}
-                                       if "encoder" in t.get("position_share", {}) else {})
+    share = t.get("position_share", {})
+    if "encoder" in share:
+        share["pretrained"] = share.pop("encoder")
     t["versus"] = {("pretrained" if k == "encoder" else k): v for k, v in t["versus"].items()}
 val = [r for r in map(json.loads, open(f"experiments/runs/{name}/metrics.jsonl")) if r.get("split") == "val"]
 args = [line for line in open("experiments/dense/commands.log") if f"pretrain.sh {name} " in line][-1]

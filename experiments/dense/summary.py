@@ -1,8 +1,8 @@
 """Markdown tables of issue 33's runs from the probe reports experiments/dense/ARM_sK.json (experiments/dense/probe.sh)
 and the references on the same splits (experiments/dense/reference.json: hand-made token features and the token FCN;
 experiments/dense/random448_sK.json: random inits with 4x4x8 tubelets). A run probed without its random init
-(RANDOM=no experiments/dense/probe.sh) is compared with the random init of RANDOM_FROM's run of the same seed: the
-same encoder architecture and seed (the weights differ, as the predictor's size moves the random stream).
+(WITH_RANDOM=no experiments/dense/probe.sh) is compared with the random init of RANDOM_FROM's run of the same seed, or of
+seed 0 where that one has none: the same encoder architecture (random inits of other seeds or predictor sizes differ).
 
     python experiments/dense/summary.py arms ARM [ARM...]     # per arm and read-out: mean over pretraining seeds
                                                               # [95% interval], random init, pretrained - random
@@ -39,11 +39,20 @@ def runs_of(arm: str) -> dict:
 RANDOM_FROM = "b4"  # the arm whose random inits stand in for a run probed without its own
 
 
+def with_random(report: dict, seed: int) -> dict:
+    """The report itself if it holds a random init, else RANDOM_FROM's run of that seed if that one does, else
+    RANDOM_FROM's seed 0."""
+    if "random" in report["tasks"]["lesion"]["encoders"]:
+        return report
+    runs = runs_of(RANDOM_FROM)
+    same = runs.get(seed)
+    return same if same is not None and "random" in same["tasks"]["lesion"]["encoders"] else runs[0]
+
+
 def score(report: dict, task: str, readout: str, encoder: str = "pretrained", seed: int = 0) -> float:
-    """The mean over probe splits of a read-out's AUROC (the random init: RANDOM_FROM's of the seed if the report has
-    none)."""
-    if encoder not in report["tasks"][task]["encoders"]:
-        report = runs_of(RANDOM_FROM)[seed]
+    """The mean over probe splits of a read-out's AUROC (a random init: with_random's)."""
+    if encoder == "random":
+        report = with_random(report, seed)
     return report["tasks"][task]["encoders"][encoder][readout]["auroc"]["mean"]
 
 
@@ -81,7 +90,7 @@ def health_table(arms: list) -> None:
         for seed, r in sorted(runs_of(arm).items()):
             share, val = r["tasks"]["lesion_tokens"]["position_share"], r["pretrain"]["last_val"]
             val_share = f"{val['position_share']:.3f}" if "position_share" in val else "-"
-            random = share.get("random", runs_of(RANDOM_FROM)[seed]["tasks"]["lesion_tokens"]["position_share"]["random"])
+            random = with_random(r, seed)["tasks"]["lesion_tokens"]["position_share"]["random"]
             print(f"| {arm}_s{seed} | {share['pretrained']:.3f} / {random:.3f} | {val_share} | "
                   f"{val['rankme']:.1f} | {val['target_std']:.3f} | {r['pretrain']['cpu_s']:.0f} |")
 
