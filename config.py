@@ -108,6 +108,9 @@ class Config:
     pred_num_heads: int = 4  # predictor attention heads
     mlp_ratio: float = 4.0  # MLP hidden width / block width
     loss: str = "l1"  # l1 | mse
+    context_loss_weight: float = 0.0  # V-JEPA 2.1: + this x the loss of a second predictor head at the visible tokens
+    context_loss_distance: bool = False  # weight each visible token's loss by 1/sqrt(distance to the nearest masked one)
+    target_levels: int = 1  # targets from this many encoder depths (evenly spaced, last block included), each layer-normed
     grad_checkpointing: bool = False  # recompute block activations in backward: less memory, ~1/3 more compute
     # --- optimization ---
     global_batch_size: Optional[int] = 8  # volumes per optimizer update, over all devices and micro-batches
@@ -381,6 +384,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"clip_percentiles: {cfg.clip_percentiles} must satisfy 0 <= low < high <= 100.")
     if cfg.target_spacing is not None and any(s <= 0 for s in cfg.target_spacing):
         raise ConfigError(f"target_spacing: {cfg.target_spacing} must be positive mm values [dz, dy, dx].")
+    if cfg.context_loss_weight < 0:
+        raise ConfigError(f"context_loss_weight: {cfg.context_loss_weight} must be >= 0 (0: no context loss).")
+    if not 1 <= cfg.target_levels <= cfg.depth:
+        raise ConfigError(f"target_levels: {cfg.target_levels} must be between 1 (the last block) and depth ({cfg.depth}).")
     if cfg.embed_dim % cfg.num_heads or cfg.pred_embed_dim % cfg.pred_num_heads:
         raise ConfigError("embed_dim/pred_embed_dim: must be divisible by num_heads/pred_num_heads.")
     for name in ("embed_dim", "depth", "num_heads", "pred_embed_dim", "pred_depth", "pred_num_heads", "epochs",

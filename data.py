@@ -48,6 +48,9 @@ from volumes import Volume, read_volume, source_paths
 # Patch masks
 # ----------------------------------------------------------------------------------------------------------
 
+MASK_TYPES = ("multiblock", "multiblock_inside", "random")  # config.CHOICES["mask_type"] lists the same
+
+
 class MaskGenerator:
     """Samples (context_idx, target_idx) int64 arrays over a (gd, gh, gw) token grid: [Nc] and [Nt] for one
     mask set, [M, Nc] and [M, Nt] for M mask sets per sample (V-JEPA: each set is predicted on its own).
@@ -71,6 +74,8 @@ class MaskGenerator:
         self.num_tokens = math.prod(self.grid)
         self.n_target = round(mask_ratio * self.num_tokens)
         self.n_context = self.num_tokens - self.n_target
+        if mask_type not in MASK_TYPES:
+            raise ValueError(f"mask_type: {mask_type!r} is not one of {', '.join(MASK_TYPES)}")
         self.mask_type = mask_type
         self.set_scales = [tuple(block_scale[i:i + 2]) for i in range(0, len(block_scale), 2)]
         self.block_aspect = block_aspect

@@ -53,6 +53,7 @@ from sklearn.decomposition import PCA
 
 from config import Config, ConfigError, NoUsableData, ScriptParser, given_flags, load_config, script_main
 from data import load_prepared, load_val_sample, to_sample
+from dense import position_share, position_share_of_sums, position_sums
 from dicom import UnusableFile
 from export import HUBCONF, MODEL_CARD, STANDALONE_MODULE, export
 from index import format_reason_table, index_records
@@ -61,9 +62,9 @@ from model import (CONFIG_FILE, POOL_ALIASES, POOLS, WEIGHTS_FILE, ExportError, 
 from privacy import share_safe_source, volume_key
 from probe import Task, fit_attentive, probe_device, read_labels, resolve_checkpoint, task_targets
 from runlog import counted, progress
-from volumes import read_volume
 from runtime import fetch_to_host, setup_runtime, to_device
 from storage import write_atomic
+from volumes import read_volume
 
 CLI_FIELDS = {"export": (), "embed": ("device", "cache_dir", "workers", "data_root", "manifest_path", "index_path"),
               "show": ("device", "cache_dir", "seed")}
@@ -119,28 +120,6 @@ def read_chunk(path: str, keys: List[str], settings: dict):
                           f"({str(chunk['settings'])}, now {json.dumps(settings)}); rerun with those, or delete that "
                           f"folder to start over.")
     return chunk if chunk["key"].tolist() == keys and "position_sums" in chunk else None
-
-
-def position_sums(tokens: torch.Tensor) -> torch.Tensor:
-    """Per grid position, the sum and the sum of squares over volumes of tokens [V, N, E]: [2, N, E] (float64), what
-    position_share_of_sums needs; the sums of several batches of volumes add up."""
-    t = tokens.detach().cpu().double()
-    return torch.stack([t.sum(0), t.pow(2).sum(0)])
-
-
-def position_share_of_sums(sums: torch.Tensor, volumes: int) -> float:
-    """position_share of the tokens of `volumes` volumes whose position_sums (added over batches) are sums [2, N, E]."""
-    s1, s2 = sums / volumes  # [N, E] each: per-position means of x and x^2
-    within = (s2 - s1 ** 2).clamp_min(0).sum(-1).mean()  # mean over positions of the variance over volumes
-    total = (s2.mean(0) - s1.mean(0) ** 2).clamp_min(0).sum()  # variance over all tokens of all volumes
-    return float(1.0 - within / total) if total > 0 else 0.0
-
-
-def position_share(tokens: torch.Tensor) -> float:
-    """The share of token variance explained by grid position, for tokens [V, N, E] of V volumes: 1 - (mean over the
-    N positions of the variance over volumes) / (variance over all V*N tokens), variances summed over the E features.
-    1: every token is where it is, nothing of its volume (a position code); 0: position tells nothing."""
-    return position_share_of_sums(position_sums(tokens), tokens.shape[0])
 
 
 def embed_batch(encoder: PretrainedEncoder, samples: List[torch.Tensor], batch_size: int, pool: str,

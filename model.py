@@ -5,7 +5,9 @@
   predictor:        context tokens + mask tokens at the target positions -> predictions [B,Nt,E]
   target encoder:   EMA copy of the context encoder over ALL tokens, no gradients,
                     layer-normed features gathered at target_idx -> [B,Nt,E]
-  loss:             l1 (or mse) between prediction and target, on target tokens only
+  loss:             l1 (or mse) between prediction and target, on target tokens only; optionally (V-JEPA 2.1)
+                    + context_loss_weight x the same error of a second head at the context positions, and targets
+                    from target_levels encoder depths, each layer-normed on its own and concatenated [.., K*E]
 
 The context encoder never sees the target tokens and the target encoder moves only through
 update_target(momentum) (incident 12).
@@ -150,52 +152,89 @@ class Encoder(nn.Module):
             return self.pos_embed
         return sincos_pos_embed_3d(self.pos_embed.shape[1], grid).to(self.pos_embed)
 
-    def forward(self, volume: torch.Tensor, keep_idx: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, volume: torch.Tensor, keep_idx: Optional[torch.Tensor] = None,
+                levels: Sequence[int] = ()) -> torch.Tensor:
         """volume [B,1,D,H,W] -> features [B,N,E], or [B*M,K,E] for only the tokens in keep_idx [B*M,K]
-        (M mask sets per volume, volume-major)."""
+        (M mask sets per volume, volume-major). levels (block indices, the last one the last block): the outputs of
+        those blocks concatenated [.., L*E], the last one through the final norm (deep self-supervision)."""
         x = self.patch_embed(volume)  # [B, E, gd, gh, gw]
         x = x.flatten(2).transpose(1, 2) + self.positions(x.shape[2:])  # [B, N, E]
         if keep_idx is not None:
             x = gather_tokens(x.repeat_interleave(keep_idx.shape[0] // x.shape[0], dim=0), keep_idx)
-        return self.norm(run_blocks(self.blocks, x, self.checkpoint_fn))
+        if not levels:
+            return self.norm(run_blocks(self.blocks, x, self.checkpoint_fn))
+        outputs = []
+        for i, block in enumerate(self.blocks):
+            x = run_blocks(self.blocks[i:i + 1], x, self.checkpoint_fn)
+            if i in levels:
+                outputs.append(x)
+        return torch.cat([*outputs[:-1], self.norm(outputs[-1])], dim=-1)  # [.., L*E]
+
+
+def target_level_blocks(depth: int, levels: int) -> List[int]:
+    """The encoder blocks whose outputs are the targets with `levels` levels: evenly spaced, ending at the last block
+    (V-JEPA 2.1 takes blocks 2, 5, 8, 11 of 12)."""
+    return [round((i + 1) * depth / levels) - 1 for i in range(levels)]
+
+
+def layer_norm_levels(x: torch.Tensor, levels: int) -> torch.Tensor:
+    """Each of the `levels` equal feature groups of x [.., L*E] layer-normed on its own (no affine)."""
+    x = x.unflatten(-1, (levels, x.shape[-1] // levels))  # [.., L, E]
+    return F.layer_norm(x, x.shape[-1:]).flatten(-2)
 
 
 class Predictor(nn.Module):
-    """Narrow transformer: context features + mask tokens at target positions -> target predictions."""
+    """Narrow transformer: context features + mask tokens at target positions -> target predictions. With
+    `levels` > 1 it reads and predicts the concatenated levels [.., L*E]; with `context_head` it also predicts the
+    targets at the context positions from its own outputs there (a second head, V-JEPA 2.1)."""
 
-    def __init__(self, grid, enc_dim, dim, depth, num_heads, mlp_ratio):
+    def __init__(self, grid, enc_dim, dim, depth, num_heads, mlp_ratio, levels: int = 1, context_head: bool = False):
         super().__init__()
-        self.embed = nn.Linear(enc_dim, dim)
+        self.levels = levels
+        self.embed = nn.Linear(enc_dim, dim) if levels == 1 else nn.Sequential(
+            nn.Linear(levels * enc_dim, enc_dim), nn.GELU(), nn.Linear(enc_dim, dim))
         self.mask_token = nn.Parameter(torch.zeros(1, 1, dim))
         self.register_buffer("pos_embed", sincos_pos_embed_3d(dim, grid), persistent=False)
         self.blocks = nn.ModuleList([Block(dim, num_heads, mlp_ratio) for _ in range(depth)])
         self.norm = nn.LayerNorm(dim)
-        self.proj = nn.Linear(dim, enc_dim)
+        self.proj = nn.Linear(dim, levels * enc_dim)
+        self.proj_context = nn.Linear(dim, levels * enc_dim) if context_head else None
         self.checkpoint_fn: Optional[Callable] = None  # set_grad_checkpointing
 
-    def forward(self, context: torch.Tensor, context_idx: torch.Tensor, target_idx: torch.Tensor) -> torch.Tensor:
-        """context [B,Nc,E], context_idx [B,Nc], target_idx [B,Nt] -> predictions [B,Nt,E]."""
+    def forward(self, context: torch.Tensor, context_idx: torch.Tensor,
+                target_idx: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """context [B,Nc,L*E], context_idx [B,Nc], target_idx [B,Nt] -> (predictions [B,Nt,L*E], the context head's
+        predictions [B,Nc,L*E] or None without it)."""
         B, n_target = target_idx.shape
+        if self.levels > 1:
+            context = layer_norm_levels(context, self.levels)
         pos = self.pos_embed.unsqueeze(0).expand(B, -1, -1)  # [B, N, P]
         x = self.embed(context) + gather_tokens(pos, context_idx)  # [B, Nc, P]
         masks = self.mask_token.expand(B, n_target, -1) + gather_tokens(pos, target_idx)  # [B, Nt, P]
-        x = run_blocks(self.blocks, torch.cat([x, masks], dim=1), self.checkpoint_fn)
-        return self.proj(self.norm(x[:, -n_target:]))
+        x = self.norm(run_blocks(self.blocks, torch.cat([x, masks], dim=1), self.checkpoint_fn))
+        context_pred = self.proj_context(x[:, :-n_target]) if self.proj_context is not None else None
+        return self.proj(x[:, -n_target:]), context_pred
 
 
 class VJEPA3D(nn.Module):
     def __init__(self, image_size: List[int], patch_size: List[int], embed_dim: int = 384, depth: int = 12,
                  num_heads: int = 6, pred_embed_dim: int = 192, pred_depth: int = 6, pred_num_heads: int = 6,
-                 mlp_ratio: float = 4.0, loss: str = "l1"):
+                 mlp_ratio: float = 4.0, loss: str = "l1", context_loss_weight: float = 0.0,
+                 context_loss_distance: bool = False, target_levels: int = 1):
         super().__init__()
-        if loss not in ("l1", "mse"):
-            raise ValueError(f"loss must be 'l1' or 'mse', got {loss!r}")
+        if loss not in LOSSES:
+            raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {loss!r}")
+        if not 1 <= target_levels <= depth:
+            raise ValueError(f"target_levels must be between 1 and depth ({depth}), got {target_levels}")
         self.image_size = list(image_size)
         self.grid = [s // p for s, p in zip(image_size, patch_size)]
         self.num_tokens = math.prod(self.grid)
         self.loss_type = loss
+        self.context_loss_weight, self.context_loss_distance = context_loss_weight, context_loss_distance
+        self.levels = target_level_blocks(depth, target_levels) if target_levels > 1 else []
         self.encoder = Encoder(image_size, patch_size, embed_dim, depth, num_heads, mlp_ratio)
-        self.predictor = Predictor(self.grid, embed_dim, pred_embed_dim, pred_depth, pred_num_heads, mlp_ratio)
+        self.predictor = Predictor(self.grid, embed_dim, pred_embed_dim, pred_depth, pred_num_heads, mlp_ratio,
+                                   target_levels, context_head=context_loss_weight > 0)
         self.apply(_init_weights)
         for blocks in (self.encoder.blocks, self.predictor.blocks):
             for i, block in enumerate(blocks):  # residual projections scaled down with depth (as in I-JEPA)
@@ -208,7 +247,8 @@ class VJEPA3D(nn.Module):
     @classmethod
     def from_config(cls, cfg) -> "VJEPA3D":
         model = cls(cfg.image_size, cfg.patch_size, cfg.embed_dim, cfg.depth, cfg.num_heads, cfg.pred_embed_dim,
-                    cfg.pred_depth, cfg.pred_num_heads, cfg.mlp_ratio, cfg.loss)
+                    cfg.pred_depth, cfg.pred_num_heads, cfg.mlp_ratio, cfg.loss, cfg.context_loss_weight,
+                    cfg.context_loss_distance, cfg.target_levels)
         model.set_grad_checkpointing(cfg.grad_checkpointing)
         return model
 
@@ -259,10 +299,15 @@ class VJEPA3D(nn.Module):
 
     @torch.no_grad()
     def target_features(self, volume: torch.Tensor, target_idx: torch.Tensor) -> torch.Tensor:
-        """Layer-normed EMA-encoder features at target_idx [B*M, Nt] (M mask sets per volume): [B*M, Nt, E]."""
-        h = self.target_encoder(volume)  # [B, N, E]
-        h = F.layer_norm(h, h.shape[-1:])
-        return gather_tokens(h.repeat_interleave(target_idx.shape[0] // h.shape[0], dim=0), target_idx)
+        """Layer-normed EMA-encoder features at target_idx [B*M, Nt] (M mask sets per volume): [B*M, Nt, E], or
+        [B*M, Nt, L*E] with L target levels (each level layer-normed on its own)."""
+        return gather_tokens(self.all_target_features(volume, target_idx.shape[0]), target_idx)
+
+    @torch.no_grad()
+    def all_target_features(self, volume: torch.Tensor, rows: int) -> torch.Tensor:
+        """The layer-normed target features of every token, repeated to `rows` = B*M rows: [B*M, N, L*E]."""
+        h = layer_norm_levels(self.target_encoder(volume, levels=self.levels), max(1, len(self.levels)))
+        return h.repeat_interleave(rows // h.shape[0], dim=0)
 
     def forward(self, volume: torch.Tensor, context_idx: torch.Tensor, target_idx: torch.Tensor) -> JEPAOutput:
         """Predict target-encoder features at target_idx from the context tokens at context_idx: [B, Nc] and
@@ -271,10 +316,16 @@ class VJEPA3D(nn.Module):
         self.check_inputs(volume, context_idx, target_idx)
         context_idx = context_idx.reshape(-1, context_idx.shape[-1])  # [B*M, Nc]
         target_idx = target_idx.reshape(-1, target_idx.shape[-1])  # [B*M, Nt]
-        target = self.target_features(volume, target_idx)
-        context = self.encoder(volume, keep_idx=context_idx)  # [B*M, Nc, E]: the targets are never seen
-        pred = self.predictor(context, context_idx, target_idx)  # [B*M, Nt, E]
+        h = self.all_target_features(volume, target_idx.shape[0])  # [B*M, N, L*E]
+        target = gather_tokens(h, target_idx)
+        context = self.encoder(volume, keep_idx=context_idx, levels=self.levels)  # [B*M, Nc, L*E]: targets unseen
+        pred, context_pred = self.predictor(context, context_idx, target_idx)  # [B*M, Nt, L*E], [B*M, Nc, L*E]
         loss, target_std = self.loss_fn(pred, target, self.loss_type)
+        if context_pred is not None:
+            weights = (context_distance_weights(context_idx, target_idx, self.grid) if self.context_loss_distance
+                       else None)
+            loss = loss + self.context_loss_weight * context_loss(context_pred, gather_tokens(h, context_idx),
+                                                                  self.loss_type, weights)
         return JEPAOutput(loss=loss, pred=pred, target=target, target_std=target_std)
 
     @torch.no_grad()
@@ -319,12 +370,40 @@ class VJEPA3D(nn.Module):
         return [{"params": decay, "apply_wd": True}, {"params": no_decay, "apply_wd": False}]
 
 
+LOSSES = {"l1": torch.abs, "mse": torch.square}  # the loss types: the per-element error of pred - target
+
+
+def elementwise_error(pred: torch.Tensor, target: torch.Tensor, loss_type: str) -> torch.Tensor:
+    """The per-element error of LOSSES[loss_type], in fp32; ValueError naming the known types for any other."""
+    if loss_type not in LOSSES:
+        raise ValueError(f"loss: {loss_type!r} is not one of {', '.join(LOSSES)}")
+    # In fp32: XLA reduces a bf16 tensor in bf16, and a mean over thousands of terms then loses a third of it.
+    return LOSSES[loss_type](pred.float() - target.float())
+
+
 def jepa_loss(pred: torch.Tensor, target: torch.Tensor, loss_type: str) -> Tuple[torch.Tensor, torch.Tensor]:
     """(loss, target_std) of predictions and targets [B, Nt, E]: mean l1 or mse error, and feature_std(target)."""
-    # In fp32: XLA reduces a bf16 tensor in bf16, and a mean over thousands of terms then loses a third of it.
-    error = pred.float() - target.float()
-    loss = error.abs().mean() if loss_type == "l1" else error.pow(2).mean()
-    return loss, feature_std(target)
+    return elementwise_error(pred, target, loss_type).mean(), feature_std(target)
+
+
+def context_loss(pred: torch.Tensor, target: torch.Tensor, loss_type: str,
+                 weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The mean error of the context head's predictions against the targets at the context positions [B, Nc, E],
+    each token's error times its weight [B, Nc] when given (V-JEPA 2.1: the mean of the weighted errors)."""
+    error = elementwise_error(pred, target, loss_type)
+    return (error if weights is None else error * weights.unsqueeze(-1)).mean()
+
+
+def context_distance_weights(context_idx: torch.Tensor, target_idx: torch.Tensor, grid: Sequence[int]) -> torch.Tensor:
+    """V-JEPA 2.1's weight of each context token [B, Nc]: 1 / sqrt(grid distance to the nearest target token), so
+    context tokens far from what is masked count less (1 next to a target token)."""
+    strides = torch.tensor([grid[1] * grid[2], grid[2], 1], device=context_idx.device)
+
+    def coords(idx):  # [B, K] flat token indices -> [B, K, 3] grid coordinates
+        return (idx.unsqueeze(-1) // strides % torch.tensor(grid, device=idx.device)).float()
+
+    nearest = torch.cdist(coords(context_idx), coords(target_idx)).amin(dim=-1)  # [B, Nc]
+    return nearest.clamp_min(1.0).rsqrt()
 
 
 def feature_std(features: torch.Tensor) -> torch.Tensor:

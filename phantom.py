@@ -152,9 +152,11 @@ def lesion_thickness(z: np.ndarray, x: np.ndarray, rng: np.random.Generator,
     return domes
 
 
-def synth_reflectivity(shape: Sequence[int], rng: np.random.Generator, label: str = "none",
-                       eye: Eye = Eye()) -> np.ndarray:
-    """Display intensity in [0, 1], float32 [D, H, W] (B-scans, depth, lateral), of a macular OCT cube."""
+def retina_geometry(shape: Sequence[int], rng: np.random.Generator, label: str = "none",
+                    eye: Eye = Eye()) -> Tuple[np.ndarray, np.ndarray, Dict[str, int]]:
+    """(layer of every voxel [D, H, W] (int8, index into LAYERS), the layer boundaries [K+1, D, W] (depth share, the
+    surface first), {layer name: the row of its upper boundary}) of a macular OCT cube: the first draws of `rng` that
+    synth_reflectivity makes."""
     D, H, W = shape
     lesion_rng = np.random.default_rng(rng.integers(2 ** 63))  # the same retina whatever the label
     z = np.linspace(-1, 1, D, dtype=np.float32)[:, None]  # [D,1]
@@ -189,6 +191,18 @@ def synth_reflectivity(shape: Sequence[int], rng: np.random.Generator, label: st
     layer = np.zeros((D, H, W), np.int8)
     for b in bounds:
         layer += y >= b[:, None, :]
+    return layer, bounds, k
+
+
+def synth_reflectivity(shape: Sequence[int], rng: np.random.Generator, label: str = "none",
+                       eye: Eye = Eye()) -> np.ndarray:
+    """Display intensity in [0, 1], float32 [D, H, W] (B-scans, depth, lateral), of a macular OCT cube."""
+    D, H, W = shape
+    layer, bounds, k = retina_geometry(shape, rng, label, eye)
+    top = bounds[0]  # [D,W] retina surface
+    z = np.linspace(-1, 1, D, dtype=np.float32)[:, None]  # [D,1]
+    x = np.linspace(-1, 1, W, dtype=np.float32)[None, :]  # [1,W]
+    y = np.linspace(0, 1, H, dtype=np.float32)[None, :, None]  # [1,H,1]
     reflectivity = np.array([r for _, _, r in LAYERS], np.float32)
     if eye.reflectivity is not None:
         reflectivity *= np.array(eye.reflectivity, np.float32)
@@ -460,6 +474,39 @@ def _set_spec(n: int, shape: Sequence[int], seed: int, varied: bool) -> dict:
     return {**spec, "varied": True} if varied else spec  # plain sets keep the marker (and the folder) they had
 
 
+def set_member(i: int, seed: int, varied: bool) -> Tuple[str, str, str, Eye]:
+    """(file name, style, label, eye) of the i-th volume of a phantom set (write_phantom_set); its phantom seed is
+    seed * 100003 + i."""
+    names = list(STYLES)
+    style_name = names[i % len(names)]
+    if varied:
+        label, eye = VARIED_LABELS[i % len(VARIED_LABELS)], draw_eye(np.random.default_rng([seed, i, 11]))
+    else:
+        label, eye = LABELS[np.random.default_rng([seed, i, 7]).choice(3, p=[0.4, 0.3, 0.3])], Eye()
+    return f"{i:04d}_{style_name}" + ("" if STYLES[style_name].series else ".dcm"), style_name, label, eye
+
+
+def voxel_layers(shape: Sequence[int], seed: int, label: str, eye: Eye = Eye()) -> np.ndarray:
+    """The layer of every voxel of write_phantom(seed, label, eye): int8 [D, H, W], indices into LAYERS (its lesions
+    are the voxels of the drusen or fluid layer, which only lesions give a thickness)."""
+    return retina_geometry(shape, np.random.default_rng([seed, LABELS.index(label)]), label, eye)[0]
+
+
+def set_voxel_layers(directory: str) -> Dict[str, np.ndarray]:
+    """{file name: voxel_layers [D, H, W]} of every volume of the complete phantom set in `directory`, replayed from
+    its parameters (the set's marker file). ValueError when `directory` holds no complete phantom set."""
+    try:
+        with open(os.path.join(directory, MARKER)) as f:
+            spec = json.load(f)
+    except (OSError, ValueError):
+        raise ValueError(f"{directory} holds no complete phantom set (no {MARKER}); write it with write_phantom_set")
+    out = {}
+    for i in range(spec["n"]):
+        name, _, label, eye = set_member(i, spec["seed"], spec.get("varied", False))
+        out[name] = voxel_layers(spec["shape"], spec["seed"] * 100003 + i, label, eye)
+    return out
+
+
 def write_phantom_set(directory: str, n: int, shape: Sequence[int] = DEFAULT_SIZE, seed: int = 0,
                       varied: bool = False) -> str:
     """Write n phantoms (makers in turn, three volumes per patient, random labels) and DIR/labels.csv.
@@ -480,14 +527,8 @@ def write_phantom_set(directory: str, n: int, shape: Sequence[int] = DEFAULT_SIZ
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     rows = []
-    names = list(STYLES)
     for i in range(n):
-        style_name = names[i % len(names)]
-        if varied:
-            label, eye = VARIED_LABELS[i % len(VARIED_LABELS)], draw_eye(np.random.default_rng([seed, i, 11]))
-        else:
-            label, eye = LABELS[np.random.default_rng([seed, i, 7]).choice(3, p=[0.4, 0.3, 0.3])], Eye()
-        name = f"{i:04d}_{style_name}" + ("" if STYLES[style_name].series else ".dcm")
+        name, style_name, label, eye = set_member(i, seed, varied)
         write_phantom(os.path.join(tmp, name), style_name, shape, seed=seed * 100003 + i, label=label,
                       patient_id=f"PHANTOM-{seed:02d}-{i // 3:03d}", eye=eye)
         rows.append((name, label, "no" if label == "none" else "yes", f"{retina_thickness(eye):.4f}") if varied

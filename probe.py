@@ -65,9 +65,10 @@ from sklearn.preprocessing import StandardScaler
 from config import (Config, ConfigError, ExitError, ScriptParser, given_flags, load_config, phantom_labels_path,
                     script_main)
 from data import load_val_sample
+import dense
 from dicom import UnusableFile
 from model import POOLS, VJEPA3D, pool_tokens
-from phantom import ensure_phantom_set
+from phantom import ensure_phantom_set, set_voxel_layers
 from runlog import counted
 from runtime import device_kind
 from checkpoint import list_checkpoints, read_checkpoint
@@ -150,6 +151,7 @@ class Task:
     column: str = "label"
     regression: bool = False
     shots: Optional[int] = None
+    dense: bool = False  # a target per token: where the phantom drew its lesions (dense.py), not the column
 
     @property
     def metric(self) -> str:
@@ -159,7 +161,8 @@ class Task:
 
 SUITE = {"plain": (Task("plain_lesion"),),
          "varied": (Task("lesion", "lesion"), Task("thickness", "retina_thickness", regression=True),
-                    Task("lesion_10shot", "lesion", shots=10))}  # the built-in tasks, by the phantom set they use
+                    Task("lesion_10shot", "lesion", shots=10),
+                    Task("lesion_tokens", "lesion", dense=True))}  # the built-in tasks, by the phantom set they use
 
 
 def stratified_split(labels: np.ndarray, test_fraction: float, seed: int) -> Tuple[np.ndarray, np.ndarray]:
@@ -454,6 +457,29 @@ def task_report(task: Task, targets: np.ndarray, tokens: Dict[str, torch.Tensor]
         report["valid"] = bool(report["handmade"][report["best_handmade"]][metric]["mean"] <= VALID_SHORTCUT_MAX
                                and report["supervised"][metric]["mean"] >= VALID_CEILING_MIN)
     report["versus"] = {name: {readout: comparisons(report, scores[readout][metric], readout) for readout in scores}
+                        for name, scores in report["encoders"].items() if name != "random"}
+    return report
+
+
+def dense_report(labels: np.ndarray, paths: np.ndarray, labels_csv: str, tokens: Dict[str, torch.Tensor],
+                 grid: Sequence[int], volumes: torch.Tensor, seeds: Sequence[int], reference: bool = True) -> dict:
+    """The dense task (dense.py) in task_report's layout, its one read-out `token_linear`, on the volume splits of
+    the volume labels [M] (the `lesion` task's), for the phantom set of labels_csv (the volumes' paths [M])."""
+    targets = dense.set_token_targets(set_voxel_layers(os.path.dirname(labels_csv)), paths,
+                                      dense.target_grid(volumes.shape[2:]))
+    runs = dense.stack_runs([dense.split_scores(tokens, grid, volumes, targets, *task_split(labels, Task("lesion"), s),
+                                                s, reference) for s in seeds])
+    report = {"metric": "auroc", "regression": False, "shots": None, "scored_tokens": int((targets >= 0).sum()),
+              "lesion_tokens": int((targets == 1).sum()),
+              "position_share": {name: dense.position_share(t) for name, t in tokens.items()},
+              "encoders": {name: {"token_linear": intervals(runs[name])} for name in tokens}}
+    if reference:
+        report["handmade"] = {n.split(":", 1)[1]: intervals(r) for n, r in runs.items() if n.startswith("handmade:")}
+        report["best_handmade"] = max(report["handmade"], key=lambda f: report["handmade"][f]["auroc"]["mean"])
+        report["supervised"] = intervals(runs["supervised"])
+        report["valid"] = bool(report["handmade"][report["best_handmade"]]["auroc"]["mean"] <= VALID_SHORTCUT_MAX
+                               and report["supervised"]["auroc"]["mean"] >= VALID_CEILING_MIN)
+    report["versus"] = {name: {"token_linear": comparisons(report, scores["token_linear"]["auroc"], "token_linear")}
                         for name, scores in report["encoders"].items() if name != "random"}
     return report
 
@@ -784,7 +810,8 @@ def main(argv: List[str]) -> int:
     report = {"ckpt": ckpt, "test_fraction": TEST_FRACTION, "seeds": args.seeds, "readouts": readouts, "tasks": {}}
     for csv_path, tasks in sets:
         probe_cfg = cfg if labels_csv else dataclasses.replace(cfg, cache_dir=os.path.dirname(csv_path) + "-cache")
-        volumes, values, skipped = load_labelled_volumes(probe_cfg, csv_path, columns=sorted({t.column for t in tasks}))
+        columns = sorted({t.column for t in tasks} | ({"path"} if any(t.dense for t in tasks) else set()))
+        volumes, values, skipped = load_labelled_volumes(probe_cfg, csv_path, columns=columns)
         if skipped:
             print(f"{csv_path}: skipped unusable files: {skipped}", file=sys.stderr)
         targets = {t.name: task_targets(t, values[t.column], f"{csv_path} (unusable files: {skipped or 'none'})")
@@ -796,8 +823,10 @@ def main(argv: List[str]) -> int:
             counts = {"class_counts": {n: int((y == i).sum()) for i, n in enumerate(names)}} if names else {}
             report["tasks"][task.name] = {
                 "labels": csv_path, "column": task.column, "volumes": len(volumes), "skipped": skipped, **counts,
-                **task_report(task, y, tokens, model.grid, volumes, range(args.seeds), readouts,
-                              reference=not args.no_reference)}
+                **(dense_report(y, values["path"], csv_path, tokens, model.grid, volumes, range(args.seeds),
+                                not args.no_reference) if task.dense else
+                   task_report(task, y, tokens, model.grid, volumes, range(args.seeds), readouts,
+                               reference=not args.no_reference))}
     print(format_report(report))
     if args.json:
         with open(args.json, "w") as f:

@@ -451,7 +451,8 @@ def summary(history: List[dict], run_dir: str, cfg: Config, state, versus_random
                      f"(update {train[-1]['step']})")
         lines.append(f"target_std        {train[0]['target_std']:.4f} -> {train[-1]['target_std']:.4f}")
     if val:
-        lines.append(f"val loss          {val[0]['loss']:.4f} -> {val[-1]['loss']:.4f}, rankme {val[-1]['rankme']:.1f}")
+        lines.append(f"val loss          {val[0]['loss']:.4f} -> {val[-1]['loss']:.4f}, rankme {val[-1]['rankme']:.1f}"
+                     + (f", position share {val[-1]['position_share']:.3f}" if "position_share" in val[-1] else ""))
     collapsed = collapse_signs(history, cfg)
     if collapsed:
         lines.append("collapse          " + ", ".join(f"{split} {metric} {lowest:.3g} (best {best:.3g})"

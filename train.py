@@ -29,6 +29,7 @@ from config import (DEMO_FLAGS, EXIT_OK, Config, Diverged, NoUsableData, Preempt
 from data import (build_datasets, describe_masks, format_reason_table, make_loader, make_val_loader,
                   mask_generator_from_config, mask_stats)
 from model import VJEPA3D
+from dense import position_share_of_sums, position_sums
 from probe import compare_with_random, prepare_probe_set, probe_auroc, rankme
 from runlog import (RunLog, Throughput, describe_run, format_train_line, json_number, save_mask_plot,
                     save_schedule_plot, save_training_plot, summary)
@@ -168,8 +169,7 @@ def train_update(model, optimizer, micro_batches: list, hp: Hyperparameters, cfg
     raw_model = model.module if isinstance(model, DistributedDataParallel) else model
     lr, wd, ema = hp.lr, hp.wd, hp.ema
     if rt.kind == "xla":
-        # One 1-d device tensor: a Python 0.0/1.0 or a 0-d tensor would be baked into the graph as a constant
-        # and every new value would compile a new graph.
+        # One 1-d device tensor: a Python float or a 0-d tensor would be a graph constant (a new graph per value).
         lr, wd, ema = torch.tensor([lr, wd, ema], dtype=torch.float32).to(rt.device).unbind()
     for group in optimizer.param_groups:
         group["lr"] = lr
@@ -252,35 +252,35 @@ def next_update_batches(groups, run: "Run") -> list:
 @torch.compiler.set_stance("force_eager")  # compiled parts are for the training update: no eval recompiles
 @torch.no_grad()
 def validate(model: VJEPA3D, loader, volumes: int, cfg: Config, rt: Runtime, max_tokens: int = 4096) -> dict:
-    """Val loss (their mean), target_std (over all their target tokens) and RankMe (of a fixed set of each one's
-    target-encoder tokens) of the run's `volumes` val volumes: the same on any number of processes."""
+    """Val loss (their mean), target_std (their target tokens), RankMe (a fixed set of each one's target-encoder
+    tokens) and position share (all of those) of the run's `volumes` val volumes, the same on any process count."""
     model.eval()
     indices = iter(range(rt.process_index, volumes, rt.process_count))  # the order of make_val_loader's volumes
     per_volume = math.ceil(max_tokens / max(1, volumes))
-    loss_sum, target_tokens, target_sums, feats = 0.0, 0, 0.0, []  # feats: (volume index, [per_volume, E])
+    loss_sum, target_tokens, target_sums, token_sums, feats = 0.0, 0, 0.0, 0.0, []  # feats: (index, [per_volume, E])
     for batch in loader:
         batch = to_device(batch, rt)
         with torch.autocast(rt.kind, dtype=torch.bfloat16, enabled=cfg.use_bf16):
             out = model(batch["volume"], batch["context_idx"], batch["target_idx"])
             tokens = model.encode(batch["volume"]).float().cpu()  # [B, N, E]
         target = out.target.float().cpu().double().flatten(0, -2)  # [B * Nt, E]
-        loss_sum += float(out.loss) * len(tokens)
-        target_tokens += len(target)
+        loss_sum, target_tokens = loss_sum + float(out.loss) * len(tokens), target_tokens + len(target)
+        token_sums = token_sums + position_sums(tokens)  # [2, N, E]
         target_sums = target_sums + torch.stack([target.sum(0), target.pow(2).sum(0)])  # [2, E]
         for volume_tokens, index in zip(tokens, indices):
             keep = torch.randperm(len(volume_tokens), generator=torch.Generator().manual_seed(index))[:per_volume]
             feats.append((index, volume_tokens[keep]))
     model.train()
-    mine = (loss_sum, target_tokens, target_sums, feats)  # DDP: + the other processes' (XLA arrays are global)
+    mine = (loss_sum, target_tokens, target_sums, feats, token_sums)  # DDP: + the other processes' (XLA: global)
     parts = gather_objects(mine, rt) if rt.ddp else [mine]
-    loss_sum, target_tokens = (sum(p[i] for p in parts) for i in (0, 1))
+    loss_sum, target_tokens, token_sums = (sum(p[i] for p in parts) for i in (0, 1, 4))
     feats = sorted((item for p in parts for item in p[3]), key=lambda item: item[0])
     if not feats:
         return {}
     s1, s2 = sum(p[2] for p in parts if p[1])  # [E] each
     target_std = ((s2 - s1 ** 2 / target_tokens) / (target_tokens - 1)).clamp_min(0).sqrt().mean()
-    return {"loss": loss_sum / len(feats), "target_std": float(target_std),
-            "rankme": rankme(torch.cat([f for _, f in feats]))}
+    return {"loss": loss_sum / len(feats), "target_std": float(target_std), "position_share":
+            position_share_of_sums(token_sums, len(feats)), "rankme": rankme(torch.cat([f for _, f in feats]))}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -544,7 +544,7 @@ def validate_and_log(run: Run) -> bool:
     step = run.state.step
     run.log.metrics({"split": "val", "step": step, **metrics})
     run.log.print(f"val   step {step:>6d} | loss {metrics['loss']:.4f} | target_std {metrics['target_std']:.4f} | "
-                  f"rankme {metrics['rankme']:.1f}")
+                  f"rankme {metrics['rankme']:.1f} | position share {metrics['position_share']:.3f}")
     best = metrics["loss"] < run.state.best_val_loss
     run.state.best_val_loss = min(run.state.best_val_loss, metrics["loss"])
     return best

@@ -20,6 +20,7 @@ import safetensors.torch
 import torch
 from PIL import Image
 
+import dense
 import encoder as encoder_cli
 import export
 import finetune
@@ -297,7 +298,7 @@ def test_embed_stores_what_standardizing_needs_and_the_position_share_of_the_tok
     assert np.median(cosines(standardized["embedding"])) < np.median(cosines(raw["embedding"]))
     encoder = load_encoder(export_dir)
     volumes = torch.stack([load_val_sample(str(p), encoder.settings) for p in raw["path"]])
-    share = encoder_cli.position_share(encoder.encode(volumes))
+    share = dense.position_share(encoder.encode(volumes))
     assert float(raw["position_share"]) == pytest.approx(share, abs=1e-6) and 0 < share < 1
 
 

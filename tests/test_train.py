@@ -261,6 +261,7 @@ def test_short_run_logs_every_contract_field_with_positive_grad_norms(tmp_path, 
     assert lrs[-1] == pytest.approx(load_config(["--config", SMOKE]).min_lr)
     val = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["split"] == "val"]
     assert [r["step"] for r in val] == [4, 8] and all({"loss", "target_std", "rankme"} <= set(r) for r in val)
+    assert all(0.0 <= r["position_share"] <= 1.0 for r in val)  # beside RankMe: how much of a token is its place
     assert (run_dir / "config.yaml").exists() and (run_dir / "training.png").exists()
     assert load_config(["--config", str(run_dir / "config.yaml")]).max_steps == 8
     assert [Path(p).name for p in list_checkpoints(str(run_dir / "checkpoints"))] == ["step_0000008.pt",

@@ -1,0 +1,117 @@
+"""Markdown tables of issue 33's runs from the probe reports experiments/dense/ARM_sK.json (experiments/dense/probe.sh)
+and the references on the same splits (experiments/dense/reference.json: hand-made token features and the token FCN;
+experiments/dense/random448_sK.json: random inits with 4x4x8 tubelets). A run probed without its random init
+(WITH_RANDOM=no experiments/dense/probe.sh) is compared with the random init of RANDOM_FROM's run of the same seed, or of
+seed 0 where that one has none: the same encoder architecture (random inits of other seeds or predictor sizes differ).
+
+    python experiments/dense/summary.py arms ARM [ARM...]     # per arm and read-out: mean over pretraining seeds
+                                                              # [95% interval], random init, pretrained - random
+    python experiments/dense/summary.py compare ARM_A ARM_B   # A - B paired over pretraining seeds
+    python experiments/dense/summary.py health ARM [ARM...]   # position share, RankMe, target_std, CPU seconds
+    python experiments/dense/summary.py reference             # the dense task's references and its validity
+"""
+import glob
+import json
+import os
+import re
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), os.path.dirname(os.path.dirname(HERE))]
+from probe import interval  # noqa: E402  (the repo's flat modules)
+from table import cell, signed  # noqa: E402  (experiments/table.py)
+
+ROWS = (("lesion", "attentive"), ("lesion", "mean_pool"), ("lesion_tokens", "token_linear"),
+        ("plain_lesion", "depth_rows"))  # what experiments/dense/probe.sh measures
+
+
+def load(name: str) -> dict:
+    with open(os.path.join(HERE, f"{name}.json")) as f:
+        return json.load(f)
+
+
+def runs_of(arm: str) -> dict:
+    """{seed: report} of the runs ARM_s<k> that have a report."""
+    names = [os.path.basename(p)[:-5] for p in glob.glob(os.path.join(HERE, f"{arm}_s*.json"))]
+    return {int(n.rsplit("s", 1)[1]): load(n) for n in names if re.fullmatch(rf"{re.escape(arm)}_s\d+", n)}
+
+
+RANDOM_FROM = "b4"  # the arm whose random inits stand in for a run probed without its own
+
+
+def with_random(report: dict, seed: int) -> dict:
+    """The report itself if it holds a random init, else RANDOM_FROM's run of that seed if that one does, else
+    RANDOM_FROM's seed 0."""
+    if "random" in report["tasks"]["lesion"]["encoders"]:
+        return report
+    runs = runs_of(RANDOM_FROM)
+    same = runs.get(seed)
+    return same if same is not None and "random" in same["tasks"]["lesion"]["encoders"] else runs[0]
+
+
+def score(report: dict, task: str, readout: str, encoder: str = "pretrained", seed: int = 0) -> float:
+    """The mean over probe splits of a read-out's AUROC (a random init: with_random's)."""
+    if encoder == "random":
+        report = with_random(report, seed)
+    return report["tasks"][task]["encoders"][encoder][readout]["auroc"]["mean"]
+
+
+def arms_table(arms: list) -> None:
+    print("| arm (seeds) | task | read-out | pretrained | random init | pretrained - random init |")
+    print("|---|---|---|---|---|---|")
+    for arm in arms:
+        runs = runs_of(arm)
+        for task, readout in ROWS:
+            p = [score(r, task, readout) for r in runs.values()]
+            q = [score(r, task, readout, "random", seed) for seed, r in runs.items()]
+            print(f"| {arm} ({len(runs)}) | {task} | {readout} | {cell(interval(p))} | {cell(interval(q))} | "
+                  f"{signed(interval([a - b for a, b in zip(p, q)]))} |")
+
+
+def compare_table(a: str, b: str) -> None:
+    runs_a, runs_b = runs_of(a), runs_of(b)
+    seeds = sorted(set(runs_a) & set(runs_b))
+    print(f"{a} - {b}, paired over pretraining seeds {', '.join(map(str, seeds))}")
+    print(f"| task | read-out | {a} | {b} | difference | per seed |")
+    print("|---|---|---|---|---|---|")
+    for task, readout in ROWS:
+        va = [score(runs_a[s], task, readout) for s in seeds]
+        vb = [score(runs_b[s], task, readout) for s in seeds]
+        diff = [x - y for x, y in zip(va, vb)]
+        print(f"| {task} | {readout} | {cell(interval(va))} | {cell(interval(vb))} | {signed(interval(diff))} | "
+              + ", ".join(f"{d:+.3f}" for d in diff) + " |")
+
+
+def health_table(arms: list) -> None:
+    print("| run | position share: pretrained / random init (probe set) | val position share | RankMe | "
+          "target_std | pretraining CPU s |")
+    print("|---|---|---|---|---|---|")
+    for arm in arms:
+        for seed, r in sorted(runs_of(arm).items()):
+            share, val = r["tasks"]["lesion_tokens"]["position_share"], r["pretrain"]["last_val"]
+            val_share = f"{val['position_share']:.3f}" if "position_share" in val else "-"
+            random = with_random(r, seed)["tasks"]["lesion_tokens"]["position_share"]["random"]
+            print(f"| {arm}_s{seed} | {share['pretrained']:.3f} / {random:.3f} | {val_share} | "
+                  f"{val['rankme']:.1f} | {val['target_std']:.3f} | {r['pretrain']['cpu_s']:.0f} |")
+
+
+def reference_table() -> None:
+    t = load("reference")["tasks"]["lesion_tokens"]
+    print(f"lesion_tokens: {t['scored_tokens']} scored tokens, {t['lesion_tokens']} of them lesion tokens, "
+          f"{t['volumes']} volumes; valid: {t['valid']}")
+    print("| features | AUROC | average precision |")
+    print("|---|---|---|")
+    rows = {f"hand-made {n}": s for n, s in t["handmade"].items()}
+    rows["supervised token FCN"] = t["supervised"]
+    rows["random init 4x8x8 (seed 0)"] = t["encoders"]["encoder"]["token_linear"]
+    for seed, r in sorted(runs_of("random448").items()):
+        rows[f"random init 4x4x8 (seed {seed}), pooled 2:1"] = r["tasks"]["lesion_tokens"]["encoders"]["encoder"][
+            "token_linear"]
+    for name, s in rows.items():
+        print(f"| {name} | {cell(s['auroc'])} | {cell(s['ap'])} |")
+
+
+if __name__ == "__main__":
+    command, args = (sys.argv[1:2] or ["help"])[0], sys.argv[2:]
+    {"arms": lambda: arms_table(args), "compare": lambda: compare_table(*args), "health": lambda: health_table(args),
+     "reference": reference_table}.get(command, lambda: sys.exit(__doc__))()

@@ -1,0 +1,68 @@
+"""Token-level measurements: the position share of an encoder's tokens, and the dense lesion task whose targets are
+where the phantom generator drew each lesion, on the tokens the model sees."""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import dense
+import probe
+from config import load_config
+from data import load_val_sample
+from phantom import set_member, set_voxel_layers, synth_reflectivity, write_phantom_set
+
+
+def test_position_share_is_one_for_a_position_code_and_near_zero_for_tokens_that_ignore_position():
+    torch.manual_seed(0)
+    code = torch.randn(1, 64, 16) * 3
+    assert dense.position_share(code.expand(50, -1, -1)) == pytest.approx(1.0)
+    assert dense.position_share(torch.randn(50, 64, 16)) < 0.05
+    tokens = code + torch.randn(50, 64, 16)
+    assert 0.85 < dense.position_share(tokens) < 0.95  # positions carry 9 of 10 parts of the variance
+    sums = dense.position_sums(tokens[:20]) + dense.position_sums(tokens[20:])  # validation adds batches
+    assert dense.position_share_of_sums(sums, 50) == pytest.approx(dense.position_share(tokens))
+
+
+@pytest.fixture(scope="module")
+def varied_set(tmp_path_factory) -> str:
+    return write_phantom_set(str(tmp_path_factory.mktemp("dense") / "set"), n=12, shape=(16, 64, 64), varied=True)
+
+
+def test_token_targets_are_the_tokens_the_model_sees_holding_the_drawn_lesions(varied_set):
+    cfg = load_config([], image_size=[16, 64, 64], patch_size=[4, 8, 8])
+    layers = set_voxel_layers(varied_set)
+    grid = dense.target_grid(cfg.image_size)
+    for i in range(8):
+        name, _, label, eye = set_member(i, 0, True)
+        # the volume read back from its DICOM files (every maker's layout) is the one drawn, voxel for voxel
+        drawn = synth_reflectivity((16, 64, 64), np.random.default_rng([i, ["none", "drusen", "fluid"].index(label)]),
+                                   label, eye)
+        read = load_val_sample(os.path.join(varied_set, name), cfg)[0].numpy()
+        assert np.corrcoef(drawn.ravel(), read.ravel())[0, 1] > 0.95, name
+        targets = dense.token_targets(layers[name], grid)
+        assert targets.shape == (np.prod(grid),)
+        assert ((targets == 1).any()) == (label != "none"), name  # lesion tokens only where lesions were drawn
+        assert (targets == 0).sum() > 0 and (targets == -1).sum() > (targets >= 0).sum()  # scored: the RPE band
+
+
+def test_the_dense_task_reads_lesion_tokens_from_features_and_a_small_fcn_learns_them(varied_set):
+    cfg = load_config([], image_size=[16, 64, 64], patch_size=[4, 8, 8])
+    paths = [os.path.join(varied_set, set_member(i, 0, True)[0]) for i in range(12)]
+    volumes = torch.stack([load_val_sample(p, cfg) for p in paths])
+    targets = dense.set_token_targets(set_voxel_layers(varied_set), paths, dense.target_grid(cfg.image_size))
+    train, test = np.arange(8), np.arange(8, 12)
+    features = dense.handmade_token_features(volumes, dense.target_grid(cfg.image_size))
+    assert features["token_stats"].shape == (12, 256, 7) and features["token_histogram"].shape == (12, 256, 16)
+    scores = dense.linear_token_probe(features["token_stats_histogram"], targets, train, test)
+    assert 0.0 <= scores["ap"] <= 1.0 and 0.0 <= scores["auroc"] <= 1.0
+    fcn = dense.fit_token_fcn(volumes, targets, train, dense.target_grid(cfg.image_size), seed=0, steps=3)
+    assert fcn(volumes[:2]).shape == (2, 256)
+    fine = torch.randn(12, 512, 5)  # 4x4x8 tubelets: a 4x16x8 grid pooled onto the 4x8x8 targets
+    pooled = dense.tokens_on_grid(fine, [4, 16, 8], [4, 8, 8])
+    assert pooled.shape == (12, 256, 5) and torch.allclose(pooled[:, 0], fine[:, [0, 8]].mean(1))
+
+
+def test_the_dense_task_is_in_the_suite_on_the_varied_set():
+    task = next(t for t in probe.SUITE["varied"] if t.name == "lesion_tokens")
+    assert task.dense and task.column == "lesion"
