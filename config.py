@@ -203,7 +203,7 @@ DEMO_FLAGS = ["--run_name", "demo", "--resume", "auto"]
 
 
 def phantom_labels_path(cfg: "Config", varied: bool = False) -> str:
-    """The labels.csv of a built-in labelled phantom set (probe.phantom_labels writes it): the plain set beside
+    """The labels.csv of a built-in labelled phantom set (labels.phantom_labels writes it): the plain set beside
     cfg.phantom_dir with '_probe', the varied one with '_suite'."""
     return os.path.join(cfg.phantom_dir.rstrip("/") + ("_suite" if varied else "_probe"), "labels.csv")
 

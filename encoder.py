@@ -60,7 +60,8 @@ from index import format_reason_table, index_records
 from model import (CONFIG_FILE, POOL_ALIASES, POOLS, WEIGHTS_FILE, ExportError, PretrainedEncoder, export_contract,
                    load_encoder, pool_name, pool_tokens, random_encoder)
 from privacy import share_safe_source, volume_key
-from probe import Task, fit_attentive, probe_device, read_labels, resolve_checkpoint, task_targets
+from labels import read_labels, task_targets
+from probe import Task, fit_attentive, probe_device, resolve_checkpoint
 from runlog import counted, progress
 from runtime import fetch_to_host, setup_runtime, to_device
 from storage import write_atomic

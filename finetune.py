@@ -55,10 +55,11 @@ from config import Config, ConfigError, ScriptParser, given_flags, load_config, 
 from data import resample_and_clip, to_sample
 from dicom import UnusableFile
 from index import format_reason_table
+from labels import encode_volumes, read_label_rows
 from model import PretrainedEncoder, load_encoder, random_encoder, save_encoder
 from privacy import share_safe_source, volume_key
-from probe import (TEST_FRACTION, AttentiveProbe, Task, classification_scores, encode_volumes, fit_attentive, interval,
-                   paired_difference, probe_device, read_label_rows, split_scores, stratified_split)
+from probe import (TEST_FRACTION, AttentiveProbe, Task, classification_scores, fit_attentive, interval,
+                   paired_difference, probe_device, split_scores, stratified_split)
 from runlog import counted
 from schedules import cosine_ramp
 from storage import write_atomic

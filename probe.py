@@ -19,9 +19,9 @@ The built-in suite (SUITE), on labelled phantoms written once with other seeds t
                  position, tilt, curvature, eye motion, layer thickness and reflectivity, brightness, speckle, vessels).
   thickness      regression of the retina's thickness (phantom.retina_thickness) on the varied phantoms.
   lesion_10shot  the lesion task from 10 training volumes per class.
-Labels: a CSV with the columns path,label (paths relative to the CSV's folder; a series folder is one volume) is
-one classification task, `label`. A checkpoint brings its own model, preprocessing and phantom folder; config flags
-(--config, --embed_dim, ...) shape the random model and only phantom_dir, cache_dir and device apply to a checkpoint.
+  lesion_tokens  which tokens hold lesion voxels, per token, on the varied phantoms (dense.py: the dense task).
+Labels (labels.py): a CSV path,label (paths relative to its folder; a series folder is one volume) is one task,
+`label`. A checkpoint brings its own model, preprocessing and phantom folder; config flags shape the random model.
 
 Read-outs of the frozen tokens [M, N, E] (READOUTS): mean_pool (their mean, a linear model), depth_rows (their mean
 per depth row of the token grid, concatenated: where along the A-scan a feature is survives), attentive (learned
@@ -31,21 +31,18 @@ on the training split).
 Metrics: classification: macro one-vs-rest AUROC and balanced accuracy; regression: concordance (the share of
 volume pairs put in the right order: 0.5 = chance, the AUROC of a continuous target) and R^2. Each probe seed is a
 new split (TEST_FRACTION held out) and a new probe initialisation; reported: mean and 95% t-interval over the
-seeds, and paired differences (the same splits) with their 95% intervals. Exit 2 for a missing or incompatible
-checkpoint or labels file.
+seeds, and paired differences (the same splits) with their 95% intervals. Exit codes: config.EXIT_CODES.
 
 During pretraining, train.py calls prepare_probe_set(cfg) once and probe_auroc(model, probe_set, device) every
 probe_every_steps updates; at the end of the run compare_with_random (summary_probe) says whether the encoder beats
 a random one on the linear read-outs (mean_pool, depth_rows).
 """
-import csv
 import dataclasses
 import json
 import math
 import os
 import sys
 import warnings
-from collections import Counter
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
@@ -62,21 +59,14 @@ from sklearn.model_selection import GridSearchCV, StratifiedKFold
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
-from config import (Config, ConfigError, ExitError, ScriptParser, given_flags, load_config, phantom_labels_path,
-                    script_main)
-from data import load_val_sample
 import dense
-from dicom import UnusableFile
-from model import POOLS, VJEPA3D, pool_tokens
-from phantom import ensure_phantom_set, set_voxel_layers
-from runlog import counted
-from runtime import device_kind
 from checkpoint import list_checkpoints, read_checkpoint
+from config import Config, ConfigError, ExitError, ScriptParser, given_flags, load_config, script_main
+from labels import encode_volumes, load_labelled_volumes, phantom_labels, task_targets
+from model import POOLS, VJEPA3D, pool_tokens
+from phantom import set_voxel_layers
+from runtime import device_kind
 
-PROBE_PHANTOMS = 240  # volumes of the plain labelled phantom set (plain_lesion, and the probe during pretraining)
-PROBE_PHANTOM_SEED = 1  # the pretraining phantoms use seed 0
-SUITE_PHANTOMS = 300  # volumes of the varied labelled phantom set (lesion, thickness, lesion_10shot)
-SUITE_PHANTOM_SEED = 2
 TEST_FRACTION = 0.4  # share of each class held out
 PROBE_SET_VOLUMES = 240  # at most this many volumes are kept in memory for probing during pretraining
 CKPT_FIELDS = ("phantom_dir", "cache_dir", "device")  # the config flags that apply to a checkpoint
@@ -451,11 +441,8 @@ def task_report(task: Task, targets: np.ndarray, tokens: Dict[str, torch.Tensor]
     report = {"metric": metric, "regression": task.regression, "shots": task.shots,
               "encoders": {name: readout_scores(t, grid, targets, task, seeds, readouts) for name, t in tokens.items()}}
     if reference:
-        report["handmade"] = handmade_scores(volumes, targets, task, seeds)
-        report["best_handmade"] = max(report["handmade"], key=lambda f: report["handmade"][f][metric]["mean"])
-        report["supervised"] = supervised_scores(volumes, targets, task, seeds)
-        report["valid"] = bool(report["handmade"][report["best_handmade"]][metric]["mean"] <= VALID_SHORTCUT_MAX
-                               and report["supervised"][metric]["mean"] >= VALID_CEILING_MIN)
+        report = with_references(report, handmade_scores(volumes, targets, task, seeds),
+                                 supervised_scores(volumes, targets, task, seeds))
     report["versus"] = {name: {readout: comparisons(report, scores[readout][metric], readout) for readout in scores}
                         for name, scores in report["encoders"].items() if name != "random"}
     return report
@@ -474,14 +461,20 @@ def dense_report(labels: np.ndarray, paths: np.ndarray, labels_csv: str, tokens:
               "position_share": {name: dense.position_share(t) for name, t in tokens.items()},
               "encoders": {name: {"token_linear": intervals(runs[name])} for name in tokens}}
     if reference:
-        report["handmade"] = {n.split(":", 1)[1]: intervals(r) for n, r in runs.items() if n.startswith("handmade:")}
-        report["best_handmade"] = max(report["handmade"], key=lambda f: report["handmade"][f]["auroc"]["mean"])
-        report["supervised"] = intervals(runs["supervised"])
-        report["valid"] = bool(report["handmade"][report["best_handmade"]]["auroc"]["mean"] <= VALID_SHORTCUT_MAX
-                               and report["supervised"]["auroc"]["mean"] >= VALID_CEILING_MIN)
+        report = with_references(report, {n.split(":", 1)[1]: intervals(r) for n, r in runs.items()
+                                          if n.startswith("handmade:")}, intervals(runs["supervised"]))
     report["versus"] = {name: {"token_linear": comparisons(report, scores["token_linear"]["auroc"], "token_linear")}
                         for name, scores in report["encoders"].items() if name != "random"}
     return report
+
+
+def with_references(report: dict, handmade: Dict[str, dict], supervised: dict) -> dict:
+    """The report with the shortcut (handmade: {features: {metric: interval}} and the best of them), the ceiling
+    (supervised: {metric: interval}) and whether the task is valid (the shortcut near chance, the ceiling above)."""
+    metric = report["metric"]
+    best = max(handmade, key=lambda f: handmade[f][metric]["mean"])
+    valid = handmade[best][metric]["mean"] <= VALID_SHORTCUT_MAX and supervised[metric]["mean"] >= VALID_CEILING_MIN
+    return {**report, "handmade": handmade, "best_handmade": best, "supervised": supervised, "valid": bool(valid)}
 
 
 def comparisons(report: dict, scores: dict, readout: str) -> dict:
@@ -496,140 +489,6 @@ def comparisons(report: dict, scores: dict, readout: str) -> dict:
         if iv is not None:
             out[name] = {"difference": paired_difference(scores, iv), "beats": beats(scores, iv)}
     return out
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Labelled volumes and their features
-# ----------------------------------------------------------------------------------------------------------
-
-MISSING_LABEL_WORDS = ("nan", "na", "n/a", "null")  # what a spreadsheet writes for an empty cell
-
-
-def read_label_rows(path: str, header_hint: str) -> List[dict]:
-    """The rows of a labels CSV as dicts (an Excel BOM is fine), their `path` made absolute (relative to the CSV's
-    folder unless a URL or absolute). A ConfigError naming the rows and the fix, adding header_hint (what the CSV
-    should hold): a missing file, a header alone, a header cell in another case or padded (`Label`), an empty path
-    or one leaving the CSV's folder (`..`), the same volume twice, an empty, NaN or padded value, a blank patient
-    cell, no path that exists. Paths that do not exist, when others do, are named on stderr (and left out later)."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"labels: {path} not found; {header_hint}.")
-    with open(path, newline="", encoding="utf-8-sig") as f:
-        reader = csv.DictReader(f)
-        rows, header = list(reader), reader.fieldnames or []
-    for cell in header:
-        if cell != cell.strip().lower() and cell.strip().lower() in ("path", "label", "patient"):
-            raise ConfigError(f"labels: {path}: the header cell {cell!r} should read {cell.strip().lower()!r} (lower "
-                              f"case, no spaces); {header_hint}.")
-    if not rows:
-        raise ConfigError(f"labels: {path} holds a header ({','.join(header) or 'empty'}) but no rows; {header_hint}.")
-    root = os.path.dirname(os.path.abspath(path))
-    problems, seen = [], {}
-    for line, r in enumerate(rows, start=2):
-        given = r.get("path")
-        if given is None:
-            continue
-        if given.strip() in ("", ".") or os.path.normpath(given).split(os.sep)[0] == "..":
-            problems.append(f"line {line}: path {given!r} is not a volume inside the CSV's folder")
-            continue
-        if "://" not in given and not os.path.isabs(given):
-            r["path"] = os.path.normpath(os.path.join(root, given))
-        if r["path"] in seen:
-            problems.append(f"line {line}: {given} is the volume of line {seen[r['path']]} again")
-        seen.setdefault(r["path"], line)
-        for column, value in r.items():
-            if column in ("path", None):  # None: cells beyond the header
-                continue
-            if value is None or value.strip() == "" or value.strip().lower() in MISSING_LABEL_WORDS:
-                problems.append(f"line {line}: {column} is empty ({value!r})")
-            elif value != value.strip():
-                problems.append(f"line {line}: {column} {value!r} has spaces around it")
-    if problems:
-        raise ConfigError(f"labels: {path}:\n    " + "\n    ".join(problems[:10]) +
-                          (f"\n    ... and {len(problems) - 10} more" if len(problems) > 10 else "") +
-                          "\nFix these rows (every volume once, a value in every cell).")
-    local = [r["path"] for r in rows if r.get("path") and "://" not in r["path"]]
-    unknown = [p for p in local if not os.path.exists(p)]
-    if unknown and len(unknown) == len(rows):
-        raise ConfigError(f"labels: none of the {len(rows)} paths in {path} exists (e.g. {unknown[0]}); paths are "
-                          f"relative to the CSV's folder {root}.")
-    if unknown:
-        print(f"labels: {len(unknown)} paths in {path} do not exist and are left out: {', '.join(unknown[:5])}"
-              + (" ..." if len(unknown) > 5 else ""), file=sys.stderr)
-    return rows
-
-
-def read_labels(path: str, columns: Sequence[str] = ("label",)) -> List[Tuple[str, ...]]:
-    """(path, *columns) rows of a labels CSV with a header path,label,... (paths relative to the CSV's folder)."""
-    rows = read_label_rows(path, "give a CSV with the header path,label (paths relative to its folder), or leave "
-                                 "--labels and --data_root out to probe the built-in phantom suite")
-    if not rows or not {"path", *columns} <= set(rows[0]):
-        raise ConfigError(f"labels: {path} needs a header line path,{','.join(columns)} and at least one row.")
-    return [(r["path"], *(r[c] for c in columns)) for r in rows]
-
-
-def phantom_labels(cfg: Config, varied: bool = False) -> str:
-    """labels.csv of a built-in labelled phantom set, written once: the plain set in cfg.phantom_dir + '_probe', or
-    the varied one (varied eyes, balanced labels, retina_thickness) in cfg.phantom_dir + '_suite'."""
-    n, seed = (SUITE_PHANTOMS, SUITE_PHANTOM_SEED) if varied else (PROBE_PHANTOMS, PROBE_PHANTOM_SEED)
-    path = phantom_labels_path(cfg, varied)
-    ensure_phantom_set(os.path.dirname(path), n, seed, "labelled phantom volumes", varied)
-    return path
-
-
-def load_labelled_volumes(cfg: Config, labels_csv: str, max_volumes: Optional[int] = None,
-                          columns: Sequence[str] = ("label",)):
-    """(volumes [M,1,D,H,W] float32 preprocessed like validation samples, {column: values [M] (strings)},
-    {reason: count} of unusable files) of a labels CSV; at most max_volumes, drawn at random."""
-    rows = read_labels(labels_csv, columns)
-    if max_volumes is not None and len(rows) > max_volumes:
-        keep = np.random.default_rng(0).permutation(len(rows))[:max_volumes]
-        rows = [rows[i] for i in sorted(keep)]
-    volumes, kept, skipped = [], [], Counter()
-    for row in counted(rows, "read labelled volumes", "volume"):
-        try:
-            volumes.append(load_val_sample(row[0], cfg))
-        except UnusableFile as e:
-            skipped[e.reason] += 1
-            continue
-        kept.append(row[1:])
-    values = {c: np.array([r[i] for r in kept], dtype=str) for i, c in enumerate(columns)}
-    if not volumes:
-        raise ConfigError(f"labels: no usable volume in {labels_csv} (unusable files: {dict(skipped)}).")
-    return torch.stack(volumes), values, dict(skipped)
-
-
-def task_targets(task: Task, values: np.ndarray, source: str = "labels") -> Tuple[np.ndarray, List[str]]:
-    """(class ids [M], class names) of a classification task's column values [M] (names sorted), or (numbers [M],
-    []) of a regression task's. Raises ConfigError when a held-out split is impossible or a number is not one."""
-    if task.regression:
-        try:
-            numbers = values.astype(float)
-        except ValueError:
-            raise ConfigError(f"labels: {source} column {task.column} must hold numbers for the task {task.name}") from None
-        if len(numbers) < 4 or numbers.std() == 0:
-            raise ConfigError(f"labels: {source} column {task.column} needs at least 4 usable volumes with different "
-                              f"values for a held-out split.")
-        return numbers, []
-    counts = Counter(values)
-    if len(counts) < 2 or min(counts.values()) < 2:
-        raise ConfigError(f"labels: {source} gives {dict(counts)} usable volumes per class; a held-out split needs "
-                          f"two classes with at least 2 volumes each (20 or more for a useful interval).")
-    names = sorted(counts)
-    return np.array([names.index(v) for v in values]), names
-
-
-@torch.no_grad()
-def encode_volumes(model: VJEPA3D, volumes: torch.Tensor, device, batch_size: int = 8) -> torch.Tensor:
-    """Frozen target-encoder tokens [M, N, E] (float32, CPU) of volumes [M,1,D,H,W]. Every batch has batch_size
-    volumes (the last one padded), so that a compiled device sees one shape."""
-    out = []
-    for i in range(0, len(volumes), batch_size):
-        batch = volumes[i:i + batch_size]
-        n = len(batch)
-        if n < batch_size:
-            batch = torch.cat([batch, batch[-1:].expand(batch_size - n, *batch.shape[1:])])
-        out.append(model.encode(batch.to(device).float()).float().cpu()[:n])
-    return torch.cat(out)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -18,8 +18,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 from config import load_config  # noqa: E402  (the repo's flat modules)
-from probe import (READOUTS, SUITE, encode_volumes, load_labelled_volumes, load_model, phantom_labels,  # noqa: E402
-                   readout_scores, resolve_checkpoint, task_targets)
+from labels import encode_volumes, load_labelled_volumes, phantom_labels, task_targets  # noqa: E402
+from probe import READOUTS, SUITE, load_model, readout_scores, resolve_checkpoint  # noqa: E402
 
 
 def layer_tokens(model: torch.nn.Module, volumes: torch.Tensor) -> list:

@@ -23,7 +23,7 @@ LABEL_CASES = {  # what a labels CSV holds -> what the message must say
 
 @pytest.mark.parametrize("case", sorted(LABEL_CASES))
 def test_a_labels_csv_with_a_mistake_is_refused_by_probe_and_finetune_naming_the_row(case, tmp_path, phantom_dir):
-    from probe import read_labels
+    from labels import read_labels
     from finetune import read_label_table
     text, message = LABEL_CASES[case]
     a, b = sorted(p.name for p in Path(phantom_dir).glob("*.dcm"))[:2]
@@ -39,7 +39,7 @@ def test_a_labels_csv_with_a_mistake_is_refused_by_probe_and_finetune_naming_the
 
 
 def test_a_labels_csv_saved_by_excel_with_a_bom_reads_and_unknown_paths_are_named(tmp_path, phantom_dir, capsys):
-    from probe import read_labels
+    from labels import read_labels
     from finetune import read_label_table
     a, b = sorted(p.name for p in Path(phantom_dir).glob("*.dcm"))[:2]
     for name in (a, b):

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+import labels
 import probe
 from config import load_config
 from model import VJEPA3D, feature_std
@@ -135,7 +136,7 @@ def test_labels_may_hold_series_folders_and_absolute_paths(tmp_path):
     rows = [("/abs/a.dcm", "x"), ("sub/b", "y")]
     (tmp_path / "sub" / "b").mkdir(parents=True)  # one path that exists: the other is named on stderr
     (tmp_path / "labels.csv").write_text("path,label\n" + "".join(f"{p},{l}\n" for p, l in rows))
-    assert probe.read_labels(str(tmp_path / "labels.csv")) == [("/abs/a.dcm", "x"), (str(tmp_path / "sub/b"), "y")]
+    assert labels.read_labels(str(tmp_path / "labels.csv")) == [("/abs/a.dcm", "x"), (str(tmp_path / "sub/b"), "y")]
 
 
 def test_unreadable_labelled_files_are_counted_by_reason(tmp_path, phantom_dir):
@@ -143,7 +144,7 @@ def test_unreadable_labelled_files_are_counted_by_reason(tmp_path, phantom_dir):
     lines = [lines[0]] + [f"{phantom_dir}/{line}" for line in lines[1:]] + ["missing.dcm,none"]
     (tmp_path / "labels.csv").write_text("\n".join(lines) + "\n")
     (tmp_path / "missing.dcm").write_bytes(b"")
-    _, values, skipped = probe.load_labelled_volumes(load_config(TINY), str(tmp_path / "labels.csv"))
+    _, values, skipped = labels.load_labelled_volumes(load_config(TINY), str(tmp_path / "labels.csv"))
     assert len(values["label"]) == 10 and skipped == {"empty_file": 1}
 
 
@@ -304,10 +305,10 @@ def varied_set(tmp_path_factory) -> str:
 
 
 def test_suite_tasks_have_balanced_labels_and_reproducible_splits(varied_set, tmp_path):
-    rows = {c: np.array([r[1] for r in probe.read_labels(f"{varied_set}/labels.csv", (c,))])
+    rows = {c: np.array([r[1] for r in labels.read_labels(f"{varied_set}/labels.csv", (c,))])
             for c in ("lesion", "retina_thickness")}
     for task in probe.SUITE["varied"]:
-        targets, names = probe.task_targets(task, rows[task.column])
+        targets, names = labels.task_targets(task, rows[task.column])
         if task.regression:
             assert len(set(targets)) == len(targets) and names == []  # a number per eye
         else:
