@@ -3,8 +3,8 @@ with a reason that says why they cannot be trained on) and read a volume [D,H,W]
 whole source into an index with the same decision; data.py turns a Volume into training batches.
 
 Reading a file: parse (pydicom; pixel data not decoded) -> Header (maker, size, bit depth, per-frame geometry and
-rescale, spacing tags, a keyed hash of PatientID) -> decode every frame with pydicom's plugins (every transfer syntax they
-decode: native little and big endian, deflated, RLE, JPEG, JPEG-LS, JPEG 2000, HTJ2K; never a rewritten syntax:
+rescale, spacing tags, a keyed hash of PatientID) -> decode every frame with pydicom's plugins (every transfer syntax
+they decode: native little and big endian, deflated, RLE, JPEG, JPEG-LS, JPEG 2000, HTJ2K; never a rewritten syntax:
 incident 11) -> MONOCHROME1 and each frame's rescale. Per-frame functional groups are honoured per frame: a frame's
 own PlaneOrientation/PlanePosition/PixelValueTransformation/PixelMeasures, else the shared groups, else the top level.
 

@@ -16,9 +16,10 @@ of its path below data_root: privacy.volume_key), files, patient (the index's ke
 manufacturer, model, spacing [dz,dy,dx] mm (nan when unknown), shape [D,H,W] as stored, embedding [M,E] (--pool
 mean) or [M, gh*E] (--pool axial: the mean of each depth row of tokens); and skipped_volume, skipped_reason for every
 file the reader or the preprocessing could not use (the reason codes of `python data.py scan`). --with_paths adds
-path (the file, or the folder of a series' files), study, series, skipped_path and skipped_detail, for this machine. Every --save_every volumes the rows done
-are saved in OUT.partial/: the same command started again after a kill computes only the rest, and its file equals
-an uninterrupted run's byte for byte. Static shapes (the last batch is padded): it runs on cpu, cuda and xla.
+path (the file, or the folder of a series' files), study, series, skipped_path and skipped_detail, for this machine.
+Every --save_every volumes the rows done are saved in OUT.partial/: the same command started again after a kill
+computes only the rest (only rows of the same export's contract are reused), and its file equals an uninterrupted
+run's byte for byte. Static shapes (the last batch is padded): it runs on cpu, cuda and xla.
 
 show draws, for one labelled volume of each class and for the encoder beside a random init of its architecture: a
 B-scan and the en-face view of the input, the first three principal components of the patch features as RGB on
