@@ -30,8 +30,8 @@ architecture with the same splits, seeds and budget and adds the paired differen
 Writes each split's result to OUT/folds/ as it finishes (the same command after a kill computes only the rest; --out
 is checked writable before any work), then OUT/report.json and, per fold of the export's full fine-tuning,
 OUT/full/r{repeat}_f{fold}/: config.json and encoder.safetensors (model.load_encoder reads them),
-heads.safetensors (the heads of finetune.Classifier) and fold.json (classes, task, the keyed ids of each part's volumes, scores, the loss of every epoch); none of them
-holds a path (docs/privacy.md). The config flags that apply:
+heads.safetensors (the heads of finetune.Classifier) and fold.json (classes, task, the keyed ids of each part's
+volumes, scores, the loss of every epoch); none of them holds a path (docs/privacy.md). The config flags that apply:
 device, seed (splits, probes, heads and the random init follow from it).
 """
 import copy
