@@ -1,6 +1,7 @@
 """Checkpoints and the run folder: the checkpoint file (local or gs://, through storage.py) and its content, the
-resume timeline (which file a resume continues from, what is set aside and why), restore, the plan a resume
-continues, and the run folder.
+resume timeline (which file a resume continues from; a file is set aside only when shown to be damaged, and a run
+never starts from scratch over its own checkpoints), restore, the plan and settings a resume continues, and the run
+folder with its lock (one process at a time).
 
 train.py calls these; probe.py and encoder.py read checkpoints with read_checkpoint. runtime.py gives the devices,
 processes and collectives they run on.

@@ -4,8 +4,8 @@ rejected with a reason) and reads a volume [D,H,W] with its spacing; index.py sc
 the same decision; data.py turns a Volume into training batches.
 
 Reading a file: parse (pydicom; pixel data not decoded) -> Header (maker, size, bit depth, per-frame geometry and
-rescale, spacing tags, a keyed hash of PatientID) -> decode every frame with pydicom's plugins (every transfer syntax they
-decode: native little and big endian, deflated, RLE, JPEG, JPEG-LS, JPEG 2000, HTJ2K; never a rewritten syntax:
+rescale, spacing tags, a keyed hash of PatientID) -> decode every frame with pydicom's plugins (every transfer syntax
+they decode: native little and big endian, deflated, RLE, JPEG, JPEG-LS, JPEG 2000, HTJ2K; never a rewritten syntax:
 incident 11) -> MONOCHROME1 and each frame's rescale. Per-frame functional groups are honoured per frame: a frame's
 own PlaneOrientation/PlanePosition/PixelValueTransformation/PixelMeasures, else the shared groups, else the top level.
 

@@ -23,8 +23,9 @@ standardized rows), position_share (the share of token variance grid position ex
 skipped_reason for every file the reader or the preprocessing could not use (the reason codes of `python data.py
 scan`). --with_paths adds path (the file, or the folder of a series' files), study, series, skipped_path and
 skipped_detail, for this machine only. Every --save_every volumes the rows done are saved in OUT.partial/: the same
-command started again after a kill computes only the rest, and its file equals an uninterrupted run's byte for
-byte. Static shapes (the last batch is padded): it runs on cpu, cuda and xla.
+command started again after a kill computes only the rest (only rows of the same export's contract are reused),
+and its file equals an uninterrupted run's byte for byte. Static shapes (the last batch is padded): it runs on cpu,
+cuda and xla.
 
 show draws, for one labelled volume of each class and for the encoder beside a random init of its architecture: a
 B-scan and the en-face view of the input, the first three principal components of the patch features as RGB on

@@ -137,7 +137,8 @@ def test_a_gcs_checkpoint_folder_is_leased_to_one_run_at_a_time(tmp_path, smoke_
     taken_over = train_process([*flags, "--run_name", "other", "--resume", "auto"],
                                popen={"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL})
     try:  # a killed process's lease does not block the folder
-        wait_for(lambda: events_file.exists() and '"event": "resume"' in events_file.read_text(), taken_over, "it resumed")
+        wait_for(lambda: events_file.exists() and '"event": "resume"' in events_file.read_text(), taken_over,
+                 "it resumed")
         taken_over.send_signal(signal.SIGTERM)
         assert taken_over.wait(timeout=300) == 75
     finally:
