@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from checkpoint import list_checkpoints
-from test_resume import events
-from test_train import REPO, smoke_flags
+from helpers import REPO, events, smoke_flags
 from train import main
 
 

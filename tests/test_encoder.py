@@ -168,7 +168,7 @@ def rewrite_weights(directory: Path, edit) -> None:
 
 def resign(directory: Path, payload: bytes) -> None:
     """Replace an export's weights file and record its sha256 in config.json, as a careless user would."""
-    directory.joinpath("encoder.safetensors").write_bytes(payload)
+    directory.joinpath(model.WEIGHTS_FILE).write_bytes(payload)
     edit_config(directory, lambda c: c["weights"].update(sha256=hashlib.sha256(payload).hexdigest()))
 
 
@@ -199,7 +199,7 @@ TAMPERINGS = {
         "architecture.depth: 2 -> 64; architecture.embed_dim: 48 -> 8192; architecture.num_heads: 4 -> 64"),
     "a JSON list": (lambda d: d.joinpath("config.json").write_text("[1, 2]"), "holds a JSON list"),
     "not UTF-8": (lambda d: d.joinpath("config.json").write_bytes(b'{"format": "\xff\xfe"}'), "is not valid JSON"),
-    "weights cut short and re-signed": (lambda d: resign(d, d.joinpath("encoder.safetensors").read_bytes()[:-64]),
+    "weights cut short and re-signed": (lambda d: resign(d, d.joinpath(model.WEIGHTS_FILE).read_bytes()[:-64]),
                                         "cut short or padded"),
     "a field missing": (lambda d: edit_config(d, lambda c: c["architecture"].pop("embed_dim")),
                         "architecture.embed_dim is missing"),

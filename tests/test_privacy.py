@@ -15,8 +15,8 @@ import pytest
 
 import data
 from config import ConfigError, load_config
+from helpers import REPO
 from index import list_sources, read_index, scan_files
-from test_train import REPO
 
 
 def clinic_copy(phantom_dir, out):
