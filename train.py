@@ -559,9 +559,10 @@ def probe_and_log(run: Run) -> None:
 
 
 def save(run: Run, best: bool, final: bool = False) -> None:
-    """Checkpoint the current update (and best.pt when `best`) in every process. A write that still fails after
-    ckpt_retry_minutes is skipped (a checkpoint_failed event); a second failure in a row, or a failed `final`
-    checkpoint (the end of the run, a preemption), stops every process with StorageFailed (exit 74)."""
+    """Checkpoint the current update (and best.pt when `best`) in every process. A write that fails (a transient
+    error after ckpt_retry_minutes of retries, a permanent one at once) is skipped (a checkpoint_failed event); a
+    second failure in a row, or a failed `final` checkpoint (the end of the run, a preemption), stops every process
+    with StorageFailed (exit 74)."""
     cfg, state, log = run.cfg, run.state, run.log
     path = checkpoint_path(cfg.ckpt_dir, state.step)
     error = checkpoint_everywhere(path, run.model, run.optimizer, state, run.plan_record, cfg, run.rt, best,
@@ -572,14 +573,14 @@ def save(run: Run, best: bool, final: bool = False) -> None:
         log.event("checkpoint", state.step, path=path, best=best)
         return
     run.failed_ckpts += 1
-    log.event("checkpoint_failed", state.step, path=path, error=error, retried_minutes=cfg.ckpt_retry_minutes)
+    log.event("checkpoint_failed", state.step, path=path, error=error)
     if final or run.failed_ckpts > 1:
         which = "the checkpoint of the run's last update" if final else "a second checkpoint in a row"
-        raise StorageFailed(f"{which}, {path}, could not be written after retrying for {cfg.ckpt_retry_minutes:g} "
-                            f"min: {error}. The last checkpoint written is {run.last_ckpt or 'none'}; run the same "
-                            f"command with --resume auto when the storage is back.")
-    log.print(f"WARNING: checkpoint {path} skipped after {cfg.ckpt_retry_minutes:g} min of retries ({error}); training "
-              f"goes on from {run.last_ckpt or 'no checkpoint'}; a second failure in a row stops the run (exit 74)")
+        raise StorageFailed(f"{which}, {path}, could not be written: {error}. The last checkpoint written is "
+                            f"{run.last_ckpt or 'none'}; run the same command with --resume auto when the storage "
+                            f"is back.")
+    log.print(f"WARNING: checkpoint {path} skipped ({error}); training goes on from "
+              f"{run.last_ckpt or 'no checkpoint'}; a second failure in a row stops the run (exit 74)")
 
 
 def rollback(run: Run, lr: float) -> None:
