@@ -36,9 +36,10 @@ from runlog import (RunLog, Throughput, describe_run, format_train_line, json_nu
 from checkpoint import (check_checkpoint_folder, checkpoint_everywhere, checkpoint_path, load_resume_checkpoint,
                         plan_record, read_checkpoint, resolve_run_dir, restore, resumed_plan, run_folder_lock,
                         split_fingerprint)
-from runtime import (PendingDeviceStats, Runtime, StopSignals, adamw_state, any_process, check_ranks_agree,
-                     gather_objects, global_value, mark_step, master_decides, place_model, probes_in_this_process,
-                     reduce_mean, setup_runtime, state_bytes_per_device, to_device, wrap_ddp, xla_counters)
+from runtime import (PendingDeviceStats, Runtime, StopRequested, StopSignals, adamw_state, any_process,
+                     check_ranks_agree, gather_objects, global_value, mark_step, master_decides, place_model,
+                     probes_in_this_process, reduce_mean, setup_runtime, state_bytes_per_device, to_device, wrap_ddp,
+                     xla_counters)
 from schedules import Hyperparameters, describe_extension, hyperparameters_at
 
 # ----------------------------------------------------------------------------------------------------------
@@ -433,7 +434,7 @@ def train(cfg: Config, rt: Runtime) -> int:
         mark_step(rt)  # XLA: weights and optimizer state materialised now: update 1 compiles the graph update 2 reuses
         run.log.device_memory(run.state.step, state_bytes_per_device(run.model, run.optimizer, rt), rt)  # collective
         train_loop(run, signals)
-    finish(run)
+        finish(run, signals)
     return EXIT_OK
 
 
@@ -609,13 +610,18 @@ def rollback(run: Run, lr: float) -> None:
               f"skipping {state.data_skip} updates' worth of data")
 
 
-def finish(run: Run) -> None:
-    """The end of the run: does the encoder beat a random one (summary_probe), training.png, the summary."""
+def finish(run: Run, signals: StopSignals) -> None:
+    """The end of the run: does the encoder beat a random one (summary_probe), training.png, the summary. A stop
+    signal during the probe (or since the last update) ends the run as one in the loop does (Preempted)."""
     cfg, log = run.cfg, run.log
     versus_random = None
     if cfg.summary_probe and probes_in_this_process(run.rt):
-        probe_set = run.probe_set or prepare_probe_set(cfg, cfg.probe_labels)
-        versus_random = compare_with_random(run.model, cfg, probe_set, run.rt.device)
+        try:
+            with signals.at_once():
+                probe_set = run.probe_set or prepare_probe_set(cfg, cfg.probe_labels)
+                versus_random = compare_with_random(run.model, cfg, probe_set, run.rt.device)
+        except StopRequested:
+            raise preempted(run, [signals.received]) from None
         log.event("summary_probe", run.state.step, **versus_random)
     if log.active:
         save_training_plot(log.history, os.path.join(run.run_dir, "training.png"))
