@@ -257,6 +257,7 @@ def validate(model: VJEPA3D, loader, volumes: int, cfg: Config, rt: Runtime, max
     tokens) and position share (all of those) of the run's `volumes` val volumes, the same on any process count."""
     model.eval()
     indices = iter(range(rt.process_index, volumes, rt.process_count))  # the order of make_val_loader's volumes
+    unseen = len(range(rt.process_index, volumes, rt.process_count))  # then make_val_loader's padding, if any
     per_volume = math.ceil(max_tokens / max(1, volumes))
     loss_sum, target_tokens, target_sums, token_sums, feats = 0.0, 0, 0.0, 0.0, []  # feats: (index, [per_volume, E])
     for batch in loader:
@@ -264,6 +265,9 @@ def validate(model: VJEPA3D, loader, volumes: int, cfg: Config, rt: Runtime, max
         with torch.autocast(rt.kind, dtype=torch.bfloat16, enabled=cfg.use_bf16):
             out = model(batch["volume"], batch["context_idx"], batch["target_idx"])
             tokens = model.encode(batch["volume"]).float().cpu()  # [B, N, E]
+        if unseen <= 0:  # a padding batch: run only so that a sharded model's processes gather weights together
+            continue
+        unseen -= len(tokens)
         target = out.target.float().cpu().double().flatten(0, -2)  # [B * Nt, E]
         loss_sum, target_tokens = loss_sum + float(out.loss) * len(tokens), target_tokens + len(target)
         token_sums = token_sums + position_sums(tokens)  # [2, N, E]
@@ -341,10 +345,10 @@ class Run:
 
     @property
     def val_volumes(self) -> int:
-        """The first val_batches x global_batch_size val volumes, the same on any number of processes (XLA and sharded
-        runs: a multiple of the device count, as every device takes part in each forward); 0 turns validation off."""
+        """The first val_batches x global_batch_size val volumes, the same on any number of processes (XLA: a
+        multiple of the device count, as every device takes part in each forward); 0 turns validation off."""
         volumes = min(len(self.val_ds), self.cfg.val_batches * self.plan.global_batch_size)
-        return volumes - volumes % self.rt.world_size if self.rt.kind == "xla" or self.rt.sharded else volumes
+        return volumes - volumes % self.rt.world_size if self.rt.kind == "xla" else volumes
 
     @property
     def checkpoint_time_due(self) -> bool:
