@@ -140,15 +140,16 @@ def checkpoint_everywhere(path: str, model: torch.nn.Module, optimizer, state, p
     save_checkpoint's retries for ckpt_retry_minutes. The master builds the state and writes it (on XLA every host
     takes part in fetching it, and every FSDP2 process in gathering it: a sharded array needs them all); then every
     process learns how that went, so none rolls back to a file not written yet. Returns the write's last error
-    (repr) or None, the same in every process."""
+    (repr, and whether it was retried) or None, the same in every process."""
     error = None
     if rt.is_master or rt.kind == "xla" or rt.sharded:
         ckpt = {**checkpoint_state(model, optimizer, state, cfg, rt), "plan": plan}
     if rt.is_master:
         try:
             save_checkpoint(path, ckpt, cfg.keep_last, best, 60 * cfg.ckpt_retry_minutes, on_error)
-        except storage_errors() as e:
-            error = repr(e)
+        except storage_errors() as e:  # what happened, as the event and the messages say it
+            error = (f"{e!r}, still failing after retrying for {cfg.ckpt_retry_minutes:g} min" if is_transient(e)
+                     else f"{e!r}, a permanent error (not retried)")
     return broadcast_from_master(error, rt)
 
 

@@ -474,8 +474,11 @@ def make_val_loader(dataset: OCTDataset, volumes: int, batch_size: int, workers:
                     process_count: int = 1) -> torch.utils.data.DataLoader:
     """The first `volumes` volumes of a validation split, volume i read by process i % process_count, in order, in
     batches of up to batch_size (the last one may be smaller): the same volumes, crops and masks on any number of
-    processes."""
+    processes. Every process gets as many batches (a sharded forward needs them all): one that runs out first gets a
+    last batch of volume 0 alone, which train.validate leaves out."""
     keys = [(0, i) for i in range(rank, volumes, process_count)]
+    if math.ceil(len(keys) / batch_size) < math.ceil(math.ceil(volumes / process_count) / batch_size):
+        keys.append((0, 0))
     return torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=keys, num_workers=workers,
                                        collate_fn=collate, worker_init_fn=leave_stop_signals_to_main)
 

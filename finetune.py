@@ -40,10 +40,11 @@ import json
 import math
 import os
 import sys
+import tempfile
 import warnings
 from collections import Counter
 from dataclasses import dataclass, replace
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import safetensors.torch
@@ -70,10 +71,29 @@ MODES = ("frozen", "full")
 PATIENT_COLUMN = "patient"
 
 
+class PreparedVolumes:
+    """Prepared volumes [d,h,w] kept on disk, in a temporary folder ($TMPDIR; removed with this object, or at exit)
+    and read one at a time, so that memory stays flat in their number."""
+
+    def __init__(self):
+        self.folder = tempfile.TemporaryDirectory(prefix="octjepa-finetune-")
+        self.count = 0
+
+    def append(self, volume: np.ndarray) -> None:
+        np.save(os.path.join(self.folder.name, f"{self.count}.npy"), volume)
+        self.count += 1
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return np.load(os.path.join(self.folder.name, f"{i}.npy"))
+
+
 @dataclass
 class LabelledSet:
-    """Labelled volumes held in memory, preprocessed up to the crop (data.resample_and_clip, the cacheable part)."""
-    prepared: List[np.ndarray]  # [d,h,w] uint8/uint16 per volume
+    """Labelled volumes, preprocessed up to the crop (data.resample_and_clip, the cacheable part), on disk."""
+    prepared: Sequence[np.ndarray]  # [d,h,w] uint8/uint16 per volume (PreparedVolumes)
     targets: np.ndarray  # [M] class ids, or [M, C] of 0/1 (multilabel)
     classes: List[str]
     task: str  # binary | multiclass | multilabel
@@ -138,7 +158,7 @@ def load_labelled_set(labels_csv: str, cfg: Config) -> LabelledSet:
     """The labelled volumes of a CSV read and prepared with cfg (an export's settings); unusable files are left out
     and counted by reason."""
     paths, targets, classes, task, patients = read_label_table(labels_csv)
-    keep, prepared, keys, skipped = [], [], [], Counter()
+    keep, prepared, keys, skipped = [], PreparedVolumes(), [], Counter()
     for i, path in enumerate(counted(paths, "read", "volume")):
         try:
             volume = read_volume(path, cfg.sop_classes)
@@ -155,6 +175,20 @@ def load_labelled_set(labels_csv: str, cfg: Config) -> LabelledSet:
 def model_inputs(data: LabelledSet, idx, cfg: Config, rng: Optional[np.random.Generator] = None) -> torch.Tensor:
     """Volumes [len(idx),1,D,H,W] of data[idx]: validation crops, or training samples (augmented) given an rng."""
     return torch.stack([to_sample(data.prepared[i], cfg, rng, train=rng is not None) for i in idx])
+
+
+def labelled_tokens(encoder: PretrainedEncoder, data: LabelledSet, cfg: Config, device,
+                    batch_size: int = 8) -> torch.Tensor:
+    """Frozen tokens [M, N, E] (CPU) of every labelled volume, read and encoded batch by batch (labels.encode_volumes'
+    batches: the same tokens), so that only the tokens, not the volumes, are held."""
+    count = len(data.paths)
+    tokens = None
+    for i in range(0, count, batch_size):
+        part = encode_volumes(encoder, model_inputs(data, range(i, min(i + batch_size, count)), cfg), device,
+                              batch_size)
+        tokens = torch.empty(count, *part.shape[1:]) if tokens is None else tokens
+        tokens[i:i + len(part)] = part
+    return tokens
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -404,7 +438,7 @@ def run_arm(arm: str, encoder: PretrainedEncoder, data: LabelledSet, splits: Lis
     (save_fold). done: {'directory', 'fingerprint'} where each split's result is written as it finishes and found
     again by the same command after a kill (fold_result)."""
     results: Dict[str, List[dict]] = {}
-    tokens = encode_volumes(encoder.to(device), model_inputs(data, range(len(data.paths)), cfg), device).cpu()
+    tokens = labelled_tokens(encoder.to(device), data, cfg, device)
     if "frozen" in modes:
         for s in splits:
             train_idx, test_idx = s["split"]

@@ -6,6 +6,7 @@ train.py runs the loop on these; probe.py and bench.py use them without importin
 the model or the loss (sharding asks the model for its shard_units()).
 """
 import atexit
+import contextlib
 import functools
 import gc
 import math
@@ -180,6 +181,19 @@ class StopSignals:
     def __init__(self):
         self.received: Optional[str] = None
         self.previous = {}
+        self.interrupting = False
+
+    @contextlib.contextmanager
+    def at_once(self):
+        """Within it, a stop signal (or one received before) raises StopRequested out of the code running, for work
+        that has no update boundary to wait for (the end-of-run summary probe: the checkpoint is written)."""
+        if self.received is not None:
+            raise StopRequested(self.received)
+        self.interrupting = True
+        try:
+            yield
+        finally:
+            self.interrupting = False
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():  # Python delivers signals to the main thread only
@@ -194,8 +208,14 @@ class StopSignals:
         self.received = signal.Signals(signum).name
         for sig in self.SIGNALS:
             signal.signal(sig, signal.SIG_DFL)
+        if self.interrupting:
+            raise StopRequested(self.received)
         os.write(2, f"\n{self.received}: the run stops after this update with a checkpoint; send it again to stop "
                     f"at once (losing the updates since the last checkpoint)\n".encode())
+
+
+class StopRequested(Exception):
+    """A stop signal inside StopSignals.at_once(): the work in progress is abandoned."""
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -36,9 +36,10 @@ from runlog import (RunLog, Throughput, describe_run, format_train_line, json_nu
 from checkpoint import (check_checkpoint_folder, checkpoint_everywhere, checkpoint_path, load_resume_checkpoint,
                         plan_record, read_checkpoint, resolve_run_dir, restore, resumed_plan, run_folder_lock,
                         split_fingerprint)
-from runtime import (PendingDeviceStats, Runtime, StopSignals, adamw_state, any_process, check_ranks_agree,
-                     gather_objects, global_value, mark_step, master_decides, place_model, probes_in_this_process,
-                     reduce_mean, setup_runtime, state_bytes_per_device, to_device, wrap_ddp, xla_counters)
+from runtime import (PendingDeviceStats, Runtime, StopRequested, StopSignals, adamw_state, any_process,
+                     check_ranks_agree, gather_objects, global_value, mark_step, master_decides, place_model,
+                     probes_in_this_process, reduce_mean, setup_runtime, state_bytes_per_device, to_device, wrap_ddp,
+                     xla_counters)
 from schedules import Hyperparameters, describe_extension, hyperparameters_at
 
 # ----------------------------------------------------------------------------------------------------------
@@ -256,6 +257,7 @@ def validate(model: VJEPA3D, loader, volumes: int, cfg: Config, rt: Runtime, max
     tokens) and position share (all of those) of the run's `volumes` val volumes, the same on any process count."""
     model.eval()
     indices = iter(range(rt.process_index, volumes, rt.process_count))  # the order of make_val_loader's volumes
+    unseen = len(range(rt.process_index, volumes, rt.process_count))  # then make_val_loader's padding, if any
     per_volume = math.ceil(max_tokens / max(1, volumes))
     loss_sum, target_tokens, target_sums, token_sums, feats = 0.0, 0, 0.0, 0.0, []  # feats: (index, [per_volume, E])
     for batch in loader:
@@ -263,6 +265,9 @@ def validate(model: VJEPA3D, loader, volumes: int, cfg: Config, rt: Runtime, max
         with torch.autocast(rt.kind, dtype=torch.bfloat16, enabled=cfg.use_bf16):
             out = model(batch["volume"], batch["context_idx"], batch["target_idx"])
             tokens = model.encode(batch["volume"]).float().cpu()  # [B, N, E]
+        if unseen <= 0:  # a padding batch: run only so that a sharded model's processes gather weights together
+            continue
+        unseen -= len(tokens)
         target = out.target.float().cpu().double().flatten(0, -2)  # [B * Nt, E]
         loss_sum, target_tokens = loss_sum + float(out.loss) * len(tokens), target_tokens + len(target)
         token_sums = token_sums + position_sums(tokens)  # [2, N, E]
@@ -340,10 +345,10 @@ class Run:
 
     @property
     def val_volumes(self) -> int:
-        """The first val_batches x global_batch_size val volumes, the same on any number of processes (XLA and sharded
-        runs: a multiple of the device count, as every device takes part in each forward); 0 turns validation off."""
+        """The first val_batches x global_batch_size val volumes, the same on any number of processes (XLA: a
+        multiple of the device count, as every device takes part in each forward); 0 turns validation off."""
         volumes = min(len(self.val_ds), self.cfg.val_batches * self.plan.global_batch_size)
-        return volumes - volumes % self.rt.world_size if self.rt.kind == "xla" or self.rt.sharded else volumes
+        return volumes - volumes % self.rt.world_size if self.rt.kind == "xla" else volumes
 
     @property
     def checkpoint_time_due(self) -> bool:
@@ -433,7 +438,7 @@ def train(cfg: Config, rt: Runtime) -> int:
         mark_step(rt)  # XLA: weights and optimizer state materialised now: update 1 compiles the graph update 2 reuses
         run.log.device_memory(run.state.step, state_bytes_per_device(run.model, run.optimizer, rt), rt)  # collective
         train_loop(run, signals)
-    finish(run)
+        finish(run, signals)
     return EXIT_OK
 
 
@@ -559,9 +564,10 @@ def probe_and_log(run: Run) -> None:
 
 
 def save(run: Run, best: bool, final: bool = False) -> None:
-    """Checkpoint the current update (and best.pt when `best`) in every process. A write that still fails after
-    ckpt_retry_minutes is skipped (a checkpoint_failed event); a second failure in a row, or a failed `final`
-    checkpoint (the end of the run, a preemption), stops every process with StorageFailed (exit 74)."""
+    """Checkpoint the current update (and best.pt when `best`) in every process. A write that fails (a transient
+    error after ckpt_retry_minutes of retries, a permanent one at once) is skipped (a checkpoint_failed event); a
+    second failure in a row, or a failed `final` checkpoint (the end of the run, a preemption), stops every process
+    with StorageFailed (exit 74)."""
     cfg, state, log = run.cfg, run.state, run.log
     path = checkpoint_path(cfg.ckpt_dir, state.step)
     error = checkpoint_everywhere(path, run.model, run.optimizer, state, run.plan_record, cfg, run.rt, best,
@@ -572,14 +578,14 @@ def save(run: Run, best: bool, final: bool = False) -> None:
         log.event("checkpoint", state.step, path=path, best=best)
         return
     run.failed_ckpts += 1
-    log.event("checkpoint_failed", state.step, path=path, error=error, retried_minutes=cfg.ckpt_retry_minutes)
+    log.event("checkpoint_failed", state.step, path=path, error=error)
     if final or run.failed_ckpts > 1:
         which = "the checkpoint of the run's last update" if final else "a second checkpoint in a row"
-        raise StorageFailed(f"{which}, {path}, could not be written after retrying for {cfg.ckpt_retry_minutes:g} "
-                            f"min: {error}. The last checkpoint written is {run.last_ckpt or 'none'}; run the same "
-                            f"command with --resume auto when the storage is back.")
-    log.print(f"WARNING: checkpoint {path} skipped after {cfg.ckpt_retry_minutes:g} min of retries ({error}); training "
-              f"goes on from {run.last_ckpt or 'no checkpoint'}; a second failure in a row stops the run (exit 74)")
+        raise StorageFailed(f"{which}, {path}, could not be written: {error}. The last checkpoint written is "
+                            f"{run.last_ckpt or 'none'}; run the same command with --resume auto when the storage "
+                            f"is back.")
+    log.print(f"WARNING: checkpoint {path} skipped ({error}); training goes on from "
+              f"{run.last_ckpt or 'no checkpoint'}; a second failure in a row stops the run (exit 74)")
 
 
 def rollback(run: Run, lr: float) -> None:
@@ -608,13 +614,18 @@ def rollback(run: Run, lr: float) -> None:
               f"skipping {state.data_skip} updates' worth of data")
 
 
-def finish(run: Run) -> None:
-    """The end of the run: does the encoder beat a random one (summary_probe), training.png, the summary."""
+def finish(run: Run, signals: StopSignals) -> None:
+    """The end of the run: does the encoder beat a random one (summary_probe), training.png, the summary. A stop
+    signal during the probe (or since the last update) ends the run as one in the loop does (Preempted)."""
     cfg, log = run.cfg, run.log
     versus_random = None
     if cfg.summary_probe and probes_in_this_process(run.rt):
-        probe_set = run.probe_set or prepare_probe_set(cfg, cfg.probe_labels)
-        versus_random = compare_with_random(run.model, cfg, probe_set, run.rt.device)
+        try:
+            with signals.at_once():
+                probe_set = run.probe_set or prepare_probe_set(cfg, cfg.probe_labels)
+                versus_random = compare_with_random(run.model, cfg, probe_set, run.rt.device)
+        except StopRequested:
+            raise preempted(run, [signals.received]) from None
         log.event("summary_probe", run.state.step, **versus_random)
     if log.active:
         save_training_plot(log.history, os.path.join(run.run_dir, "training.png"))

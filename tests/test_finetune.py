@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -120,6 +121,17 @@ def test_full_finetuning_keeps_each_folds_best_model_which_loads_and_scores_as_r
 
 
 @pytest.mark.slow
+def test_the_labelled_volumes_wait_on_disk_not_in_memory(export_dir, binary_labels):
+    settings = load_encoder(export_dir).settings
+    finetune.load_labelled_set(binary_labels, settings)  # the reader's imports and caches, once
+    tracemalloc.start()  # numpy's arrays are traced
+    data = finetune.load_labelled_set(binary_labels, settings)
+    held = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    volumes = sum(data.prepared[i].nbytes for i in range(len(data.paths)))
+    assert held < volumes, (held, volumes)  # before: all of them and more; memory flat in their number
+
+
 def test_multi_label_csv_is_read_with_a_column_per_class_and_scored_per_class(export_dir, smoke_phantoms, tmp_path):
     labels = write_labels(tmp_path / "multi.csv", smoke_phantoms, ["path", "drusen", "fluid", "patient"],
                           lambda i, _: [(i // 2) % 2, (i // 4) % 2, f"p{i // 2}"])

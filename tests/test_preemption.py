@@ -72,6 +72,23 @@ def test_sigterm_sigkill_and_ctrl_c_lose_no_completed_update_and_the_resumed_run
     assert [r["loss"] for r in metrics(b, "val")] == [r["loss"] for r in metrics(a, "val")]
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
+def test_a_stop_during_the_summary_probe_is_a_preemption_after_the_last_checkpoint(tmp_path, smoke_phantoms, sig):
+    process = start_train(smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "4", "--summary_probe", "true"))
+    run_dir, deadline = tmp_path / "runs" / "r", time.time() + 300
+    while not ((run_dir / "events.jsonl").exists() and any(e["step"] == 4 for e in events(run_dir, "checkpoint"))):
+        assert process.poll() is None and time.time() < deadline, process.communicate()[1][-3000:]
+        time.sleep(0.02)
+    os.killpg(process.pid, sig)  # the last checkpoint is written: the summary probe is next, or under way
+    _, err = process.communicate(timeout=300)
+    assert process.returncode == PREEMPTED, err[-3000:]
+    (stop,) = events(run_dir, "preempted")
+    assert stop["signals"] == [signal.Signals(sig).name] and stop["step"] == 4
+    assert stop["checkpoint"].endswith("step_0000004.pt")
+    assert not events(run_dir, "summary_probe") and "Traceback" not in err
+    assert f"preempted: {signal.Signals(sig).name} at update 4" in err
+
+
 def test_a_first_signal_asks_to_stop_and_a_second_one_stops_the_process_at_once():
     child = subprocess.run([sys.executable, "-c", (
         "import os, signal, sys, time; sys.path.insert(0, sys.argv[1]); from runtime import StopSignals\n"

@@ -62,6 +62,16 @@ def test_a_full_disk_skips_one_checkpoint_then_stops_with_exit_74_and_loses_noth
     assert read_checkpoint(str(ckpt_dir / "step_0000004.pt"))["train_state"]["step"] == 4
 
 
+def test_a_checkpoint_that_fails_for_a_permanent_reason_says_it_was_not_retried(tmp_path, smoke_phantoms, capsys):
+    ckpt_dir = tmp_path / "runs" / "r" / "checkpoints"
+    (ckpt_dir / "best.pt").mkdir(parents=True)  # a folder where best.pt goes: os.replace fails, EISDIR
+    assert main(smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "4", "--summary_probe", "false")) == STORAGE_FAILED
+    error = events(tmp_path / "runs" / "r", "checkpoint_failed")[0]["error"]
+    assert "IsADirectoryError" in error and "a permanent error (not retried)" in error and "min" not in error
+    err = capsys.readouterr().err
+    assert "a permanent error (not retried)" in err and "retries" not in err and "retrying" not in err
+
+
 @pytest.mark.slow
 def test_a_gcs_outage_longer_than_gcsfs_retries_is_outlasted(tmp_path, smoke_phantoms, monkeypatch):
     emulator = GCSEmulator(tmp_path)
