@@ -298,14 +298,9 @@ class VJEPA3D(nn.Module):
                                      f"[{int(idx.min())}, {int(idx.max())}]")
 
     @torch.no_grad()
-    def target_features(self, volume: torch.Tensor, target_idx: torch.Tensor) -> torch.Tensor:
-        """Layer-normed EMA-encoder features at target_idx [B*M, Nt] (M mask sets per volume): [B*M, Nt, E], or
-        [B*M, Nt, L*E] with L target levels (each level layer-normed on its own)."""
-        return gather_tokens(self.all_target_features(volume, target_idx.shape[0]), target_idx)
-
-    @torch.no_grad()
     def all_target_features(self, volume: torch.Tensor, rows: int) -> torch.Tensor:
-        """The layer-normed target features of every token, repeated to `rows` = B*M rows: [B*M, N, L*E]."""
+        """The layer-normed EMA-encoder features of every token, repeated to `rows` = B*M rows (M mask sets per
+        volume): [B*M, N, E], or [B*M, N, L*E] with L target levels (each level layer-normed on its own)."""
         h = layer_norm_levels(self.target_encoder(volume, levels=self.levels), max(1, len(self.levels)))
         return h.repeat_interleave(rows // h.shape[0], dim=0)
 

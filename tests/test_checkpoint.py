@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from checkpoint import list_checkpoints
+from checkpoint import list_checkpoints, step_of
 from helpers import REPO, events, smoke_flags
 from train import main
 
@@ -110,6 +110,8 @@ def test_a_second_process_on_a_live_run_folder_exits_2_naming_it_and_a_killed_on
     try:
         wait_for(lambda: '"event": "resume"' in (run_dir / "events.jsonl").read_text(), third, "it resumed")
         assert f'"pid": {third.pid}' in (run_dir / ".octjepa-lock").read_text()
+        resumed = events(run_dir, "resume")[-1]["step"]  # a checkpoint past it: the loop (and its stop signals) runs
+        wait_for(lambda: step_of(list_checkpoints(str(run_dir / "checkpoints"))[0]) > resumed, third, "it trained on")
         third.send_signal(signal.SIGTERM)
         assert third.wait(timeout=300) == 75
     finally:

@@ -271,7 +271,8 @@ def test_a_manual_rollback_abandons_the_later_checkpoints_for_good(tmp_path, smo
     assert main([*flags, "--resume", str(ckpt_dir / "step_0000010.pt")]) == 75
     monkeypatch.undo()
     abandoned = events(tmp_path / "runs" / "r", "abandoned_checkpoint")
-    assert sorted(Path(e["path"]).name for e in abandoned) == ["step_0000015.pt", "step_0000020.pt"]
+    # best.pt (validated at update 20) is newer than update 10: set aside too, never overwritten by the new timeline
+    assert sorted(Path(e["path"]).name for e in abandoned) == ["best.pt", "step_0000015.pt", "step_0000020.pt"]
     assert main([*flags, "--resume", "auto"]) == 0  # continues the rolled-back timeline, not the abandoned one
     assert [e["step"] for e in events(tmp_path / "runs" / "r", "resume")] == [10, 13]
     assert [r["step"] for r in metrics(tmp_path / "runs" / "r")] == list(range(1, 21))

@@ -111,9 +111,9 @@ def test_sanity_fails_when_the_optimizer_never_steps(capsys, tmp_path, smoke_pha
 
 
 def test_sanity_fails_when_the_target_collapses_to_a_constant(capsys, tmp_path, smoke_phantoms, monkeypatch):
-    def constant_target(self, volume, target_idx):  # the loss falls to 0 and means nothing (incident 12)
-        return torch.zeros(*target_idx.shape, self.target_encoder.norm.normalized_shape[0])
-    monkeypatch.setattr(model.VJEPA3D, "target_features", constant_target)
+    def constant_target(self, volume, rows):  # the loss falls to 0 and means nothing (incident 12)
+        return torch.zeros(rows, self.num_tokens, self.target_encoder.norm.normalized_shape[0])
+    monkeypatch.setattr(model.VJEPA3D, "all_target_features", constant_target)
     code, out = run_sanity(capsys, tmp_path, smoke_phantoms, "--checks", "ema_training")
     assert code == 1
     assert "min target_std 0.000" in row(out, "ema_training")
@@ -128,7 +128,7 @@ def test_sanity_fails_when_the_target_encoder_receives_gradients(capsys, tmp_pat
         m.target_encoder.requires_grad_(True)
         return m
     monkeypatch.setattr(model.VJEPA3D, "from_config", staticmethod(trainable_target))
-    monkeypatch.setattr(model.VJEPA3D, "target_features", model.VJEPA3D.target_features.__wrapped__)  # no no_grad
+    monkeypatch.setattr(model.VJEPA3D, "all_target_features", model.VJEPA3D.all_target_features.__wrapped__)  # no no_grad
     code, out = run_sanity(capsys, tmp_path, smoke_phantoms, "--checks", "model")
     assert code == 1
     assert "FAIL" in row(out, "model")
