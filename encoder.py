@@ -29,7 +29,8 @@ cuda and xla.
 
 show draws, for one labelled volume of each class and for the encoder beside a random init of its architecture: a
 B-scan and the en-face view of the input, the first three principal components of the patch features as RGB on
-both, and where an attentive probe (probe.py) trained on the labelled volumes looks.
+both, and where an attentive probe (probe.py) trained on the labelled volumes looks (the PCA and the probe fit on at
+most --fit_volumes of them: memory does not grow with the labels file).
 
 Each command takes only the config flags it lists under its --help; the export brings its own model and
 preprocessing. Exit codes: config.EXIT_CODES (a bad argument or export is a ConfigError, no usable volume
@@ -62,7 +63,7 @@ from model import (CONFIG_FILE, POOL_ALIASES, POOLS, WEIGHTS_FILE, ExportError, 
                    load_encoder, pool_name, pool_tokens, random_encoder)
 from privacy import share_safe_source, volume_key
 from labels import read_labels, task_targets
-from probe import Task, fit_attentive, probe_device, resolve_checkpoint
+from probe import Task, fit_attentive, probe_device, resolve_checkpoint, stratified_split
 from runlog import counted, progress
 from runtime import fetch_to_host, setup_runtime, to_device
 from storage import write_atomic
@@ -369,15 +370,30 @@ def input_spacing(path: str, cfg: Config) -> Optional[List[float]]:
     return [s * n / m for s, n, m in zip(volume.spacing, volume.voxels.shape, cfg.image_size)]
 
 
-def labelled_tokens(encoders: dict, cfg: Config, labels_csv: str, wanted: Optional[List[int]], device):
-    """One pass over a labels CSV, a volume in memory at a time: ({arm: tokens [M, N, E]} of every usable volume,
-    their labels [M] and class names, the indices of the shown ones (the rows `wanted`, 1 = the first data row, else
-    the first volume of each class), their inputs [S,1,D,H,W] and their labels-file rows, {reason: count} skipped)."""
+def fitting_rows(labels: List[str], wanted: Optional[List[int]], limit: int, seed: int) -> List[int]:
+    """The rows of a labels file (1 = the first) whose tokens fit the PCA and the probe: every row when there are at
+    most `limit`, else `limit` of them drawn per class in proportion (seed), and the `wanted` rows; in file order."""
+    if len(labels) <= limit:
+        return list(range(1, len(labels) + 1))
+    classes = np.unique(labels, return_inverse=True)[1]
+    _, drawn = stratified_split(classes, limit / len(labels), seed)
+    return sorted(set((drawn + 1).tolist()) | set(wanted or []))
+
+
+def labelled_tokens(encoders: dict, cfg: Config, labels_csv: str, wanted: Optional[List[int]], device,
+                    fit_volumes: int):
+    """One pass over the fitting_rows of a labels CSV (at most fit_volumes and the wanted ones, so that memory does
+    not grow with the file), a volume in memory at a time: ({arm: tokens [M, N, E]} of every usable one, their
+    labels [M] and class names, the indices of the shown ones (the rows `wanted`, 1 = the first data row, else the
+    first volume of each class), their inputs [S,1,D,H,W] and their labels-file rows, {reason: count} skipped, and
+    how many rows the file has)."""
     rows = read_labels(labels_csv)
     if wanted and not all(1 <= w <= len(rows) for w in wanted):
         raise ConfigError(f"volumes: {labels_csv} has rows 1 to {len(rows)}, not {wanted}.")
+    fitting = set(fitting_rows([label for _, label in rows], wanted, fit_volumes, cfg.seed))
     tokens, values, shown, inputs, skipped = {arm: [] for arm in encoders}, [], [], {}, Counter()
-    for row, (path, label) in enumerate(counted(rows, "show: encode", "volume"), start=1):
+    for row, (path, label) in counted([(r, v) for r, v in enumerate(rows, start=1) if r in fitting], "show: encode",
+                                      "volume"):
         try:
             volume = load_val_sample(path, cfg)[None]  # [1,1,D,H,W]
         except UnusableFile as e:
@@ -392,7 +408,8 @@ def labelled_tokens(encoders: dict, cfg: Config, labels_csv: str, wanted: Option
             inputs[len(values)] = (volume[0], row, input_spacing(path, cfg))
         values.append(label)
     labels, classes = task_targets(Task("label"), np.array(values, dtype=str), labels_csv)
-    return {arm: torch.stack(t) for arm, t in tokens.items()}, labels, classes, shown, inputs, dict(skipped)
+    return ({arm: torch.stack(t) for arm, t in tokens.items()}, labels, classes, shown, inputs, dict(skipped),
+            len(rows))
 
 
 def draw_volume_row(fig, axes, volume: np.ndarray, look: dict, s: int, slab: int, patch_depth: int,
@@ -426,10 +443,11 @@ def draw_volume_row(fig, axes, volume: np.ndarray, look: dict, s: int, slab: int
 
 
 def show(encoder_dir: str, labels_csv: str, out: str, cli: Config, vs_random: bool = True,
-         volumes: Optional[List[int]] = None) -> dict:
+         volumes: Optional[List[int]] = None, fit_volumes: int = 256) -> dict:
     """PNG of labelled volumes (`volumes`: rows of the labels CSV, 1 = the first; default one of each class):
     input, PCA colours of the position-centred patch features and an attentive probe's attention, on a B-scan and
-    en face, for the export and (vs_random) a random init of its architecture. The B-scan is the middle one of the
+    en face, for the export and (vs_random) a random init of its architecture; the PCA and the probe fit on at most
+    fit_volumes labelled volumes (a class-stratified sample of a larger file). The B-scan is the middle one of the
     token slab that the export's probe attends to most. Returns what it drew: looks (per arm), rows, labels, title."""
     encoder = load_encoder(encoder_dir)
     cfg = replace(encoder.settings, **{k: getattr(cli, k) for k in CLI_FIELDS["show"]})
@@ -437,7 +455,8 @@ def show(encoder_dir: str, labels_csv: str, out: str, cli: Config, vs_random: bo
     arms = {"pretrained": encoder, "random init": random_encoder(encoder.config, cfg.seed)} if vs_random \
         else {"encoder": encoder}
     arms = {arm: e.to(device) for arm, e in arms.items()}
-    tokens, labels, classes, shown, inputs, skipped = labelled_tokens(arms, cfg, labels_csv, volumes, device)
+    tokens, labels, classes, shown, inputs, skipped, rows = labelled_tokens(arms, cfg, labels_csv, volumes, device,
+                                                                            fit_volumes)
     if skipped:
         print(f"skipped unusable files: {skipped}", file=sys.stderr)
     looked = {arm: looks(t, encoder.grid, labels, shown) for arm, t in tokens.items()}
@@ -457,7 +476,8 @@ def show(encoder_dir: str, labels_csv: str, out: str, cli: Config, vs_random: bo
     update = (encoder.config.get("source") or {}).get("update")
     shares = ", ".join(f"{arm} {look['position_share']:.0%}" for arm, look in looked.items())
     explained = ", ".join(f"{v:.0%}" for v in looked[next(iter(arms))]["explained"])
-    title = (f"encoder after {update} updates: rows of the labels file, of {len(labels)} labelled volumes; p = the "
+    fitted = f"{len(labels)} labelled volumes" + (f" (a sample of the file's {rows})" if len(labels) < rows else "")
+    title = (f"encoder after {update} updates: rows of the labels file, of {fitted}; p = the "
              f"probe's held-out probability of the class.\nPCA of the tokens minus their grid position's mean (PC1-3: "
              f"{explained} of that variance); grid position explains {shares} of the token variance")
     fig.suptitle(title, fontsize=9)
@@ -500,6 +520,8 @@ def main(argv: List[str]) -> int:
     sh.add_argument("--labels", required=True, help="labels CSV (path,label) whose volumes fit the PCA and the probe")
     sh.add_argument("--out", required=True, help="the PNG to write")
     sh.add_argument("--no_random", action="store_true", help="leave out the random init of the architecture")
+    sh.add_argument("--fit_volumes", type=int, default=256, help="fit the PCA and the probe on at most N labelled "
+                    "volumes, drawn per class from a larger file (default 256; memory grows with N, not the file)")
     sh.add_argument("--volumes", type=lambda v: [int(r) for r in v.split(",")], default=None,
                     help="rows of the labels CSV to draw, 1 = the first data row (e.g. 1,5,9; default: the first "
                          "volume of each class)")
@@ -528,7 +550,10 @@ def main(argv: List[str]) -> int:
             print(f"{len(table['skipped_reason'])} files or volumes skipped:\n"
                   f"{format_reason_table(Counter(table['skipped_reason'].tolist()))}")
     else:
-        show(args.encoder, args.labels, args.out, cli, vs_random=not args.no_random, volumes=args.volumes)
+        if args.fit_volumes < 2:
+            parser.error("--fit_volumes must be at least 2 (the probe needs volumes of each class)")
+        show(args.encoder, args.labels, args.out, cli, vs_random=not args.no_random, volumes=args.volumes,
+             fit_volumes=args.fit_volumes)
         print(f"wrote {args.out}")
     return 0
 

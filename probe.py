@@ -536,8 +536,9 @@ def probe_auroc(model: VJEPA3D, probe_set: ProbeSet, device) -> Dict[str, float]
 def compare_with_random(model: VJEPA3D, cfg: Config, probe_set: ProbeSet, device, seeds: int = 5) -> dict:
     """The linear read-outs (LINEAR_READOUTS) of the model's target encoder and of a random init of the same
     architecture (seeded like probe.py --ckpt random) on the same splits of the probe set: {"pretrained":
-    {readout: AUROC interval}, "random": {...}, "beats_random": {readout: the pretrained interval lies above the
-    random one and chance: beats}}."""
+    {readout: AUROC interval}, "random": {...}, "difference": {readout: the interval of the paired differences
+    pretrained - random}, "beats_random": {readout: that interval lies above 0 and the pretrained one above chance}}.
+    Paired on the same splits, as every comparison of arms: the split-to-split spread that both arms share cancels."""
     with torch.random.fork_rng():
         random_model = load_model("random", cfg)[0].to(device)
     out = {}
@@ -545,7 +546,9 @@ def compare_with_random(model: VJEPA3D, cfg: Config, probe_set: ProbeSet, device
         tokens = frozen_tokens(arm_model, probe_set.volumes, device)
         scores = readout_scores(tokens, model.grid, probe_set.labels, Task("label"), range(seeds), LINEAR_READOUTS)
         out[arm] = {readout: s["auroc"] for readout, s in scores.items()}
-    out["beats_random"] = {r: beats(out["pretrained"][r], out["random"][r]) for r in LINEAR_READOUTS}
+    out["difference"] = {r: paired_difference(out["pretrained"][r], out["random"][r]) for r in LINEAR_READOUTS}
+    out["beats_random"] = {r: bool(out["difference"][r]["low"] > 0 and out["pretrained"][r]["low"] > 0.5)
+                           for r in LINEAR_READOUTS}
     return out
 
 

@@ -462,8 +462,10 @@ def summary(history: List[dict], run_dir: str, cfg: Config, state, versus_random
         beats = versus_random["beats_random"]
         for readout, won in beats.items():
             p, r = versus_random["pretrained"][readout], versus_random["random"][readout]
+            d = versus_random["difference"][readout]
             lines.append(f"probe {readout:<11} AUROC {p['mean']:.3f} [{p['low']:.3f}, {p['high']:.3f}] vs random init "
-                         f"{r['mean']:.3f} [{r['low']:.3f}, {r['high']:.3f}] ({len(p['values'])} splits)"
+                         f"{r['mean']:.3f} [{r['low']:.3f}, {r['high']:.3f}], paired {d['mean']:+.3f} "
+                         f"[{d['low']:+.3f}, {d['high']:+.3f}] ({len(p['values'])} splits)"
                          f"{'' if won else ': does NOT beat it'}")
         if all(beats.values()):
             verdict = f"the encoder BEATS a random init on {'both' if len(beats) == 2 else 'all'} probes"
@@ -471,7 +473,7 @@ def summary(history: List[dict], run_dir: str, cfg: Config, state, versus_random
             fix = ("the target collapsed partly: a slower EMA (--ema_base 0.998) or a lower --base_lr"
                    if any(metric == "target_std" for _, metric in collapsed) else "pretrain longer or on more data")
             verdict = (f"the encoder does NOT beat a random init on {', '.join(r for r, won in beats.items() if not won)}"
-                       f" (overlapping or lower 95% intervals): {fix}")
+                       f" (the 95% interval of the paired difference reaches 0): {fix}")
         lines.append(f"verdict           {verdict}")
     lines += [f"metrics           {run_dir}/metrics.jsonl (events: events.jsonl, plot: training.png)",
               f"checkpoints       {cfg.ckpt_dir if cfg.ckpt_dir else 'off (ckpt_dir null)'}"]

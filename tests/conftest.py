@@ -11,8 +11,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `pytest` run from anywhere imports the repo's flat modules
 from helpers import GCSEmulator  # noqa: E402
 
-# The patient-key secret of the tests' "site" (privacy.py), never the user's own ~/.config/octjepa/site.key.
-os.environ.setdefault("OCTJEPA_PATIENT_KEY_FILE", os.path.join(tempfile.mkdtemp(prefix="octjepa-tests-"), "site.key"))
+# The patient-key secret of the tests' "site" (privacy.py), never the user's own ~/.config/octjepa/site.key. It is
+# fixed: pretraining's train/val split is drawn from patient keys, so a new secret per session would give every
+# session another split, and the demo another encoder and verdict.
+if "OCTJEPA_PATIENT_KEY_FILE" not in os.environ:
+    os.environ["OCTJEPA_PATIENT_KEY_FILE"] = os.path.join(tempfile.mkdtemp(prefix="octjepa-tests-"), "site.key")
+    Path(os.environ["OCTJEPA_PATIENT_KEY_FILE"]).write_text("octjepa-tests-site-secret-0123456789abcdef\n")
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # A worker per core (pytest.ini's -n): torch's threads in each worker, and in the runs its tests start, would

@@ -49,9 +49,10 @@ def torchrun(tmp_path, faults, *flags, nnodes=1, node_rank=0, port=None, nproc=2
             "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "octjepa-test"] if nnodes > 1 else ["--standalone"]
     args = [sys.executable, "-m", "torch.distributed.run", *node, f"--nproc_per_node={nproc}",
             str(REPO / "tests" / "faults.py"), faults, *flags]
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}  # a crash in native code prints each thread's Python stack
     if popen:
-        return subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    return subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=600)
+        return subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
 
 
 def free_port():
@@ -198,3 +199,11 @@ class GCSEmulator:
         self.process.terminate()
         self.process.wait(timeout=30)
         self.log.close()
+
+
+def stderr_excerpt(result, tail=3000):
+    """The end of a finished process's stderr for an assertion message, led by any crash's stack dump (the
+    'Fatal Python error' that PYTHONFAULTHANDLER prints), which a crash in one of several processes pushes far up."""
+    crash = result.stderr.find("Fatal Python error")
+    lead = result.stderr[crash:crash + 4000] + "\n[...]\n" if crash >= 0 else ""
+    return lead + result.stderr[-tail:]

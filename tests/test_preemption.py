@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from checkpoint import checkpoint_path, list_checkpoints, step_of
-from helpers import REPO, ddp_flags, events, metrics, run_cli, smoke_flags, torchrun
+from helpers import REPO, ddp_flags, events, metrics, run_cli, smoke_flags, stderr_excerpt, torchrun
 
 PREEMPTED = 75
 
@@ -43,7 +43,7 @@ def test_sigterm_sigkill_and_ctrl_c_lose_no_completed_update_and_the_resumed_run
         tmp_path, smoke_phantoms):
     flags = ["--max_steps", "30", "--ckpt_every_steps", "5", "--val_every_steps", "10", "--workers", "2"]
     straight = run_cli(smoke_flags(tmp_path / "a", smoke_phantoms, *flags))
-    assert straight.returncode == 0, straight.stderr[-3000:]
+    assert straight.returncode == 0, stderr_excerpt(straight)
     run_dir, ckpt_dir = tmp_path / "b" / "runs" / "r", tmp_path / "b" / "runs" / "r" / "checkpoints"
     resumed_at = []
     for sig, after in ((signal.SIGTERM, 6), (signal.SIGKILL, 13), (signal.SIGINT, 20)):
@@ -63,7 +63,7 @@ def test_sigterm_sigkill_and_ctrl_c_lose_no_completed_update_and_the_resumed_run
         assert f"preempted: {signal.Signals(sig).name} at update {stop['step']}" in err and "--resume auto" in err
         assert "Traceback" not in err  # Ctrl-C too: no traceback, no "DataLoader worker exited unexpectedly"
     resumed = run_cli(smoke_flags(tmp_path / "b", smoke_phantoms, *flags, "--resume", "auto"))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.returncode == 0, stderr_excerpt(resumed)
     assert [e["step"] for e in events(run_dir, "resume")] == resumed_at
     a, b = tmp_path / "a" / "runs" / "r", run_dir
     assert [r["step"] for r in metrics(b)] == list(range(1, 31))  # no update lost, none logged twice
@@ -109,7 +109,7 @@ def test_sigterm_to_torchrun_stops_both_processes_at_one_update_and_any_number_o
                       "--val_every_steps", "10", "--val_fraction", "0.3", "--workers", "1")
     straight = torchrun(tmp_path / "straight", "none", *[f.replace(str(tmp_path / "runs"), str(tmp_path / "straight"))
                                                          for f in flags])
-    assert straight.returncode == 0, straight.stderr[-3000:]
+    assert straight.returncode == 0, stderr_excerpt(straight)
     expected, expected_val = metrics(tmp_path / "straight" / "r"), metrics(tmp_path / "straight" / "r", "val")
     assert len(expected_val) == 3
 
@@ -130,10 +130,10 @@ def test_sigterm_to_torchrun_stops_both_processes_at_one_update_and_any_number_o
     one = tmp_path / "one"
     shutil.copytree(tmp_path / "runs", one)
     single = run_cli([*[f.replace(str(tmp_path / "runs"), str(one)) for f in flags], "--resume", "auto"])
-    assert single.returncode == 0, single.stderr[-3000:]
+    assert single.returncode == 0, stderr_excerpt(single)
 
     resumed = torchrun(tmp_path, "read_once", *flags, "--resume", "auto")  # process 1's first read fails: retried
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.returncode == 0, stderr_excerpt(resumed)
     got = metrics(run_dir)
     assert [r["step"] for r in got] == list(range(1, 31))
     assert [r["loss"] for r in got] == [r["loss"] for r in expected]
@@ -149,5 +149,5 @@ def test_sigterm_to_torchrun_stops_both_processes_at_one_update_and_any_number_o
     # A read error that does not pass stops every process, before any of them trains from other weights.
     failed = torchrun(tmp_path, "read_always", *flags, "--max_steps", "32", "--extend", "true", "--resume", "auto",
                       "--ckpt_retry_minutes", "0.02")
-    assert re.search(r"exitcode\s*:\s*74", failed.stderr), failed.stderr[-3000:]
+    assert re.search(r"exitcode\s*:\s*74", failed.stderr), stderr_excerpt(failed)
     assert "process 1" in failed.stderr and "none trains" in failed.stderr

@@ -18,7 +18,7 @@ from runtime import Runtime, probes_in_this_process
 from schedules import ema_at, lr_at, wd_at
 from train import main
 from helpers import (SMOKE, ddp_flags, events, free_port, metrics, read_jsonl, read_wandb_offline_history, smoke_flags,
-                     torchrun)
+                     stderr_excerpt, torchrun)
 
 
 # --- 1. the plan a checkpoint was written for ---
@@ -327,9 +327,9 @@ def test_ddp_processes_share_a_run_folder_roll_back_together_and_leave_the_group
                                                                                         shard):
     result = torchrun(tmp_path, "late_start,nan_5_7,exit_report", *ddp_flags(tmp_path, smoke_phantoms,
                                                                              "--max_steps", "10", "--shard", shard))
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, stderr_excerpt(result)
     # Both left the process group before interpreter teardown, where a gloo thread can abort the process.
-    assert result.stderr.count("gloo worker threads at exit: 0") == 2, result.stderr[-3000:]
+    assert result.stderr.count("gloo worker threads at exit: 0") == 2, stderr_excerpt(result)
     (run_dir,) = (tmp_path / "runs").iterdir()  # no --run_name: process 0 named it for both
     assert [e["step"] for e in events(run_dir, "rollback")] == [4]
     assert [r["step"] for r in metrics(run_dir)] == list(range(1, 11))
@@ -342,7 +342,7 @@ def test_unreadable_data_in_one_process_stops_every_process_with_exit_3(tmp_path
                                                  "--ckpt_dir", "none", "--max_bad_fraction", "0.1"))
     # Both processes stop with the data diagnosis (torchrun itself exits 1 and ends the others on a first exit 3;
     # a process left waiting in a collective would print nothing).
-    assert result.stderr.count("no usable data") == 2, result.stderr[-3000:]
+    assert result.stderr.count("no usable data") == 2, stderr_excerpt(result)
     assert re.search(r"exitcode\s*:\s*3", result.stderr)
     if fault == "bad_files":  # process 1's files are counted and logged by the master
         logged = events(tmp_path / "runs" / "r", "unreadable_file")

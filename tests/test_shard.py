@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from helpers import (REPO, SHARD_FLAGS, assert_holds_a_share, assert_same_state, final_checkpoint, losses,
-                     metrics, run_cli, smoke_flags)
+                     metrics, run_cli, smoke_flags, stderr_excerpt)
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("shard_unsharded")]  # one worker builds `unsharded` once
 
@@ -18,7 +18,7 @@ def unsharded(tmp_path_factory, smoke_phantoms):
     """The reference: one process, nothing sharded. Its run folder."""
     out = tmp_path_factory.mktemp("unsharded")
     result = run_cli(smoke_flags(out, smoke_phantoms, *SHARD_FLAGS, "--per_core_batch_size", "4"))
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, stderr_excerpt(result)
     return out / "runs" / "r"
 
 
@@ -28,7 +28,7 @@ def torchrun_train(tmp_path, phantoms, processes: int, *flags):
                              f"--nproc_per_node={processes}", str(REPO / "train.py"),
                              *smoke_flags(tmp_path, phantoms, *SHARD_FLAGS, *flags)],
                             cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, stderr_excerpt(result)
     return tmp_path / "runs" / "r"
 
 
@@ -48,7 +48,7 @@ def test_fsdp_over_2_processes_trains_like_one_process_on_half_the_memory_and_it
     # The sharded run's checkpoint of update 4, resumed by one unsharded process, continues it exactly.
     resumed = run_cli(smoke_flags(tmp_path / "one", smoke_phantoms, *SHARD_FLAGS, "--per_core_batch_size", "4",
                                   "--resume", str(sharded / "checkpoints" / "step_0000004.pt")))
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.returncode == 0, stderr_excerpt(resumed)
     np.testing.assert_allclose(losses(tmp_path / "one" / "runs" / "r"), losses(unsharded, after=4), rtol=1e-5)
 
 
