@@ -56,7 +56,7 @@ from config import Config, ConfigError, ScriptParser, given_flags, load_config, 
 from data import resample_and_clip, to_sample
 from dicom import UnusableFile
 from index import format_reason_table
-from labels import encode_volumes, read_label_rows
+from labels import TokenFile, encode_volumes, read_label_rows
 from model import PretrainedEncoder, load_encoder, random_encoder, save_encoder
 from privacy import share_safe_source, volume_key
 from probe import (TEST_FRACTION, AttentiveProbe, Task, classification_scores, fit_attentive, interval,
@@ -73,7 +73,8 @@ PATIENT_COLUMN = "patient"
 
 class PreparedVolumes:
     """Prepared volumes [d,h,w] kept on disk, in a temporary folder ($TMPDIR; removed with this object, or at exit)
-    and read one at a time, so that memory stays flat in their number."""
+    and read one at a time, so that memory stays flat in their number. Their frozen tokens go there too
+    (labelled_tokens)."""
 
     def __init__(self):
         self.folder = tempfile.TemporaryDirectory(prefix="octjepa-finetune-")
@@ -93,7 +94,7 @@ class PreparedVolumes:
 @dataclass
 class LabelledSet:
     """Labelled volumes, preprocessed up to the crop (data.resample_and_clip, the cacheable part), on disk."""
-    prepared: Sequence[np.ndarray]  # [d,h,w] uint8/uint16 per volume (PreparedVolumes)
+    prepared: PreparedVolumes  # [d,h,w] uint8/uint16 per volume
     targets: np.ndarray  # [M] class ids, or [M, C] of 0/1 (multilabel)
     classes: List[str]
     task: str  # binary | multiclass | multilabel
@@ -177,17 +178,15 @@ def model_inputs(data: LabelledSet, idx, cfg: Config, rng: Optional[np.random.Ge
     return torch.stack([to_sample(data.prepared[i], cfg, rng, train=rng is not None) for i in idx])
 
 
-def labelled_tokens(encoder: PretrainedEncoder, data: LabelledSet, cfg: Config, device,
-                    batch_size: int = 8) -> torch.Tensor:
-    """Frozen tokens [M, N, E] (CPU) of every labelled volume, read and encoded batch by batch (labels.encode_volumes'
-    batches: the same tokens), so that only the tokens, not the volumes, are held."""
+def labelled_tokens(encoder: PretrainedEncoder, data: LabelledSet, cfg: Config, device, name: str,
+                    batch_size: int = 8) -> TokenFile:
+    """Frozen tokens [M, N, E] of every labelled volume, read and encoded batch by batch (labels.encode_volumes'
+    batches: the same tokens) into the file `name` beside the prepared volumes: neither is held in memory."""
     count = len(data.paths)
-    tokens = None
+    tokens = TokenFile(os.path.join(data.prepared.folder.name, f"{name}.tokens"))
     for i in range(0, count, batch_size):
-        part = encode_volumes(encoder, model_inputs(data, range(i, min(i + batch_size, count)), cfg), device,
-                              batch_size)
-        tokens = torch.empty(count, *part.shape[1:]) if tokens is None else tokens
-        tokens[i:i + len(part)] = part
+        tokens.append(encode_volumes(encoder, model_inputs(data, range(i, min(i + batch_size, count)), cfg), device,
+                                     batch_size))
     return tokens
 
 
@@ -247,7 +246,7 @@ def task_scores(probs: np.ndarray, targets: np.ndarray, task: str) -> dict:
     return {k: float(np.mean([s[k] for s in per_class])) for k in ("auroc", "balanced_accuracy")}
 
 
-def frozen_fold(tokens: torch.Tensor, data: LabelledSet, train_idx, test_idx, seed: int) -> Dict[str, dict]:
+def frozen_fold(tokens: TokenFile, data: LabelledSet, train_idx, test_idx, seed: int) -> Dict[str, dict]:
     """probe.split_scores on one fold (multilabel: on each class as a binary task, averaged): {probe: scores}."""
     if data.task != "multilabel":
         return split_scores(tokens, data.targets, train_idx, test_idx, seed)
@@ -277,7 +276,7 @@ class Classifier(torch.nn.Module):
         return torch.stack([two[:, 1] - two[:, 0] for two in logits], dim=1)  # [B, C]
 
 
-def probe_heads(tokens: torch.Tensor, data: LabelledSet, fit_idx: np.ndarray, seed: int) -> List[AttentiveProbe]:
+def probe_heads(tokens: TokenFile, data: LabelledSet, fit_idx: np.ndarray, seed: int) -> List[AttentiveProbe]:
     """probe.py's attentive probe trained on the frozen tokens [M,N,E] of data[fit_idx] (multilabel: one binary probe
     per class): where full fine-tuning starts from (linear probing, then fine-tuning)."""
     if data.task != "multilabel":
@@ -323,7 +322,7 @@ def predict(model: Classifier, data: LabelledSet, idx: np.ndarray, cfg: Config, 
     return probs.numpy(), float(loss_of(logits, targets, data.task))
 
 
-def finetune_fold(encoder: PretrainedEncoder, tokens: torch.Tensor, data: LabelledSet, fit_idx: np.ndarray,
+def finetune_fold(encoder: PretrainedEncoder, tokens: TokenFile, data: LabelledSet, fit_idx: np.ndarray,
                   val_idx: np.ndarray, cfg: Config, settings: FullSettings, seed: int,
                   device) -> Tuple[Classifier, dict]:
     """Fine-tune a copy of the encoder with attentive heads, first fitted on its frozen tokens [M,N,E] (probe_heads),
@@ -438,7 +437,7 @@ def run_arm(arm: str, encoder: PretrainedEncoder, data: LabelledSet, splits: Lis
     (save_fold). done: {'directory', 'fingerprint'} where each split's result is written as it finishes and found
     again by the same command after a kill (fold_result)."""
     results: Dict[str, List[dict]] = {}
-    tokens = labelled_tokens(encoder.to(device), data, cfg, device)
+    tokens = labelled_tokens(encoder.to(device), data, cfg, device, arm.replace(" ", "_"))
     if "frozen" in modes:
         for s in splits:
             train_idx, test_idx = s["split"]
@@ -454,7 +453,7 @@ def run_arm(arm: str, encoder: PretrainedEncoder, data: LabelledSet, splits: Lis
     return results
 
 
-def full_fold(arm: str, encoder: PretrainedEncoder, tokens: torch.Tensor, data: LabelledSet, s: dict, cfg: Config,
+def full_fold(arm: str, encoder: PretrainedEncoder, tokens: TokenFile, data: LabelledSet, s: dict, cfg: Config,
               settings: FullSettings, device, save: Optional[dict]) -> dict:
     """Full fine-tuning on one split `s`: its scores and training log (and its model kept, with save)."""
     train_idx, test_idx = s["split"]

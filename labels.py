@@ -4,10 +4,11 @@ as validation samples, their targets and their frozen tokens. probe.py, finetune
 their labels here.
 """
 import csv
+import math
 import os
 import sys
 from collections import Counter
-from typing import List, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -23,6 +24,7 @@ PROBE_PHANTOMS = 240  # volumes of the plain labelled phantom set (plain_lesion,
 PROBE_PHANTOM_SEED = 1  # the pretraining phantoms use seed 0
 SUITE_PHANTOMS = 300  # volumes of the varied labelled phantom set (lesion, thickness, lesion_10shot)
 SUITE_PHANTOM_SEED = 2
+TOKEN_CHUNK_BYTES = 64 * 2 ** 20  # the probes read frozen tokens this many bytes at a time (token_chunks)
 
 
 MISSING_LABEL_WORDS = ("nan", "na", "n/a", "null")  # what a spreadsheet writes for an empty cell
@@ -154,3 +156,58 @@ def encode_volumes(model: VJEPA3D, volumes: torch.Tensor, device, batch_size: in
             batch = torch.cat([batch, batch[-1:].expand(batch_size - n, *batch.shape[1:])])
         out.append(model.encode(batch.to(device).float()).float().cpu()[:n])
     return torch.cat(out)
+
+
+class TokenFile:
+    """Frozen tokens [M, N, E] (float32) in a file, appended batch by batch and read back by rows with explicit reads
+    (a memory map's pages would count as resident memory), so that memory stays flat in M. Like a tensor [M, N, E]
+    it has a shape and a length, and tokens[idx] (row indices) gives a tensor [len(idx), N, E]."""
+
+    def __init__(self, path: str):
+        self.path, self.count, self.row_shape = path, 0, None
+        open(path, "wb").close()
+
+    def append(self, tokens: torch.Tensor) -> None:
+        """Add the tokens [B, N, E] of B more volumes."""
+        rows = tokens.detach().float().contiguous().numpy()
+        if self.row_shape is not None and rows.shape[1:] != self.row_shape:
+            raise ValueError(f"tokens of shape {tuple(rows.shape)} appended to rows of shape {self.row_shape}")
+        self.row_shape = rows.shape[1:]
+        with open(self.path, "ab") as f:
+            rows.tofile(f)
+        self.count += len(rows)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.count, *self.row_shape))
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, idx) -> torch.Tensor:
+        rows = np.asarray(idx, dtype=np.int64).reshape(-1)
+        out = torch.empty(len(rows), *self.row_shape)
+        with open(self.path, "rb") as f:
+            for row, i in zip(out.numpy(), rows):
+                f.seek(int(i) * row.nbytes)
+                if f.readinto(row) != row.nbytes:
+                    raise IndexError(f"row {i} of {self.path}, which holds {self.count} rows")
+        return out
+
+
+Tokens = Union[torch.Tensor, TokenFile]  # frozen tokens [M, N, E]: in memory, or in a file (finetune.py)
+
+
+def chunk_rows(tokens: Tokens) -> int:
+    """Volumes per chunk of token_chunks: as many float32 tokens [N, E] as TOKEN_CHUNK_BYTES holds, at least one."""
+    return max(1, TOKEN_CHUNK_BYTES // (4 * math.prod(tokens.shape[1:])))
+
+
+def token_chunks(tokens: Tokens, idx: Sequence[int]) -> Iterator[Tuple[np.ndarray, torch.Tensor]]:
+    """(part of idx, its tokens [len(part), N, E]) in order, chunk_rows volumes at a time: what the read-outs hold
+    of the tokens at once."""
+    idx = np.asarray(idx, dtype=np.int64)
+    rows = chunk_rows(tokens)
+    for start in range(0, len(idx), rows):
+        part = idx[start:start + rows]
+        yield part, tokens[part]

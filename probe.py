@@ -44,7 +44,7 @@ import os
 import sys
 import warnings
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import scipy.stats
@@ -62,7 +62,8 @@ from sklearn.preprocessing import StandardScaler
 import dense
 from checkpoint import list_checkpoints, read_checkpoint
 from config import Config, ConfigError, ExitError, ScriptParser, given_flags, load_config, script_main
-from labels import encode_volumes, load_labelled_volumes, phantom_labels, task_targets
+from labels import (Tokens, chunk_rows, encode_volumes, load_labelled_volumes, phantom_labels, task_targets,
+                    token_chunks)
 from model import POOLS, VJEPA3D, pool_tokens
 from phantom import set_voxel_layers
 from runtime import device_kind
@@ -233,10 +234,18 @@ class AttentiveProbe(torch.nn.Module):
         self.register_buffer("mean", torch.zeros(dim))
         self.register_buffer("std", torch.ones(dim))
 
-    def set_standardization(self, tokens: torch.Tensor) -> None:
-        """Standardize features with the mean and std over all tokens [M, N, E] of the training volumes."""
-        self.mean.copy_(tokens.mean((0, 1)))
-        self.std.copy_(tokens.std((0, 1)) + 1e-6)
+    def set_standardization(self, chunks: Iterable[torch.Tensor]) -> None:
+        """Standardize features with the mean and std over all tokens of the training volumes, given in chunks
+        [m, N, E] (float64 sums, shifted by the first chunk's mean: no cancellation)."""
+        shift, count, total, squares = None, 0, 0.0, 0.0
+        for chunk in chunks:
+            x = chunk.reshape(-1, chunk.shape[-1]).double()  # [m * N, E]
+            shift = x.mean(0) if shift is None else shift
+            x -= shift
+            count, total, squares = count + len(x), total + x.sum(0), squares + (x * x).sum(0)
+        mean = total / count
+        self.mean.copy_(shift + mean)
+        self.std.copy_(((squares - count * mean * mean) / (count - 1)).clamp_min(0).sqrt() + 1e-6)
 
     def normalize(self, tokens: torch.Tensor) -> torch.Tensor:
         """What classify takes: standardized, layer-normed tokens [M, N, E]."""
@@ -282,32 +291,57 @@ def task_outputs(task: Task, outputs: torch.Tensor) -> np.ndarray:
     return outputs[:, 0].numpy() if task.regression else F.softmax(outputs, dim=-1).numpy()
 
 
-def train_steps(model: nn.Module, batch_loss, steps: int, lr: float, weight_decay: float) -> nn.Module:
-    """AdamW on model for `steps` updates, each on the loss batch_loss() returns; returns the model in eval mode."""
+def train_steps(model: nn.Module, accumulate_gradient, steps: int, lr: float, weight_decay: float) -> nn.Module:
+    """AdamW on model for `steps` updates, each on the gradient accumulate_gradient() leaves in its parameters;
+    returns the model in eval mode."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     model.train()
     with torch.enable_grad():
         for _ in range(steps):
             opt.zero_grad()
-            batch_loss().backward()
+            accumulate_gradient()
             opt.step()
     return model.eval()
 
 
-def fit_attentive(tokens: torch.Tensor, targets: np.ndarray, train_idx: np.ndarray, task: Task, seed: int,
+def pooled_features(tokens: Tokens, grid: Optional[Sequence[int]], pool: str) -> np.ndarray:
+    """model.pool_tokens of every volume's tokens: features [M, F]."""
+    return torch.cat([pool_tokens(chunk, grid, pool) for _, chunk in token_chunks(tokens, range(len(tokens)))]).numpy()
+
+
+def fit_attentive(tokens: Tokens, targets: np.ndarray, train_idx: np.ndarray, task: Task, seed: int,
                   steps: int = 300, lr: float = 1e-2, weight_decay: float = 1e-2) -> AttentiveProbe:
     """An AttentiveProbe trained full-batch on the tokens [M, N, E] of train_idx for a fixed budget, the same for
     every encoder. Standardizing the features raised the AUROC; early stopping on a fifth of the training volumes
     lowered it and doubled its spread over probe seeds (experiments/README.md)."""
     torch.manual_seed(seed)
     probe = AttentiveProbe(tokens.shape[-1], output_dim(task, targets))
-    probe.set_standardization(tokens[train_idx])
-    y = training_targets(task, targets, train_idx)[train_idx]
-    normed = probe.normalize(tokens[train_idx])  # once: the tokens are frozen
-    return train_steps(probe, lambda: task_loss(task, probe.classify(normed), y), steps, lr, weight_decay)
+    probe.set_standardization(chunk for _, chunk in token_chunks(tokens, train_idx))
+    y = training_targets(task, targets, train_idx)
+
+    def normalized_chunks():
+        """(part of train_idx, its standardized, layer-normed tokens), read from `tokens` again."""
+        return ((part, probe.normalize(chunk)) for part, chunk in token_chunks(tokens, train_idx))
+
+    one_chunk = len(train_idx) <= chunk_rows(tokens)
+    kept = list(normalized_chunks()) if one_chunk else None  # normalized once: the tokens are frozen
+
+    def full_batch_gradient():
+        """The gradient of the mean loss over train_idx: each chunk's mean loss weighted by its share of them."""
+        for part, normed in kept or normalized_chunks():
+            loss = task_loss(task, probe.classify(normed), y[part])
+            (loss * (len(part) / len(train_idx))).backward()
+
+    return train_steps(probe, full_batch_gradient, steps, lr, weight_decay)
 
 
-def split_scores(tokens: torch.Tensor, targets: np.ndarray, train_idx: np.ndarray, test_idx: np.ndarray, seed: int,
+@torch.no_grad()
+def attentive_outputs(probe: AttentiveProbe, tokens: Tokens, idx: np.ndarray) -> torch.Tensor:
+    """The probe's outputs [len(idx), out_dim] on the tokens of idx."""
+    return torch.cat([probe(chunk) for _, chunk in token_chunks(tokens, idx)])
+
+
+def split_scores(tokens: Tokens, targets: np.ndarray, train_idx: np.ndarray, test_idx: np.ndarray, seed: int,
                  readouts: Sequence[str] = ("mean_pool", "attentive"), grid: Optional[Sequence[int]] = None,
                  task: Task = Task("label")) -> Dict[str, dict]:
     """{readout: held-out scores (scores_of) on test_idx} of each read-out trained on train_idx, initialised from
@@ -317,13 +351,11 @@ def split_scores(tokens: torch.Tensor, targets: np.ndarray, train_idx: np.ndarra
     scores = {}
     for readout in readouts:
         if readout == "attentive":
-            probe = fit_attentive(tokens, targets, train_idx, task, seed)
-            with torch.no_grad():
-                y = training_targets(task, targets, train_idx).numpy()
-                scores[readout] = scores_of(task, task_outputs(task, probe(tokens[test_idx])), y[test_idx])
+            outputs = attentive_outputs(fit_attentive(tokens, targets, train_idx, task, seed), tokens, test_idx)
+            y = training_targets(task, targets, train_idx).numpy()
+            scores[readout] = scores_of(task, task_outputs(task, outputs), y[test_idx])
         else:
-            features = pool_tokens(tokens, grid, readout).numpy()  # [M, F]
-            scores[readout] = linear_probe(features, targets, train_idx, test_idx, task)
+            scores[readout] = linear_probe(pooled_features(tokens, grid, readout), targets, train_idx, test_idx, task)
     return scores
 
 
@@ -404,14 +436,14 @@ def fit_cnn(volumes: torch.Tensor, targets: np.ndarray, train_idx: np.ndarray, t
     x = volumes.float()
     rng = np.random.default_rng(seed)
 
-    def next_batch():
+    def batch_gradient():
         idx = rng.choice(train_idx, size=min(batch_size, len(train_idx)), replace=False)
         batch = x[idx]
         flip = torch.from_numpy(rng.random(len(idx)) < 0.5)
         batch = torch.where(flip[:, None, None, None, None], batch.flip(-1), batch)
-        return task_loss(task, cnn(batch), y[idx])
+        task_loss(task, cnn(batch), y[idx]).backward()
 
-    return train_steps(cnn, next_batch, steps, lr, 1e-4)
+    return train_steps(cnn, batch_gradient, steps, lr, 1e-4)
 
 
 def supervised_scores(volumes: torch.Tensor, targets: np.ndarray, task: Task, seeds: Sequence[int]) -> Dict[str, dict]:

@@ -65,6 +65,27 @@ def test_probes_find_a_label_carried_by_a_few_tokens():
         assert report[readout]["auroc"]["mean"] > 0.9, readout
 
 
+def test_probes_of_tokens_in_a_file_read_a_few_volumes_at_a_time_learn_what_they_learn_in_memory(tmp_path,
+                                                                                                   monkeypatch):
+    tokens, targets = tokens_with_signal()
+    train, test = probe.stratified_split(targets, probe.TEST_FRACTION, seed=0)
+    in_memory = probe.fit_attentive(tokens, targets, train, probe.Task("label"), seed=0)  # one chunk: full batch
+    expected = probe.split_scores(tokens, targets, train, test, 0, probe.READOUTS, GRID)
+    stored = labels.TokenFile(str(tmp_path / "tokens"))
+    for i in range(0, len(tokens), 7):
+        stored.append(tokens[i:i + 7])
+    monkeypatch.setattr(labels, "TOKEN_CHUNK_BYTES", 5 * tokens[0].numel() * 4)  # 5 volumes at a time
+    from_file = probe.fit_attentive(stored, targets, train, probe.Task("label"), seed=0)
+    assert stored.shape == tokens.shape and torch.equal(stored[test], tokens[test])
+    for name, weights in in_memory.state_dict().items():
+        if name != "scores.bias":  # a shift of every token's score, which the softmax ignores: rounding noise drives it
+            torch.testing.assert_close(from_file.state_dict()[name], weights, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(from_file(tokens), in_memory(tokens), rtol=1e-5, atol=1e-5)
+    scores = probe.split_scores(stored, targets, train, test, 0, probe.READOUTS, GRID)
+    for readout in probe.READOUTS:
+        assert scores[readout] == pytest.approx(expected[readout]), readout
+
+
 def test_depth_rows_keep_where_along_the_a_scan_a_feature_is():
     g = torch.Generator().manual_seed(0)
     labels = np.repeat(np.arange(2), 20)
