@@ -65,7 +65,7 @@ from privacy import share_safe_source, volume_key
 from labels import read_labels, task_targets
 from probe import Task, fit_attentive, probe_device, resolve_checkpoint, stratified_split
 from runlog import counted, progress
-from runtime import fetch_to_host, setup_runtime, to_device
+from runtime import fetch_to_host, release_freed_memory, setup_runtime, to_device
 from storage import write_atomic
 from volumes import read_volume
 
@@ -157,6 +157,7 @@ def embed_chunk(encoder: PretrainedEncoder, inputs, count: int, batch_size: int,
             rows += zip([r for r, _ in pending], pooled)
             sums += batch_sums
             pending = []
+            release_freed_memory()
         progress.update(1)
     embeddings = np.zeros((count, encoder.embedding_size(pool)), np.float32)
     for row, embedding in rows:
@@ -403,6 +404,7 @@ def labelled_tokens(encoders: dict, cfg: Config, labels_csv: str, wanted: Option
             continue
         for arm, encoder in encoders.items():
             tokens[arm].append(encoder.encode(volume.to(device)).float().cpu()[0])
+        release_freed_memory()
         if (row in wanted) if wanted else label not in [values[s] for s in shown]:
             shown.append(len(values))
             inputs[len(values)] = (volume[0], row, input_spacing(path, cfg))

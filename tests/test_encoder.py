@@ -30,6 +30,7 @@ from config import DEMO_FLAGS, ConfigError, load_config
 from data import load_val_sample
 from helpers import one_thread  # noqa: F401 (autouse: tiny models, one thread)
 from index import find_files, scan_files
+from labels import read_labels
 from model import Encoder, ExportError, load_encoder, random_encoder, save_encoder
 from probe import read_model_checkpoint
 from volumes import read_volume
@@ -384,11 +385,23 @@ def colour_gap(rgb: np.ndarray) -> float:
     return float(np.mean([np.abs(rgb[a] - rgb[b]).mean() for a, b in itertools.combinations(range(len(rgb)), 2)]))
 
 
+def test_show_of_a_large_labels_file_fits_on_a_sample_of_each_class_and_the_chosen_rows(export_dir, phantom_dir,
+                                                                                          tmp_path):
+    """Memory grows with --fit_volumes, not with the labels file (docs/performance.md)."""
+    labels = [label for _, label in read_labels(f"{phantom_dir}/labels.csv")]
+    rows = encoder_cli.fitting_rows(labels, [10], 5, seed=0)
+    assert 10 in rows and len(rows) <= 6 and {labels[r - 1] for r in rows} == set(labels)
+    assert encoder_cli.fitting_rows(labels, None, 10, seed=0) == list(range(1, 11))
+    drawn = encoder_cli.show(export_dir, f"{phantom_dir}/labels.csv", str(tmp_path / "show.png"),
+                             load_config(["--device", "cpu"]), vs_random=False, volumes=[10], fit_volumes=5)
+    assert drawn["rows"] == [10] and "(a sample of the file's 10)" in drawn["title"]
+
+
 def test_shows_pca_of_position_centred_tokens_differs_between_classes_where_plain_pca_shows_position(export_dir,
                                                                                                     phantom_dir):
     encoder = load_encoder(export_dir)
-    tokens, labels, _, shown, _, _ = encoder_cli.labelled_tokens({"e": encoder}, encoder.settings,
-                                                                 f"{phantom_dir}/labels.csv", None, "cpu")
+    tokens, labels, _, shown, _, _, _ = encoder_cli.labelled_tokens({"e": encoder}, encoder.settings,
+                                                                    f"{phantom_dir}/labels.csv", None, "cpu", 256)
     assert len(set(labels[shown])) == len(shown) == 3  # one volume of each class
     centred, _ = encoder_cli.feature_colours(tokens["e"], shown)
     plain, _ = encoder_cli.feature_colours(tokens["e"], shown, centre=False)
