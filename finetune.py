@@ -62,6 +62,7 @@ from privacy import share_safe_source, volume_key
 from probe import (TEST_FRACTION, AttentiveProbe, Task, classification_scores, fit_attentive, interval,
                    paired_difference, probe_device, split_scores, stratified_split)
 from runlog import counted
+from runtime import release_freed_memory
 from schedules import cosine_ramp
 from storage import write_atomic
 from volumes import read_volume
@@ -169,6 +170,7 @@ def load_labelled_set(labels_csv: str, cfg: Config) -> LabelledSet:
             continue
         keep.append(i)
         keys.append(patients[i] if patients else volume.patient)
+        release_freed_memory()
     return LabelledSet(prepared, targets[keep], classes, task, np.array(keys), [paths[i] for i in keep],
                        dict(skipped))
 
@@ -187,6 +189,7 @@ def labelled_tokens(encoder: PretrainedEncoder, data: LabelledSet, cfg: Config, 
     for i in range(0, count, batch_size):
         tokens.append(encode_volumes(encoder, model_inputs(data, range(i, min(i + batch_size, count)), cfg), device,
                                      batch_size))
+        release_freed_memory()
     return tokens
 
 

@@ -199,7 +199,10 @@ Tokens = Union[torch.Tensor, TokenFile]  # frozen tokens [M, N, E]: in memory, o
 
 
 def chunk_rows(tokens: Tokens) -> int:
-    """Volumes per chunk of token_chunks: as many float32 tokens [N, E] as TOKEN_CHUNK_BYTES holds, at least one."""
+    """Volumes per chunk of token_chunks: all of them when they are in memory already, else as many float32 tokens
+    [N, E] as TOKEN_CHUNK_BYTES holds, at least one."""
+    if isinstance(tokens, torch.Tensor):
+        return max(1, len(tokens))
     return max(1, TOKEN_CHUNK_BYTES // (4 * math.prod(tokens.shape[1:])))
 
 
