@@ -404,8 +404,9 @@ def test_ddp_two_processes_match_one_process(tmp_path, smoke_phantoms):
 @pytest.mark.slow
 @pytest.mark.slowest
 def test_demo_run_completes_its_loss_falls_and_it_beats_a_random_init(tmp_path):
-    """`python train.py` with no arguments, as in the README (a run name only). On 5 seeds of 5 the demo's encoder
-    beat a random init on both summary probes (experiments/README.md); this is seed 0."""
+    """`python train.py` with no arguments, as in the README (a run name only). On 5 seeds of 5 and 5 patient-key
+    files of 5 the demo's encoder beat a random init on both summary probes (experiments/README.md); this is seed 0
+    under the tests' fixed key (its closest margin: mean_pool +0.040 [+0.017, +0.062])."""
     result = run_cli(["--run_name", "demo"], cwd=tmp_path, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = train_lines(tmp_path / "runs" / "demo")
