@@ -7,7 +7,9 @@
                     layer-normed features gathered at target_idx -> [B,Nt,E]
   loss:             l1 (or mse) between prediction and target, on target tokens only; optionally (V-JEPA 2.1)
                     + context_loss_weight x the same error of a second head at the context positions, and targets
-                    from target_levels encoder depths, each layer-normed on its own and concatenated [.., K*E]
+                    from target_levels encoder depths, each layer-normed on its own and concatenated [.., K*E];
+                    and (DINOv3's Gram anchoring) + gram_loss_weight x the squared difference between the context
+                    tokens' patch-to-patch cosine similarities and those of a frozen copy of the initial encoder
 
 The context encoder never sees the target tokens and the target encoder moves only through
 update_target(momentum) (incident 12).
@@ -220,7 +222,7 @@ class VJEPA3D(nn.Module):
     def __init__(self, image_size: List[int], patch_size: List[int], embed_dim: int = 384, depth: int = 12,
                  num_heads: int = 6, pred_embed_dim: int = 192, pred_depth: int = 6, pred_num_heads: int = 6,
                  mlp_ratio: float = 4.0, loss: str = "l1", context_loss_weight: float = 0.0,
-                 context_loss_distance: bool = False, target_levels: int = 1):
+                 context_loss_distance: bool = False, target_levels: int = 1, gram_loss_weight: float = 0.0):
         super().__init__()
         if loss not in LOSSES:
             raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {loss!r}")
@@ -242,13 +244,15 @@ class VJEPA3D(nn.Module):
                 block.mlp.fc2.weight.data.div_(math.sqrt(2.0 * (i + 1)))
         self.target_encoder = copy.deepcopy(self.encoder)
         self.target_encoder.requires_grad_(False)
+        self.gram_loss_weight = gram_loss_weight
+        self.gram_teacher = copy.deepcopy(self.encoder).requires_grad_(False) if gram_loss_weight > 0 else None
         self.loss_fn = jepa_loss  # compile_parts() swaps in a compiled version
 
     @classmethod
     def from_config(cls, cfg) -> "VJEPA3D":
         model = cls(cfg.image_size, cfg.patch_size, cfg.embed_dim, cfg.depth, cfg.num_heads, cfg.pred_embed_dim,
                     cfg.pred_depth, cfg.pred_num_heads, cfg.mlp_ratio, cfg.loss, cfg.context_loss_weight,
-                    cfg.context_loss_distance, cfg.target_levels)
+                    cfg.context_loss_distance, cfg.target_levels, cfg.gram_loss_weight)
         model.set_grad_checkpointing(cfg.grad_checkpointing)
         return model
 
@@ -266,8 +270,9 @@ class VJEPA3D(nn.Module):
         """torch.compile the encoders, the predictor and the loss in place. forward() itself stays eager, so its
         input checks (which read the host) run outside the compiled code, and state_dict keys do not change.
         Shapes are static (dynamic=False): one graph per part for the training update's shapes."""
-        for part in (self.encoder, self.target_encoder, self.predictor):
-            part.compile(dynamic=False)
+        for part in (self.encoder, self.target_encoder, self.predictor, self.gram_teacher):
+            if part is not None:
+                part.compile(dynamic=False)
         self.loss_fn = torch.compile(jepa_loss, dynamic=False)
 
     def num_trainable_params(self) -> int:
@@ -321,6 +326,11 @@ class VJEPA3D(nn.Module):
                        else None)
             loss = loss + self.context_loss_weight * context_loss(context_pred, gather_tokens(h, context_idx),
                                                                   self.loss_type, weights)
+        if self.gram_teacher is not None:
+            with torch.no_grad():
+                teacher = self.gram_teacher(volume).repeat_interleave(context_idx.shape[0] // volume.shape[0], dim=0)
+            student = context[..., -teacher.shape[-1]:]  # the last level: the encoder's output [B*M, Nc, E]
+            loss = loss + self.gram_loss_weight * gram_loss(student, gather_tokens(teacher, context_idx))
         return JEPAOutput(loss=loss, pred=pred, target=target, target_std=target_std)
 
     @torch.no_grad()
@@ -352,7 +362,8 @@ class VJEPA3D(nn.Module):
         encoder (its patch embedding and norm; as a unit of its own it is resharded after its no-grad forward, so
         the EMA update meets shards on both sides). The rest (the context encoder's patch embedding and norm, the
         predictor's embedding, mask token, norm and projection) is gathered with the model itself."""
-        return [*self.encoder.blocks, *self.predictor.blocks, *self.target_encoder.blocks, self.target_encoder]
+        teacher = [*self.gram_teacher.blocks, self.gram_teacher] if self.gram_teacher is not None else []
+        return [*self.encoder.blocks, *self.predictor.blocks, *self.target_encoder.blocks, self.target_encoder, *teacher]
 
     def param_groups(self) -> List[dict]:
         """AdamW groups of the trained parameters, `apply_wd` marking those weight decay applies to (weight
@@ -387,6 +398,15 @@ def context_loss(pred: torch.Tensor, target: torch.Tensor, loss_type: str,
     each token's error times its weight [B, Nc] when given (V-JEPA 2.1: the mean of the weighted errors)."""
     error = elementwise_error(pred, target, loss_type)
     return (error if weights is None else error * weights.unsqueeze(-1)).mean()
+
+
+def gram_loss(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    """DINOv3's Gram anchoring: the mean squared difference between the token-to-token cosine-similarity matrices
+    [B, K, K] of the student's and the teacher's tokens [B, K, E] (only their similarity structure is matched)."""
+    def gram(x):
+        x = F.normalize(x.float(), dim=-1)
+        return x @ x.transpose(1, 2)
+    return (gram(student) - gram(teacher)).square().mean()
 
 
 def context_distance_weights(context_idx: torch.Tensor, target_idx: torch.Tensor, grid: Sequence[int]) -> torch.Tensor:
@@ -427,8 +447,8 @@ def transformer_flops(tokens: int, dim: int, depth: int, mlp_ratio: float) -> fl
 def training_flops_per_sample(cfg) -> dict:
     """Model FLOPs of one training sample, counted from the architecture (multiply-add = 2 FLOPs).
 
-    Trained parts cost forward + backward (3x forward); the target encoder runs forward only; the
-    patch embedding of the context encoder needs no input gradient (2x forward)."""
+    Trained parts cost forward + backward (3x forward); the target encoder (and the Gram teacher, with Gram
+    anchoring) runs forward only; the patch embedding of the context encoder needs no input gradient (2x forward)."""
     n_context, n_target = cfg.token_counts()
     n = n_context + n_target
     patch_voxels = math.prod(cfg.patch_size)
@@ -437,9 +457,10 @@ def training_flops_per_sample(cfg) -> dict:
     predictor = (transformer_flops(n, cfg.pred_embed_dim, cfg.pred_depth, cfg.mlp_ratio)
                  + 2 * n_context * cfg.embed_dim * cfg.pred_embed_dim + 2 * n_target * cfg.pred_embed_dim * cfg.embed_dim)
     target = embed + transformer_flops(n, cfg.embed_dim, cfg.depth, cfg.mlp_ratio)
-    total = 2 * embed + 3 * (context + predictor) + target
+    teacher = target if cfg.gram_loss_weight > 0 else 0
+    total = 2 * embed + 3 * (context + predictor) + target + teacher
     return {"context_encoder": 2 * embed + 3 * context, "predictor": 3 * predictor, "target_encoder": target,
-            "total": total}
+            "gram_teacher": teacher, "total": total}
 
 
 def activation_bytes_per_sample(cfg) -> float:

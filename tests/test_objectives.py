@@ -1,5 +1,5 @@
 """The pretraining objectives as config options (V-JEPA 2.1's context loss and deep self-supervision): each changes
-the loss and its gradient as documented, and a loss or mask type nobody wrote is an error, not a silent default."""
+the loss and its gradient as documented, as does DINOv3's Gram anchoring, and a loss or mask type nobody wrote is an error, not a silent default."""
 import numpy as np
 import pytest
 import torch
@@ -7,7 +7,8 @@ import torch.nn.functional as F
 
 from config import CHOICES, ConfigError, load_config
 from data import MASK_TYPES, MaskGenerator, sample_rng
-from model import LOSSES, VJEPA3D, context_distance_weights, gather_tokens, jepa_loss, target_level_blocks
+from model import (LOSSES, VJEPA3D, context_distance_weights, gather_tokens, gram_loss, jepa_loss,
+                   target_level_blocks)
 
 IMAGE, PATCH = [8, 32, 32], [4, 8, 8]
 
@@ -66,6 +67,28 @@ def test_deep_supervision_targets_several_depths_each_layer_normed_and_the_predi
     assert model.predictor.embed[0].weight.shape == (32, 64)  # reads both levels of the context tokens
 
 
+def test_gram_anchoring_matches_the_context_tokens_similarities_to_the_frozen_initial_encoders():
+    model, plain_model = tiny_model(gram_loss_weight=0.5), tiny_model()
+    assert plain_model.gram_teacher is None
+    initial = {k: v.clone() for k, v in model.gram_teacher.state_dict().items()}
+    assert all(torch.equal(v, model.encoder.state_dict()[k]) for k, v in initial.items())  # the init, frozen
+    volume, ctx, tgt = batch(model)
+    plain, out = plain_model(volume, ctx, tgt), model(volume, ctx, tgt)
+    student = F.normalize(model.encoder(volume, keep_idx=ctx), dim=-1)  # [B, Nc, E]
+    teacher = F.normalize(gather_tokens(model.gram_teacher(volume), ctx), dim=-1)
+    similarity_error = (student @ student.transpose(1, 2) - teacher @ teacher.transpose(1, 2)).square().mean()
+    assert similarity_error > 0  # the context encoder sees only the visible tokens, the teacher all of them
+    assert torch.allclose(out.loss, plain.loss + 0.5 * similarity_error, atol=1e-6)
+    out.loss.backward()
+    assert all(p.grad is None for p in model.gram_teacher.parameters())
+    torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0).step()
+    model.update_target(0.5)
+    assert all(torch.equal(v, model.gram_teacher.state_dict()[k]) for k, v in initial.items())
+    assert "gram_teacher.blocks.0.attn.qkv.weight" in model.state_dict()  # saved with the model: resumes exactly
+    tokens = torch.randn(2, 5, 8)
+    assert gram_loss(tokens, 3.0 * tokens) < 1e-10  # only the similarity structure counts, not the token norms
+
+
 def test_the_defaults_are_the_plain_jepa_loss():
     model = tiny_model()
     volume, ctx, tgt = batch(model)
@@ -85,3 +108,5 @@ def test_an_unknown_loss_or_mask_type_is_an_error_naming_the_known_ones():
         load_config([], target_levels=9)
     with pytest.raises(ConfigError, match="context_loss_weight"):
         load_config([], context_loss_weight=-1)
+    with pytest.raises(ConfigError, match="gram_loss_weight"):
+        load_config([], gram_loss_weight=-0.1)
