@@ -1,8 +1,9 @@
 """Markdown tables of issue 33's runs from the probe reports experiments/dense/ARM_sK.json (experiments/dense/probe.sh)
 and the references on the same splits (experiments/dense/reference.json: hand-made token features and the token FCN;
 experiments/dense/random448_sK.json: random inits with 4x4x8 tubelets). A run probed without its random init
-(WITH_RANDOM=no experiments/dense/probe.sh) is compared with the random init of RANDOM_FROM's run of the same seed, or of
-seed 0 where that one has none: the same encoder architecture (random inits of other seeds or predictor sizes differ).
+(WITH_RANDOM=no experiments/dense/probe.sh) is compared with the random init of the run of the same seed in the arm
+RANDOM_FROM names for it (b4 unless named), or of that arm's seed 0 where that one has none: the same encoder
+architecture (random inits of other seeds or tubelet sizes differ).
 
     python experiments/dense/summary.py arms ARM [ARM...]     # per arm and read-out: mean over pretraining seeds
                                                               # [95% interval], random init, pretrained - random
@@ -36,23 +37,25 @@ def runs_of(arm: str) -> dict:
     return {int(n.rsplit("s", 1)[1]): load(n) for n in names if re.fullmatch(rf"{re.escape(arm)}_s\d+", n)}
 
 
-RANDOM_FROM = "b4"  # the arm whose random inits stand in for a run probed without its own
+# The arm whose random inits stand in for an arm's runs probed without their own (b4 for any arm not named here).
+# b4first: section 11's b4 runs (commit 720a850), which v4's runs were paired with.
+RANDOM_FROM = {"v4": "b4first", "tg4": "t4"}
 
 
-def with_random(report: dict, seed: int) -> dict:
-    """The report itself if it holds a random init, else RANDOM_FROM's run of that seed if that one does, else
-    RANDOM_FROM's seed 0."""
+def with_random(report: dict, arm: str, seed: int) -> dict:
+    """The report itself if it holds a random init, else the run of that seed of the arm RANDOM_FROM names for `arm`
+    if that one does, else that arm's seed 0."""
     if "random" in report["tasks"]["lesion"]["encoders"]:
         return report
-    runs = runs_of(RANDOM_FROM)
+    runs = runs_of(RANDOM_FROM.get(arm, "b4"))
     same = runs.get(seed)
     return same if same is not None and "random" in same["tasks"]["lesion"]["encoders"] else runs[0]
 
 
-def score(report: dict, task: str, readout: str, encoder: str = "pretrained", seed: int = 0) -> float:
+def score(report: dict, task: str, readout: str, encoder: str = "pretrained", arm: str = "", seed: int = 0) -> float:
     """The mean over probe splits of a read-out's AUROC (a random init: with_random's)."""
     if encoder == "random":
-        report = with_random(report, seed)
+        report = with_random(report, arm, seed)
     return report["tasks"][task]["encoders"][encoder][readout]["auroc"]["mean"]
 
 
@@ -63,7 +66,7 @@ def arms_table(arms: list) -> None:
         runs = runs_of(arm)
         for task, readout in ROWS:
             p = [score(r, task, readout) for r in runs.values()]
-            q = [score(r, task, readout, "random", seed) for seed, r in runs.items()]
+            q = [score(r, task, readout, "random", arm, seed) for seed, r in runs.items()]
             print(f"| {arm} ({len(runs)}) | {task} | {readout} | {cell(interval(p))} | {cell(interval(q))} | "
                   f"{signed(interval([a - b for a, b in zip(p, q)]))} |")
 
@@ -90,7 +93,7 @@ def health_table(arms: list) -> None:
         for seed, r in sorted(runs_of(arm).items()):
             share, val = r["tasks"]["lesion_tokens"]["position_share"], r["pretrain"]["last_val"]
             val_share = f"{val['position_share']:.3f}" if "position_share" in val else "-"
-            random = with_random(r, seed)["tasks"]["lesion_tokens"]["position_share"]["random"]
+            random = with_random(r, arm, seed)["tasks"]["lesion_tokens"]["position_share"]["random"]
             print(f"| {arm}_s{seed} | {share['pretrained']:.3f} / {random:.3f} | {val_share} | "
                   f"{val['rankme']:.1f} | {val['target_std']:.3f} | {r['pretrain']['cpu_s']:.0f} |")
 
