@@ -9,6 +9,7 @@ architecture (random inits of other seeds or tubelet sizes differ).
                                                               # [95% interval], random init, pretrained - random
     python experiments/dense/summary.py compare ARM_A ARM_B   # A - B paired over pretraining seeds
     python experiments/dense/summary.py health ARM [ARM...]   # position share, RankMe, target_std, CPU seconds
+    python experiments/dense/summary.py curve ARM [ARM...]    # the learning curve: each read-out at each probed update
     python experiments/dense/summary.py reference             # the dense task's references and its validity
 """
 import glob
@@ -37,17 +38,23 @@ def runs_of(arm: str) -> dict:
     return {int(n.rsplit("s", 1)[1]): load(n) for n in names if re.fullmatch(rf"{re.escape(arm)}_s\d+", n)}
 
 
-# The arm whose random inits stand in for an arm's runs probed without their own (b4 for any arm not named here).
-# b4first: section 11's b4 runs (commit 720a850), which v4's runs were paired with.
-RANDOM_FROM = {"v4": "b4first", "tg4": "t4"}
+# The arm whose random inits stand in for an arm's runs probed without their own (b4 for any arm not named here; a
+# learning-curve point ARMuSTEP: ARM's). b4first: section 11's b4 runs (commit 720a850), which v4's were paired with.
+RANDOM_FROM = {"v4": "b4first", "tg4": "t4", "tg15": "t15"}
+
+
+def random_arm(arm: str) -> str:
+    """The arm holding the random inits that `arm`'s runs are compared with."""
+    run_arm = re.sub(r"u\d+$", "", arm)
+    return RANDOM_FROM.get(run_arm, run_arm if run_arm != arm else "b4")
 
 
 def with_random(report: dict, arm: str, seed: int) -> dict:
-    """The report itself if it holds a random init, else the run of that seed of the arm RANDOM_FROM names for `arm`
-    if that one does, else that arm's seed 0."""
+    """The report itself if it holds a random init, else the run of that seed of random_arm(arm) if that one does,
+    else that arm's seed 0."""
     if "random" in report["tasks"]["lesion"]["encoders"]:
         return report
-    runs = runs_of(RANDOM_FROM.get(arm, "b4"))
+    runs = runs_of(random_arm(arm))
     same = runs.get(seed)
     return same if same is not None and "random" in same["tasks"]["lesion"]["encoders"] else runs[0]
 
@@ -98,6 +105,34 @@ def health_table(arms: list) -> None:
                   f"{val['rankme']:.1f} | {val['target_std']:.3f} | {r['pretrain']['cpu_s']:.0f} |")
 
 
+def steps_of(report: dict) -> int:
+    """The update a report's encoder was probed at: its learning-curve step, else the run's --max_steps."""
+    return int(re.search(r"--max_steps (\d+)", report["pretrain"]["command"]).group(1))
+
+
+def curve_table(arms: list) -> None:
+    print("| arm | update | pretraining CPU s (share of the run's) | " + " | ".join(f"{t} {r}" for t, r in ROWS) +
+          " | position share |")
+    print("|---|---|---|" + "---|" * (len(ROWS) + 1))
+    for arm in arms:
+        points = sorted({int(m.group(1)) for p in glob.glob(os.path.join(HERE, f"{arm}u*_s*.json"))
+                         if (m := re.fullmatch(rf"{re.escape(arm)}u(\d+)_s\d+", os.path.basename(p)[:-5]))})
+        for point in [0, *points, None]:
+            name = arm if point is None else f"{arm}u{point}"
+            runs = runs_of(arm if point == 0 else name)
+            if not runs:
+                continue
+            final = runs_of(arm)
+            step = 0 if point == 0 else point or steps_of(next(iter(final.values())))
+            encoder = "random" if point == 0 else "pretrained"
+            cpu = [r["pretrain"]["cpu_s"] * step / steps_of(r) for r in final.values()]
+            cells = [cell(interval([score(r, t, ro, encoder, arm, seed) for seed, r in runs.items()])) for t, ro in ROWS]
+            share = [with_random(r, arm, seed)["tasks"]["lesion_tokens"]["position_share"][encoder]
+                     for seed, r in runs.items()]
+            print(f"| {arm} ({len(runs)}) | {step}{' (random init)' if point == 0 else ''} | {sum(cpu) / len(cpu):.0f} "
+                  f"| " + " | ".join(cells) + f" | {sum(share) / len(share):.3f} |")
+
+
 def reference_table() -> None:
     t = load("reference")["tasks"]["lesion_tokens"]
     print(f"lesion_tokens: {t['scored_tokens']} scored tokens, {t['lesion_tokens']} of them lesion tokens, "
@@ -117,4 +152,5 @@ def reference_table() -> None:
 if __name__ == "__main__":
     command, args = (sys.argv[1:2] or ["help"])[0], sys.argv[2:]
     {"arms": lambda: arms_table(args), "compare": lambda: compare_table(*args), "health": lambda: health_table(args),
+     "curve": lambda: curve_table(args),
      "reference": reference_table}.get(command, lambda: sys.exit(__doc__))()
