@@ -127,8 +127,8 @@ def curve_table(arms: list) -> None:
             encoder = "random" if point == 0 else "pretrained"
             cpu = [r["pretrain"]["cpu_s"] * step / steps_of(r) for r in final.values()]
             cells = [cell(interval([score(r, t, ro, encoder, arm, seed) for seed, r in runs.items()])) for t, ro in ROWS]
-            share = [with_random(r, arm, seed)["tasks"]["lesion_tokens"]["position_share"][encoder]
-                     for seed, r in runs.items()]
+            share = [(with_random(r, arm, seed) if point == 0 else r)["tasks"]["lesion_tokens"]["position_share"][
+                encoder] for seed, r in runs.items()]
             print(f"| {arm} ({len(runs)}) | {step}{' (random init)' if point == 0 else ''} | {sum(cpu) / len(cpu):.0f} "
                   f"| " + " | ".join(cells) + f" | {sum(share) / len(share):.3f} |")
 
