@@ -106,7 +106,7 @@ def health_table(arms: list) -> None:
 
 
 def steps_of(report: dict) -> int:
-    """The update a report's encoder was probed at: its learning-curve step, else the run's --max_steps."""
+    """The run's length in updates (its --max_steps): where its final report was probed."""
     return int(re.search(r"--max_steps (\d+)", report["pretrain"]["command"]).group(1))
 
 
