@@ -1,25 +1,30 @@
 #!/bin/bash
-# Full fine-tuning of pretrained encoders against a random init with the same budget (experiments/README.md,
-# "Fine-tuning"): pretrain configs/learn.yaml with seeds 0, 1, 2 and export each encoder; export the random init
-# of the same architecture (model.random_encoder, seed 0: the one finetune.py --vs_random uses); run finetune.py on
-# the 240 labelled phantoms (patient-level 5-fold CV, the same folds for all) for each; then the tables.
+# Full fine-tuning of pretrained encoders against a random init with the same budget, on the valid task `lesion`
+# (experiments/README.md, "Fine-tuning"): pretrain configs/learn.yaml with seeds 0, 1, 2 on the varied phantoms and
+# export each encoder; export the random init of the same architecture (model.random_encoder, seed 0: the one
+# finetune.py --vs_random uses); run finetune.py on the suite's 300 labelled varied phantoms (probe.py's `lesion`
+# task; patient-level 5-fold CV, the same folds for all) for each; then the tables. The runs of 2026-11-26 ran these
+# steps two at a time (experiments/finetune/lesion.commands.log). The 2026-11-24 runs (plain phantoms, the
+# learn.yaml of that day): `git show b99fd57:experiments/finetune.sh`.
 # OMP_NUM_THREADS=1: on a CPU shared with other jobs, torch's 2 threads ran 10x slower than one.
 set -e
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1
 runs=experiments/runs
-labels=data/phantoms_learn_probe/labels.csv  # written by the first pretraining run (its summary probe)
+python -c 'import probe, config; cfg = config.load_config(["--phantom_dir", "data/phantoms256"]); probe.phantom_labels(cfg, varied=True)'
+labels=data/phantoms256_suite/labels.csv
 for seed in 0 1 2; do
-  python train.py --config configs/learn.yaml --seed $seed --run_name learn-s$seed --out_dir $runs \
-    > $runs/learn-s$seed.log 2>&1
-  python encoder.py export --ckpt $runs/learn-s$seed/checkpoints --out $runs/learn-s$seed/encoder
+  PHANTOMS=data/phantoms256v experiments/dense/pretrain.sh lf_s$seed --config configs/learn.yaml --seed $seed \
+    --probe_every_steps none
+  python encoder.py export --ckpt $runs/lf_s$seed/checkpoints --out $runs/lf_s$seed/encoder
 done
 python -c "from model import load_encoder, random_encoder, save_encoder
-e = load_encoder('$runs/learn-s0/encoder'); r = random_encoder(e.config, 0)
-save_encoder(r.state_dict(), {k: v for k, v in e.config.items() if k != 'weights'}, '$runs/random/encoder')"
-for name in random learn-s0 learn-s1 learn-s2; do
+e = load_encoder('$runs/lf_s0/encoder'); r = random_encoder(e.config, 0)
+save_encoder(r.state_dict(), {k: v for k, v in e.config.items() if k != 'weights'}, '$runs/lf_random/encoder')"
+mkdir -p experiments/finetune/lesion
+for name in lf_random lf_s0 lf_s1 lf_s2; do
   python finetune.py --encoder $runs/$name/encoder --labels $labels --out $runs/finetune-$name \
     > $runs/finetune-$name.log 2>&1
-  cp $runs/finetune-$name/report.json experiments/finetune/$name.json
+  cp $runs/finetune-$name/report.json experiments/finetune/lesion/$name.json
 done
-python experiments/finetune_table.py experiments/finetune/random.json experiments/finetune/learn-s{0,1,2}.json
+python experiments/finetune_table.py experiments/finetune/lesion/lf_random.json experiments/finetune/lesion/lf_s{0,1,2}.json

@@ -37,7 +37,8 @@ for t in report["tasks"].values():  # without a random init the encoder is calle
 step = int(name.split("u")[-1].split("_s")[0]) if name != run else None  # a learning-curve point: its update
 val = [r for r in map(json.loads, open(f"experiments/runs/{run}/metrics.jsonl")) if r.get("split") == "val"
        and (step is None or r["step"] <= step)]
-args = [line for line in open("experiments/dense/commands.log") if f"pretrain.sh {run} " in line][-1]
+args = [line for line in open("experiments/dense/commands.log")  # its pretraining, or student.py making it
+        if f"pretrain.sh {run} " in line or ("student.py" in line and line.split("#")[0].split()[-1] == run)][-1]
 report["pretrain"] = {**json.load(open(f"experiments/runs/{run}.time")), "command": args.split(" ", 1)[1].strip(),
                       "last_val": val[-1]}
 open(f"experiments/dense/{name}.json", "w").write(json.dumps(report, indent=1).replace(root + "/", ""))

@@ -40,7 +40,7 @@ def runs_of(arm: str) -> dict:
 
 # The arm whose random inits stand in for an arm's runs probed without their own (b4 for any arm not named here; a
 # learning-curve point ARMuSTEP: ARM's). b4first: section 11's b4 runs (commit 720a850), which v4's were paired with.
-RANDOM_FROM = {"v4": "b4first", "tg4": "t4", "tgs15": "t15"}
+RANDOM_FROM = {"fr4": "t4", "fn4": "t4", "fr4c": "t4", "fn4c": "t4", "v4": "b4first", "tg4": "t4", "tgs15": "t15"}
 
 
 def random_arm(arm: str) -> str:
