@@ -22,9 +22,13 @@ python -c "from model import load_encoder, random_encoder, save_encoder
 e = load_encoder('$runs/lf_s0/encoder'); r = random_encoder(e.config, 0)
 save_encoder(r.state_dict(), {k: v for k, v in e.config.items() if k != 'weights'}, '$runs/lf_random/encoder')"
 mkdir -p experiments/finetune/lesion
-for name in lf_random lf_s0 lf_s1 lf_s2; do
-  python finetune.py --encoder $runs/$name/encoder --labels $labels --out $runs/finetune-$name \
-    > $runs/finetune-$name.log 2>&1
-  cp $runs/finetune-$name/report.json experiments/finetune/lesion/$name.json
+for lr in 3e-4 1e-3; do  # 3e-4: finetune.py's default (reports NAME.json); 1e-3: the pilot's (NAME-lr1e-3.json)
+  suffix=$([ $lr = 3e-4 ] || echo -lr$lr)
+  for name in lf_random lf_s0 lf_s1 lf_s2; do
+    python finetune.py --encoder $runs/$name/encoder --labels $labels --out $runs/finetune-$name$suffix --lr $lr \
+      > $runs/finetune-$name$suffix.log 2>&1
+    cp $runs/finetune-$name$suffix/report.json experiments/finetune/lesion/$name$suffix.json
+  done
+  python experiments/finetune_table.py experiments/finetune/lesion/lf_random$suffix.json \
+    experiments/finetune/lesion/lf_s{0,1,2}$suffix.json
 done
-python experiments/finetune_table.py experiments/finetune/lesion/lf_random.json experiments/finetune/lesion/lf_s{0,1,2}.json
