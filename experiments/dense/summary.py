@@ -40,6 +40,8 @@ def runs_of(arm: str) -> dict:
 
 # The arm whose random inits stand in for an arm's runs probed without their own (b4 for any arm not named here; a
 # learning-curve point ARMuSTEP: ARM's). b4first: section 11's b4 runs (commit 720a850), which v4's were paired with.
+# fr4's context head moves the random stream, so t4's inits only stand in for fr4c's: its exact init is fr4's frozen
+# target (`compare fr4c fr4`); fn4's init is t4's to the last digit.
 RANDOM_FROM = {"fr4": "t4", "fn4": "t4", "fr4c": "t4", "fn4c": "t4", "v4": "b4first", "tg4": "t4", "tgs15": "t15"}
 
 
