@@ -112,6 +112,7 @@ class Config:
     context_loss_distance: bool = False  # weight each visible token's loss by 1/sqrt(distance to the nearest masked one)
     target_levels: int = 1  # targets from this many encoder depths (evenly spaced, last block included), each layer-normed
     gram_loss_weight: float = 0.0  # DINOv3 Gram anchoring: + this x the error of the context tokens' cosine similarities against the frozen initial encoder's
+    local_loss_weight: float = 0.0  # MaskFeat-style: + this x the error of a linear head reading each visible token's own voxel statistics (mean, std, histogram) from the context encoder
     grad_checkpointing: bool = False  # recompute block activations in backward: less memory, ~1/3 more compute
     # --- optimization ---
     global_batch_size: Optional[int] = 8  # volumes per optimizer update, over all devices and micro-batches
@@ -389,6 +390,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"context_loss_weight: {cfg.context_loss_weight} must be >= 0 (0: no context loss).")
     if cfg.gram_loss_weight < 0:
         raise ConfigError(f"gram_loss_weight: {cfg.gram_loss_weight} must be >= 0 (0: no Gram anchoring).")
+    if cfg.local_loss_weight < 0:
+        raise ConfigError(f"local_loss_weight: {cfg.local_loss_weight} must be >= 0 (0: no local loss).")
     if not 1 <= cfg.target_levels <= cfg.depth:
         raise ConfigError(f"target_levels: {cfg.target_levels} must be between 1 (the last block) and depth ({cfg.depth}).")
     if cfg.embed_dim % cfg.num_heads or cfg.pred_embed_dim % cfg.pred_num_heads:

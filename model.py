@@ -9,7 +9,9 @@
                     + context_loss_weight x the same error of a second head at the context positions, and targets
                     from target_levels encoder depths, each layer-normed on its own and concatenated [.., K*E];
                     and (DINOv3's Gram anchoring) + gram_loss_weight x the squared difference between the context
-                    tokens' patch-to-patch cosine similarities and those of a frozen copy of the initial encoder
+                    tokens' patch-to-patch cosine similarities and those of a frozen copy of the initial encoder;
+                    and (MaskFeat-style) + local_loss_weight x the error of a linear head that reads each visible
+                    token's own voxel statistics (mean, std, histogram) from the context encoder's output
 
 The context encoder never sees the target tokens and the target encoder moves only through
 update_target(momentum) (incident 12).
@@ -222,7 +224,8 @@ class VJEPA3D(nn.Module):
     def __init__(self, image_size: List[int], patch_size: List[int], embed_dim: int = 384, depth: int = 12,
                  num_heads: int = 6, pred_embed_dim: int = 192, pred_depth: int = 6, pred_num_heads: int = 6,
                  mlp_ratio: float = 4.0, loss: str = "l1", context_loss_weight: float = 0.0,
-                 context_loss_distance: bool = False, target_levels: int = 1, gram_loss_weight: float = 0.0):
+                 context_loss_distance: bool = False, target_levels: int = 1, gram_loss_weight: float = 0.0,
+                 local_loss_weight: float = 0.0):
         super().__init__()
         if loss not in LOSSES:
             raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {loss!r}")
@@ -246,13 +249,16 @@ class VJEPA3D(nn.Module):
         self.target_encoder.requires_grad_(False)
         self.gram_loss_weight = gram_loss_weight
         self.gram_teacher = copy.deepcopy(self.encoder).requires_grad_(False) if gram_loss_weight > 0 else None
+        self.patch_size, self.local_loss_weight = list(patch_size), local_loss_weight
+        with torch.random.fork_rng(devices=[]):  # the rest of the model starts as it would without the local head
+            self.local_head = nn.Linear(embed_dim, LOCAL_FEATURES) if local_loss_weight > 0 else None
         self.loss_fn = jepa_loss  # compile_parts() swaps in a compiled version
 
     @classmethod
     def from_config(cls, cfg) -> "VJEPA3D":
         model = cls(cfg.image_size, cfg.patch_size, cfg.embed_dim, cfg.depth, cfg.num_heads, cfg.pred_embed_dim,
                     cfg.pred_depth, cfg.pred_num_heads, cfg.mlp_ratio, cfg.loss, cfg.context_loss_weight,
-                    cfg.context_loss_distance, cfg.target_levels, cfg.gram_loss_weight)
+                    cfg.context_loss_distance, cfg.target_levels, cfg.gram_loss_weight, cfg.local_loss_weight)
         model.set_grad_checkpointing(cfg.grad_checkpointing)
         return model
 
@@ -331,6 +337,11 @@ class VJEPA3D(nn.Module):
                 teacher = self.gram_teacher(volume).repeat_interleave(context_idx.shape[0] // volume.shape[0], dim=0)
             student = context[..., -teacher.shape[-1]:]  # the last level: the encoder's output [B*M, Nc, E]
             loss = loss + self.gram_loss_weight * gram_loss(student, gather_tokens(teacher, context_idx))
+        if self.local_head is not None:
+            stats = token_voxel_statistics(volume, self.patch_size)  # [B, N, LOCAL_FEATURES]
+            stats = gather_tokens(stats.repeat_interleave(context_idx.shape[0] // volume.shape[0], dim=0), context_idx)
+            visible = self.local_head(context[..., -self.local_head.in_features:])  # from the last level
+            loss = loss + self.local_loss_weight * elementwise_error(visible, stats, self.loss_type).mean()
         return JEPAOutput(loss=loss, pred=pred, target=target, target_std=target_std)
 
     @torch.no_grad()
@@ -407,6 +418,26 @@ def gram_loss(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
         x = F.normalize(x.float(), dim=-1)
         return x @ x.transpose(1, 2)
     return (gram(student) - gram(teacher)).square().mean()
+
+
+LOCAL_BINS = 16  # the local loss's histogram: bins over [-3, 3] standard deviations of the normalized volume
+LOCAL_FEATURES = 2 + LOCAL_BINS
+
+
+@torch.no_grad()
+def token_voxel_statistics(volume: torch.Tensor, patch_size: Sequence[int]) -> torch.Tensor:
+    """Each token's own voxel statistics, the local loss's targets: volume [B,1,D,H,W] -> [B, N, LOCAL_FEATURES]
+    (the mean, std and LOCAL_BINS-bin histogram of the token's voxels), layer-normed per token (as MaskFeat
+    normalizes each token's HOG), in the encoder's token order."""
+    B, _, D, H, W = volume.shape
+    pd, ph, pw = patch_size
+    x = volume.float().reshape(B, D // pd, pd, H // ph, ph, W // pw, pw)
+    x = x.permute(0, 1, 3, 5, 2, 4, 6).reshape(B, -1, pd * ph * pw)  # [B, N, voxels per token]
+    inner_edges = torch.linspace(-3, 3, LOCAL_BINS + 1, device=volume.device)[1:-1]
+    bins = (x.unsqueeze(-1) >= inner_edges).sum(-1)  # [B, N, v] the bin of each voxel (comparisons: XLA lowers them)
+    histogram = F.one_hot(bins, LOCAL_BINS).float().mean(2)  # [B, N, LOCAL_BINS]
+    stats = torch.cat([x.mean(-1, keepdim=True), x.std(-1, keepdim=True), histogram], dim=-1)
+    return F.layer_norm(stats, stats.shape[-1:])
 
 
 def context_distance_weights(context_idx: torch.Tensor, target_idx: torch.Tensor, grid: Sequence[int]) -> torch.Tensor:

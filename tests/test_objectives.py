@@ -1,5 +1,6 @@
 """The pretraining objectives as config options (V-JEPA 2.1's context loss and deep self-supervision): each changes
-the loss and its gradient as documented, as does DINOv3's Gram anchoring, and a loss or mask type nobody wrote is an error, not a silent default."""
+the loss and its gradient as documented, as do DINOv3's Gram anchoring and the local loss, and a loss or mask type
+nobody wrote is an error, not a silent default."""
 import numpy as np
 import pytest
 import torch
@@ -7,8 +8,8 @@ import torch.nn.functional as F
 
 from config import CHOICES, ConfigError, load_config
 from data import MASK_TYPES, MaskGenerator, sample_rng
-from model import (LOSSES, VJEPA3D, context_distance_weights, gather_tokens, gram_loss, jepa_loss,
-                   target_level_blocks)
+from model import (LOCAL_BINS, LOSSES, VJEPA3D, context_distance_weights, gather_tokens, gram_loss, jepa_loss,
+                   target_level_blocks, token_voxel_statistics)
 
 IMAGE, PATCH = [8, 32, 32], [4, 8, 8]
 
@@ -89,6 +90,25 @@ def test_gram_anchoring_matches_the_context_tokens_similarities_to_the_frozen_in
     assert gram_loss(tokens, 3.0 * tokens) < 1e-10  # only the similarity structure counts, not the token norms
 
 
+def test_the_local_loss_asks_each_visible_token_to_keep_its_own_voxel_statistics():
+    model, plain_model = tiny_model(local_loss_weight=0.5), tiny_model()
+    plain_state = plain_model.state_dict()
+    assert all(torch.equal(v, plain_state[k]) for k, v in model.state_dict().items() if k in plain_state)  # same init
+    volume, ctx, tgt = batch(model)
+    plain, out = plain_model(volume, ctx, tgt), model(volume, ctx, tgt)
+    stats = token_voxel_statistics(volume, PATCH)  # [B, N, 2 + bins]
+    corner = volume[0, 0, 0:4, 0:8, 8:16]  # token 1: the second along W
+    raw = torch.cat([corner.mean()[None], corner.std()[None],
+                     torch.histc(corner.clamp(-3, 3), LOCAL_BINS, -3, 3) / corner.numel()])
+    assert torch.allclose(stats[0, 1], F.layer_norm(raw, raw.shape), atol=1e-4)
+    visible = model.local_head(model.encoder(volume, keep_idx=ctx))
+    expected = plain.loss + 0.5 * (visible - gather_tokens(stats, ctx)).abs().mean()
+    assert torch.allclose(out.loss, expected, atol=1e-6)
+    out.loss.backward()
+    assert model.encoder.blocks[0].mlp.fc2.weight.grad.abs().sum() > 0
+    assert plain_model.local_head is None and "local_head.weight" in model.state_dict()  # saved: resumes exactly
+
+
 def test_the_defaults_are_the_plain_jepa_loss():
     model = tiny_model()
     volume, ctx, tgt = batch(model)
@@ -110,3 +130,5 @@ def test_an_unknown_loss_or_mask_type_is_an_error_naming_the_known_ones():
         load_config([], context_loss_weight=-1)
     with pytest.raises(ConfigError, match="gram_loss_weight"):
         load_config([], gram_loss_weight=-0.1)
+    with pytest.raises(ConfigError, match="local_loss_weight"):
+        load_config([], local_loss_weight=-0.5)
