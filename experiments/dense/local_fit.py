@@ -1,0 +1,42 @@
+"""How well a run's tokens hold each token's own voxel statistics (the local loss's targets, model.token_voxel_statistics):
+the local head's l1 error on the context and on the target encoder's tokens (runs with --local_loss_weight), and the
+held-out R^2 of a ridge regression from each encoder's tokens to the statistics (half the tokens fit, half scored), on
+60 of the suite's labelled varied phantoms, no masking.
+
+    python experiments/dense/local_fit.py RUN [RUN...]     # RUN: a folder of experiments/runs/
+"""
+import dataclasses
+import os
+import sys
+
+import torch
+from sklearn.linear_model import RidgeCV
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from config import load_config  # noqa: E402
+from labels import load_labelled_volumes, phantom_labels  # noqa: E402
+from model import LOCAL_FEATURES, token_voxel_statistics  # noqa: E402
+from probe import read_model_checkpoint, resolve_checkpoint  # noqa: E402
+
+cfg = load_config(["--config", "configs/learn.yaml", "--phantom_dir", "data/phantoms256"])
+labels_csv = phantom_labels(cfg, varied=True)
+cfg = dataclasses.replace(cfg, cache_dir=os.path.dirname(labels_csv) + "-cache")
+volumes, _, _ = load_labelled_volumes(cfg, labels_csv, max_volumes=60, columns=["lesion"])
+for run in sys.argv[1:]:
+    model, run_cfg, _ = read_model_checkpoint(resolve_checkpoint(f"experiments/runs/{run}/checkpoints"))
+    model.eval()
+    with torch.no_grad():
+        stats = token_voxel_statistics(volumes, run_cfg.patch_size)  # [M, N, LOCAL_FEATURES]
+        tokens = {"target": model.target_encoder(volumes), "context": model.encoder(volumes)}  # [M, N, E] each
+    out = {}
+    if model.local_head is not None:
+        with torch.no_grad():
+            out.update({f"head_l1_{name}": round(float((model.local_head(t) - stats).abs().mean()), 3)
+                        for name, t in tokens.items()})
+    y = stats.reshape(-1, LOCAL_FEATURES).numpy()
+    for name, t in tokens.items():
+        x = t.reshape(-1, t.shape[-1]).numpy()
+        half = len(x) // 2
+        out[f"ridge_r2_{name}"] = round(float(RidgeCV(alphas=[1e-3, 1e-1, 10]).fit(x[:half], y[:half])
+                                             .score(x[half:], y[half:])), 3)
+    print(run, out, flush=True)
