@@ -10,8 +10,8 @@
                     from target_levels encoder depths, each layer-normed on its own and concatenated [.., K*E];
                     and (DINOv3's Gram anchoring) + gram_loss_weight x the squared difference between the context
                     tokens' patch-to-patch cosine similarities and those of a frozen copy of the initial encoder;
-                    and (MaskFeat-style) + local_loss_weight x the error of a linear head that reads each visible
-                    token's own voxel statistics (mean, std, histogram) from the context encoder's output
+                    and + local_loss_weight x a linear head's error on each visible token's own voxel statistics
+                    (the losses themselves: objectives.py)
 
 The context encoder never sees the target tokens and the target encoder moves only through
 update_target(momentum) (incident 12).
@@ -33,6 +33,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from config import Config, ConfigError, load_config
+from objectives import (LOCAL_FEATURES, LOSSES, context_distance_weights, context_loss, elementwise_error, gram_loss,
+                        jepa_loss, token_voxel_statistics)
 from storage import read_bytes, write_atomic
 
 
@@ -385,77 +387,6 @@ class VJEPA3D(nn.Module):
                 continue
             (no_decay if p.ndim < 2 or "mask_token" in name or "pos_embed" in name else decay).append(p)
         return [{"params": decay, "apply_wd": True}, {"params": no_decay, "apply_wd": False}]
-
-
-LOSSES = {"l1": torch.abs, "mse": torch.square}  # the loss types: the per-element error of pred - target
-
-
-def elementwise_error(pred: torch.Tensor, target: torch.Tensor, loss_type: str) -> torch.Tensor:
-    """The per-element error of LOSSES[loss_type], in fp32; ValueError naming the known types for any other."""
-    if loss_type not in LOSSES:
-        raise ValueError(f"loss: {loss_type!r} is not one of {', '.join(LOSSES)}")
-    # In fp32: XLA reduces a bf16 tensor in bf16, and a mean over thousands of terms then loses a third of it.
-    return LOSSES[loss_type](pred.float() - target.float())
-
-
-def jepa_loss(pred: torch.Tensor, target: torch.Tensor, loss_type: str) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(loss, target_std) of predictions and targets [B, Nt, E]: mean l1 or mse error, and feature_std(target)."""
-    return elementwise_error(pred, target, loss_type).mean(), feature_std(target)
-
-
-def context_loss(pred: torch.Tensor, target: torch.Tensor, loss_type: str,
-                 weights: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The mean error of the context head's predictions against the targets at the context positions [B, Nc, E],
-    each token's error times its weight [B, Nc] when given (V-JEPA 2.1: the mean of the weighted errors)."""
-    error = elementwise_error(pred, target, loss_type)
-    return (error if weights is None else error * weights.unsqueeze(-1)).mean()
-
-
-def gram_loss(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
-    """DINOv3's Gram anchoring: the mean squared difference between the token-to-token cosine-similarity matrices
-    [B, K, K] of the student's and the teacher's tokens [B, K, E] (only their similarity structure is matched)."""
-    def gram(x):
-        x = F.normalize(x.float(), dim=-1)
-        return x @ x.transpose(1, 2)
-    return (gram(student) - gram(teacher)).square().mean()
-
-
-LOCAL_BINS = 16  # the local loss's histogram: bins over [-3, 3] standard deviations of the normalized volume
-LOCAL_FEATURES = 2 + LOCAL_BINS
-
-
-@torch.no_grad()
-def token_voxel_statistics(volume: torch.Tensor, patch_size: Sequence[int]) -> torch.Tensor:
-    """Each token's own voxel statistics, the local loss's targets: volume [B,1,D,H,W] -> [B, N, LOCAL_FEATURES]
-    (the mean, std and LOCAL_BINS-bin histogram of the token's voxels), layer-normed per token (as MaskFeat
-    normalizes each token's HOG), in the encoder's token order."""
-    B, _, D, H, W = volume.shape
-    pd, ph, pw = patch_size
-    x = volume.float().reshape(B, D // pd, pd, H // ph, ph, W // pw, pw)
-    x = x.permute(0, 1, 3, 5, 2, 4, 6).reshape(B, -1, pd * ph * pw)  # [B, N, voxels per token]
-    inner_edges = torch.linspace(-3, 3, LOCAL_BINS + 1, device=volume.device)[1:-1]
-    bins = (x.unsqueeze(-1) >= inner_edges).sum(-1)  # [B, N, v] the bin of each voxel (comparisons: XLA lowers them)
-    histogram = F.one_hot(bins, LOCAL_BINS).float().mean(2)  # [B, N, LOCAL_BINS]
-    stats = torch.cat([x.mean(-1, keepdim=True), x.std(-1, keepdim=True), histogram], dim=-1)
-    return F.layer_norm(stats, stats.shape[-1:])
-
-
-def context_distance_weights(context_idx: torch.Tensor, target_idx: torch.Tensor, grid: Sequence[int]) -> torch.Tensor:
-    """V-JEPA 2.1's weight of each context token [B, Nc]: 1 / sqrt(grid distance to the nearest target token), so
-    context tokens far from what is masked count less (1 next to a target token)."""
-    strides = torch.tensor([grid[1] * grid[2], grid[2], 1], device=context_idx.device)
-
-    def coords(idx):  # [B, K] flat token indices -> [B, K, 3] grid coordinates
-        return (idx.unsqueeze(-1) // strides % torch.tensor(grid, device=idx.device)).float()
-
-    nearest = torch.cdist(coords(context_idx), coords(target_idx)).amin(dim=-1)  # [B, Nc]
-    return nearest.clamp_min(1.0).rsqrt()
-
-
-def feature_std(features: torch.Tensor) -> torch.Tensor:
-    """Mean over feature dims of the std over all tokens of the batch: [B,N,E] -> scalar (0 = collapsed)."""
-    flat = features.detach().float().reshape(-1, features.shape[-1])  # [B*N, E]
-    return flat.std(dim=0).mean()
 
 
 def _init_weights(m: nn.Module) -> None:

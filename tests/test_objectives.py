@@ -8,8 +8,9 @@ import torch.nn.functional as F
 
 from config import CHOICES, ConfigError, load_config
 from data import MASK_TYPES, MaskGenerator, sample_rng
-from model import (LOCAL_BINS, LOSSES, VJEPA3D, context_distance_weights, gather_tokens, gram_loss, jepa_loss,
-                   target_level_blocks, token_voxel_statistics)
+from model import VJEPA3D, gather_tokens, target_level_blocks
+from objectives import (LOCAL_BINS, LOSSES, context_distance_weights, gram_loss, jepa_loss,
+                        token_voxel_statistics)
 
 IMAGE, PATCH = [8, 32, 32], [4, 8, 8]
 

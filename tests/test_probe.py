@@ -11,7 +11,8 @@ import torch
 import labels
 import probe
 from config import load_config
-from model import VJEPA3D, feature_std
+from model import VJEPA3D
+from objectives import feature_std
 from phantom import VARIED_LABELS, Eye, draw_eye, synth_reflectivity, write_phantom_set
 from probe import rankme
 from helpers import one_thread  # noqa: F401 (autouse: tiny models, one thread)

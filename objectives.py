@@ -1,0 +1,75 @@
+"""The pretraining losses VJEPA3D.forward adds up (model.py): the JEPA loss on the masked tokens, V-JEPA 2.1's context
+loss and its distance weights, DINOv3's Gram anchoring, and the local loss's targets (each token's own voxel
+statistics); feature_std, the collapse figure logged beside them."""
+from typing import Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+
+LOSSES = {"l1": torch.abs, "mse": torch.square}  # the loss types: the per-element error of pred - target
+
+
+def elementwise_error(pred: torch.Tensor, target: torch.Tensor, loss_type: str) -> torch.Tensor:
+    """The per-element error of LOSSES[loss_type], in fp32; ValueError naming the known types for any other."""
+    if loss_type not in LOSSES:
+        raise ValueError(f"loss: {loss_type!r} is not one of {', '.join(LOSSES)}")
+    # In fp32: XLA reduces a bf16 tensor in bf16, and a mean over thousands of terms then loses a third of it.
+    return LOSSES[loss_type](pred.float() - target.float())
+
+
+def jepa_loss(pred: torch.Tensor, target: torch.Tensor, loss_type: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(loss, target_std) of predictions and targets [B, Nt, E]: mean l1 or mse error, and feature_std(target)."""
+    return elementwise_error(pred, target, loss_type).mean(), feature_std(target)
+
+
+def context_loss(pred: torch.Tensor, target: torch.Tensor, loss_type: str,
+                 weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The mean error of the context head's predictions against the targets at the context positions [B, Nc, E],
+    each token's error times its weight [B, Nc] when given (V-JEPA 2.1: the mean of the weighted errors)."""
+    error = elementwise_error(pred, target, loss_type)
+    return (error if weights is None else error * weights.unsqueeze(-1)).mean()
+
+
+def gram_loss(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    """DINOv3's Gram anchoring: the mean squared difference between the token-to-token cosine-similarity matrices
+    [B, K, K] of the student's and the teacher's tokens [B, K, E] (only their similarity structure is matched)."""
+    def gram(x):
+        x = F.normalize(x.float(), dim=-1)
+        return x @ x.transpose(1, 2)
+    return (gram(student) - gram(teacher)).square().mean()
+
+
+LOCAL_BINS = 16  # the local loss's histogram: bins over [-3, 3] standard deviations of the normalized volume
+LOCAL_FEATURES = 2 + LOCAL_BINS
+
+
+@torch.no_grad()
+def token_voxel_statistics(volume: torch.Tensor, patch_size: Sequence[int]) -> torch.Tensor:
+    """The local loss's targets, in the encoder's token order: volume [B,1,D,H,W] -> [B, N, LOCAL_FEATURES], each
+    token's voxels' mean, std and LOCAL_BINS-bin histogram, layer-normed per token (as MaskFeat's HOG)."""
+    (B, _, D, H, W), (pd, ph, pw) = volume.shape, patch_size
+    x = volume.float().reshape(B, D // pd, pd, H // ph, ph, W // pw, pw).permute(0, 1, 3, 5, 2, 4, 6)
+    x = x.reshape(B, -1, pd * ph * pw)  # [B, N, v voxels per token]
+    edges = torch.linspace(-3, 3, LOCAL_BINS + 1, device=volume.device)[1:-1]
+    histogram = F.one_hot((x.unsqueeze(-1) >= edges).sum(-1), LOCAL_BINS).float().mean(2)  # [B, N, LOCAL_BINS]
+    stats = torch.cat([x.mean(-1, keepdim=True), x.std(-1, keepdim=True), histogram], dim=-1)
+    return F.layer_norm(stats, stats.shape[-1:])
+
+
+def context_distance_weights(context_idx: torch.Tensor, target_idx: torch.Tensor, grid: Sequence[int]) -> torch.Tensor:
+    """V-JEPA 2.1's weight of each context token [B, Nc]: 1 / sqrt(grid distance to the nearest target token), so
+    context tokens far from what is masked count less (1 next to a target token)."""
+    strides = torch.tensor([grid[1] * grid[2], grid[2], 1], device=context_idx.device)
+
+    def coords(idx):  # [B, K] flat token indices -> [B, K, 3] grid coordinates
+        return (idx.unsqueeze(-1) // strides % torch.tensor(grid, device=idx.device)).float()
+
+    nearest = torch.cdist(coords(context_idx), coords(target_idx)).amin(dim=-1)  # [B, Nc]
+    return nearest.clamp_min(1.0).rsqrt()
+
+
+def feature_std(features: torch.Tensor) -> torch.Tensor:
+    """Mean over feature dims of the std over all tokens of the batch: [B,N,E] -> scalar (0 = collapsed)."""
+    flat = features.detach().float().reshape(-1, features.shape[-1])  # [B*N, E]
+    return flat.std(dim=0).mean()
