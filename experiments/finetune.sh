@@ -4,7 +4,8 @@
 # export each encoder; export the random init of the same architecture (model.random_encoder, seed 0: the one
 # finetune.py --vs_random uses); run finetune.py on the suite's 300 labelled varied phantoms (probe.py's `lesion`
 # task; patient-level 5-fold CV, the same folds for all) for each; then the tables. The runs of 2026-11-26 ran these
-# steps two at a time (experiments/finetune/lesion.commands.log). The 2026-11-24 runs (plain phantoms, the
+# steps two at a time (experiments/finetune/lesion.commands.log), with learn.yaml before its local loss (git show
+# 03a17bc:configs/learn.yaml). The 2026-11-24 runs (plain phantoms, the
 # learn.yaml of that day): `git show b99fd57:experiments/finetune.sh`.
 # OMP_NUM_THREADS=1: on a CPU shared with other jobs, torch's 2 threads ran 10x slower than one.
 set -e
