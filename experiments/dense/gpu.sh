@@ -5,20 +5,25 @@
 #   LONG=12000 BUDGET=470 experiments/dense/gpu.sh arms OUT
 #       glf_s0-2   learn.yaml on the GPU (3000 updates): the platform check against the CPU's lfl_s0-2
 #       gl4_s0-2   learn.yaml with 4x4x8 tubelets (3000 updates)
-#       glfLONG_s0-2  learn.yaml with LONG updates, a checkpoint every CURVE=3000 (the learning curve)
-# (SHORT=3000: the updates of the first two arms)
+#       glfLONG_s0-2  learn.yaml with LONG updates, a checkpoint every CURVE=3000 (keep_last also counts the
+#                     best-validation checkpoints, which can push these out: NOTES.md section 16)
+# (SHORT=3000: the updates of the first two arms; SEEDS="0 1 2": the pretraining seeds; ONLY_LONG=1: the third arm only)
 # Runs still going BUDGET seconds after the start are stopped (SIGTERM: train.py saves the update it is on).
 # OUT gets gpu.log, runs.tar.gz (logs, metrics, configs, timings, commands) and tarballs of slim checkpoints (one per
 # short arm, one per long run)
 # (the target encoder's weights; the context encoder, predictor and AdamW state zeroed or dropped).
+# .whl/ (git-ignored; the call carries it): cp312 wheels of pydicom and the pylibjpeg plugins for the device's Python,
+# made here with the device README's `pip download` line (experiments/NOTES.md section 16).
 set -u
 cd "$(dirname "$0")/../.."
-mode=$1; out=$2; budget=${BUDGET:-470}; long=${LONG:-12000}; short=${SHORT:-3000}; curve=${CURVE:-3000}; t0=$(date +%s)
+mode=$1; out=$2; budget=${BUDGET:-470}; long=${LONG:-12000}; short=${SHORT:-3000}; curve=${CURVE:-3000}; seeds=${SEEDS:-0 1 2}
+t0=$(date +%s)
 mkdir -p "$out" experiments/runs
 log() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a "$out/gpu.log"; }
 if [ -d .whl ]; then  # pydicom and the JPEG plugins, which the device image lacks
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
+  site=$(mktemp -d)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
+    && export PYTHONPATH=$site
 fi
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 phantoms=data/phantoms256v
@@ -46,14 +51,12 @@ last_train_row() {  # NAME: step and median step time of its last 5 logged train
 import json, statistics, sys
 import os
 rows = [r for r in map(json.loads, open(sys.argv[1])) if r.get("split") == "train"][-5:] if os.path.exists(sys.argv[1]) else []
-print(rows[-1]["step"], round(statistics.median(r["step_time_s"] for r in rows), 4) if rows else "not started")
+print(f'{rows[-1]["step"]} {statistics.median(r["step_time_s"] for r in rows):.4f}' if rows else "not started")
 PY
 }
 
-if [ "$mode" = smoke ]; then
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> "$out/gpu.log" 2>&1
-  python3 -c 'import torch, sklearn; print("torch", torch.__version__, torch.cuda.get_device_name(0), "sklearn", sklearn.__version__)' >> "$out/gpu.log" 2>&1
-  python3 - $phantoms > "$out/prepare.log" 2>&1 <<'PY' &
+prepare() {  # the phantoms and their decoded cache, written once before the runs read them
+  python3 - $phantoms <<'PY'
 import sys
 from dataclasses import replace
 from config import load_config
@@ -62,6 +65,12 @@ phantoms = sys.argv[1]
 cfg = load_config(["--config", "configs/learn.yaml", "--phantom_dir", phantoms])
 print(prepare_cache(replace(cfg, cache_dir=phantoms + "-cache", workers=12), progress=False))
 PY
+}
+
+if [ "$mode" = smoke ]; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >> "$out/gpu.log" 2>&1
+  python3 -c 'import torch, sklearn; print("torch", torch.__version__, torch.cuda.get_device_name(0), "sklearn", sklearn.__version__)' >> "$out/gpu.log" 2>&1
+  prepare > "$out/prepare.log" 2>&1 &
   prepare=$!
   phantoms=data/phantoms_smoke
   steps=${SMOKE_STEPS:-200}
@@ -81,17 +90,20 @@ PY
   exit 0
 fi
 
-for k in 0 1 2; do launch "glf_s$k" --seed $k --max_steps "$short"; done
-for k in 0 1 2; do launch "gl4_s$k" --seed $k --max_steps "$short" --patch_size 4,4,8; done
-for k in 0 1 2; do launch "glf${long}_s$k" --seed $k --max_steps "$long" --ckpt_every_steps "$curve" --keep_last 20; done
-log "9 runs launched (long: $long updates)"
+log "phantoms and cache: $(prepare 2>&1 | tail -1)"
+if [ -z "${ONLY_LONG:-}" ]; then
+  for k in $seeds; do launch "glf_s$k" --seed $k --max_steps "$short"; done
+  for k in $seeds; do launch "gl4_s$k" --seed $k --max_steps "$short" --patch_size 4,4,8; done
+fi
+for k in $seeds; do launch "glf${long}_s$k" --seed $k --max_steps "$long" --ckpt_every_steps "$curve" --keep_last 20; done
+log "runs launched (long: $long updates, seeds $seeds)"
 while pgrep -f "train.py --config configs/learn.yaml" > /dev/null; do
   sleep 5
   if (( $(date +%s) - t0 > budget )); then
     log "budget reached: stopping $(pgrep -fc 'train.py --config configs/learn.yaml') runs"
     pkill -TERM -f "train.py --config configs/learn.yaml"; sleep 20; break
   fi
-  (( ($(date +%s) - t0) % 60 < 5 )) && for n in glf_s0 gl4_s0 "glf${long}_s0"; do log "$n at $(last_train_row $n)"; done
+  (( ($(date +%s) - t0) % 60 < 5 )) && for d in $runs/gl*/; do log "$(basename "$d") at $(last_train_row "$(basename "$d")")"; done
 done
 sleep 2
 for d in $runs/gl*/; do n=$(basename "$d"); log "$n: $(cat $runs/$n.time 2>/dev/null) $(last_train_row "$n")"; done

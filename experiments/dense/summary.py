@@ -11,6 +11,8 @@ architecture (random inits of other seeds or tubelet sizes differ).
     python experiments/dense/summary.py health ARM [ARM...]   # position share, RankMe, target_std, CPU seconds
     python experiments/dense/summary.py curve ARM [ARM...]    # the learning curve: each read-out at each probed update
     python experiments/dense/summary.py reference             # the dense task's references and its validity
+    python experiments/dense/summary.py shortcut ARM [ARM...] # pretrained - tokens that are only their own voxel
+                                                              # statistics, paired over the same probe splits
 """
 import glob
 import json
@@ -42,7 +44,7 @@ def runs_of(arm: str) -> dict:
 # learning-curve point ARMuSTEP: ARM's). b4first: section 11's b4 runs (commit 720a850), which v4's were paired with.
 # fr4's context head moves the random stream, so t4's inits only stand in for fr4c's: its exact init is fr4's frozen
 # target (`compare fr4c fr4`); fn4's init is t4's to the last digit.
-RANDOM_FROM = {"loc4": "t4", "loc4w2": "t4", "llog4": "t4", "lfl": "lf", "fr4": "t4", "fn4": "t4", "fr4c": "t4", "fn4c": "t4", "v4": "b4first", "tg4": "t4", "tgs15": "t15"}
+RANDOM_FROM = {"glf": "lf", "glf12000": "lf", "gl4": "t4", "loc4": "t4", "loc4w2": "t4", "llog4": "t4", "lfl": "lf", "fr4": "t4", "fn4": "t4", "fr4c": "t4", "fn4c": "t4", "v4": "b4first", "tg4": "t4", "tgs15": "t15"}
 
 
 def random_arm(arm: str) -> str:
@@ -151,8 +153,32 @@ def reference_table() -> None:
         print(f"| {name} | {cell(s['auroc'])} | {cell(s['ap'])} |")
 
 
+def shortcut_table(arms: list) -> None:
+    """Each run minus the hand-made token features (each token's mean, std, percentiles and histogram) on the same
+    probe splits: `lesion_tokens` against reference.json's, `lesion` attentive against handmade_attentive.json's
+    (the same attentive probe over those tokens, on the run's tubelet grid)."""
+    dense = load("reference")["tasks"]["lesion_tokens"]["handmade"]["token_stats_histogram"]["auroc"]["values"]
+    attentive = load("handmade_attentive")["features"]
+    print("| run | `lesion` attentive - token statistics | `lesion_tokens` - token statistics |")
+    print("|---|---|---|")
+    for arm in arms:
+        means = {"lesion": [], "lesion_tokens": []}
+        for seed, r in sorted(runs_of(arm).items()):
+            grid = "4,4,8" if "--patch_size 4,4,8" in r["pretrain"]["command"] else "4,8,8"
+            cells = []
+            for task, readout, reference in (("lesion", "attentive", attentive[f"token_stats_histogram {grid}"][
+                    "attentive"]["auroc"]["values"]), ("lesion_tokens", "token_linear", dense)):
+                values = r["tasks"][task]["encoders"]["pretrained"][readout]["auroc"]["values"]
+                diff = [a - b for a, b in zip(values, reference, strict=True)]
+                means[task].append(sum(diff) / len(diff))
+                cells.append(signed(interval(diff)))
+            print(f"| {arm}_s{seed} ({grid}) | {cells[0]} | {cells[1]} |")
+        print(f"| {arm}: mean over seeds | {signed(interval(means['lesion']))} | "
+              f"{signed(interval(means['lesion_tokens']))} |")
+
+
 if __name__ == "__main__":
     command, args = (sys.argv[1:2] or ["help"])[0], sys.argv[2:]
     {"arms": lambda: arms_table(args), "compare": lambda: compare_table(*args), "health": lambda: health_table(args),
-     "curve": lambda: curve_table(args),
+     "curve": lambda: curve_table(args), "shortcut": lambda: shortcut_table(args),
      "reference": reference_table}.get(command, lambda: sys.exit(__doc__))()
