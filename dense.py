@@ -29,6 +29,7 @@ from sklearn.model_selection import GridSearchCV, GroupKFold
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
+from objectives import LOCAL_BINS
 from phantom import LAYERS
 
 TARGET_PATCH = (4, 8, 8)  # the token targets' grid: model-input voxels per target token (finer tubelets are pooled)
@@ -37,7 +38,6 @@ LESION_LAYERS = [i for i, (name, _, _) in enumerate(LAYERS) if name in ("drusen"
 RPE_LAYER = [name for name, _, _ in LAYERS].index("rpe")
 TOKEN_CS = (0.01, 0.1, 1.0)  # logistic regression: inverse L2 strengths tried by cross-validation over volumes
 TOKEN_PERCENTILES = (10, 25, 50, 75, 90)
-TOKEN_BINS = 16  # histogram over [-3, 3] standard deviations of the normalized volume
 FCN_STEPS, FCN_BATCH, FCN_LR, FCN_WIDTH = 300, 8, 2e-3, 8  # the supervised reference's fixed budget
 
 
@@ -98,14 +98,14 @@ def tokens_on_grid(tokens: torch.Tensor, grid: Sequence[int], target_grid: Seque
 
 def handmade_token_features(volumes: torch.Tensor, grid: Sequence[int]) -> Dict[str, np.ndarray]:
     """Each token's own voxel statistics [M, N, F] of normalized volumes [M, 1, D, H, W]: token_stats (mean, std,
-    TOKEN_PERCENTILES), token_histogram (TOKEN_BINS bins) and both together."""
+    TOKEN_PERCENTILES), token_histogram (the local loss's LOCAL_BINS bins over [-3, 3] std) and both together."""
     x = volumes.float()[:, 0].numpy()
     voxels = np.stack([per_token(v, grid) for v in x])  # [M, N, v]
     stats = np.concatenate([voxels.mean(-1, keepdims=True), voxels.std(-1, keepdims=True),
                             np.moveaxis(np.percentile(voxels, TOKEN_PERCENTILES, axis=-1), 0, -1)], axis=-1)
-    edges = np.linspace(-3, 3, TOKEN_BINS + 1)
-    bins = np.clip(np.digitize(voxels, edges[1:-1]), 0, TOKEN_BINS - 1)  # [M, N, v] bin of each voxel
-    histogram = np.stack([(bins == b).mean(-1) for b in range(TOKEN_BINS)], axis=-1)
+    edges = np.linspace(-3, 3, LOCAL_BINS + 1)
+    bins = np.clip(np.digitize(voxels, edges[1:-1]), 0, LOCAL_BINS - 1)  # [M, N, v] bin of each voxel
+    histogram = np.stack([(bins == b).mean(-1) for b in range(LOCAL_BINS)], axis=-1)
     return {"token_stats": stats, "token_histogram": histogram,
             "token_stats_histogram": np.concatenate([stats, histogram], axis=-1)}
 

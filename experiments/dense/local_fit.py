@@ -1,4 +1,4 @@
-"""How well a run's tokens hold each token's own voxel statistics (the local loss's targets, model.token_voxel_statistics):
+"""How well a run's tokens hold each token's own voxel statistics (the local loss's targets, objectives.token_voxel_statistics):
 the local head's l1 error on the context and on the target encoder's tokens (runs with --local_loss_weight), and the
 held-out R^2 of a ridge regression from each encoder's tokens to the statistics (half the tokens fit, half scored), on
 60 of the suite's labelled varied phantoms, no masking.
@@ -15,7 +15,7 @@ from sklearn.linear_model import RidgeCV
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from config import load_config  # noqa: E402
 from labels import load_labelled_volumes, phantom_labels  # noqa: E402
-from model import LOCAL_FEATURES, token_voxel_statistics  # noqa: E402
+from objectives import LOCAL_FEATURES, token_voxel_statistics  # noqa: E402
 from probe import read_model_checkpoint, resolve_checkpoint  # noqa: E402
 
 cfg = load_config(["--config", "configs/learn.yaml", "--phantom_dir", "data/phantoms256"])
