@@ -113,6 +113,7 @@ class Config:
     target_levels: int = 1  # targets from this many encoder depths (evenly spaced, last block included), each layer-normed
     gram_loss_weight: float = 0.0  # DINOv3 Gram anchoring: + this x the error of the context tokens' cosine similarities against the frozen initial encoder's
     local_loss_weight: float = 0.0  # MaskFeat-style: + this x the error of a linear head reading each visible token's own voxel statistics (mean, std, histogram) from the context encoder
+    local_loss_split: List[int] = field(default_factory=lambda: [1, 1, 1])  # the local loss's statistics per sub-block: each token cut into this many per axis (1,2,1: its two depth halves)
     grad_checkpointing: bool = False  # recompute block activations in backward: less memory, ~1/3 more compute
     # --- optimization ---
     global_batch_size: Optional[int] = 8  # volumes per optimizer update, over all devices and micro-batches
@@ -194,7 +195,7 @@ CHOICES = {
     "extend_schedule": ("stretch", "rewarm"),
 }
 LIST_LENGTHS = {"image_size": 3, "patch_size": 3, "target_spacing": 3, "clip_percentiles": 2,
-                "adam_betas": 2}
+                "adam_betas": 2, "local_loss_split": 3}
 # Fields naming a file, folder or URL: the string "None" there is a YAML/shell slip, never a path (incident 8).
 PATH_FIELDS = ("data_root", "manifest_path", "index_path", "phantom_dir", "cache_dir", "ckpt_dir", "probe_labels",
                "out_dir", "resume")
@@ -392,6 +393,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"gram_loss_weight: {cfg.gram_loss_weight} must be >= 0 (0: no Gram anchoring).")
     if cfg.local_loss_weight < 0:
         raise ConfigError(f"local_loss_weight: {cfg.local_loss_weight} must be >= 0 (0: no local loss).")
+    if any(n < 1 or p % n for n, p in zip(cfg.local_loss_split, cfg.patch_size)):
+        raise ConfigError(f"local_loss_split: {cfg.local_loss_split} must cut the tubelet {cfg.patch_size} into whole "
+                          f"sub-blocks: each a positive divisor of patch_size on its axis, e.g. 1,2,1.")
     if not 1 <= cfg.target_levels <= cfg.depth:
         raise ConfigError(f"target_levels: {cfg.target_levels} must be between 1 (the last block) and depth ({cfg.depth}).")
     if cfg.embed_dim % cfg.num_heads or cfg.pred_embed_dim % cfg.pred_num_heads:

@@ -11,6 +11,7 @@
                     and (DINOv3's Gram anchoring) + gram_loss_weight x the squared difference between the context
                     tokens' patch-to-patch cosine similarities and those of a frozen copy of the initial encoder;
                     and + local_loss_weight x a linear head's error on each visible token's own voxel statistics
+                    (or those of its local_loss_split sub-blocks)
                     (the losses themselves: objectives.py)
 
 The context encoder never sees the target tokens and the target encoder moves only through
@@ -227,7 +228,7 @@ class VJEPA3D(nn.Module):
                  num_heads: int = 6, pred_embed_dim: int = 192, pred_depth: int = 6, pred_num_heads: int = 6,
                  mlp_ratio: float = 4.0, loss: str = "l1", context_loss_weight: float = 0.0,
                  context_loss_distance: bool = False, target_levels: int = 1, gram_loss_weight: float = 0.0,
-                 local_loss_weight: float = 0.0):
+                 local_loss_weight: float = 0.0, local_loss_split: Sequence[int] = (1, 1, 1)):
         super().__init__()
         if loss not in LOSSES:
             raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {loss!r}")
@@ -252,15 +253,18 @@ class VJEPA3D(nn.Module):
         self.gram_loss_weight = gram_loss_weight
         self.gram_teacher = copy.deepcopy(self.encoder).requires_grad_(False) if gram_loss_weight > 0 else None
         self.patch_size, self.local_loss_weight = list(patch_size), local_loss_weight
+        self.local_loss_split = list(local_loss_split)
         with torch.random.fork_rng(devices=[]):  # the rest of the model starts as it would without the local head
-            self.local_head = nn.Linear(embed_dim, LOCAL_FEATURES) if local_loss_weight > 0 else None
+            self.local_head = (nn.Linear(embed_dim, LOCAL_FEATURES * math.prod(local_loss_split))
+                               if local_loss_weight > 0 else None)
         self.loss_fn = jepa_loss  # compile_parts() swaps in a compiled version
 
     @classmethod
     def from_config(cls, cfg) -> "VJEPA3D":
         model = cls(cfg.image_size, cfg.patch_size, cfg.embed_dim, cfg.depth, cfg.num_heads, cfg.pred_embed_dim,
                     cfg.pred_depth, cfg.pred_num_heads, cfg.mlp_ratio, cfg.loss, cfg.context_loss_weight,
-                    cfg.context_loss_distance, cfg.target_levels, cfg.gram_loss_weight, cfg.local_loss_weight)
+                    cfg.context_loss_distance, cfg.target_levels, cfg.gram_loss_weight, cfg.local_loss_weight,
+                    cfg.local_loss_split)
         model.set_grad_checkpointing(cfg.grad_checkpointing)
         return model
 
@@ -340,7 +344,7 @@ class VJEPA3D(nn.Module):
             student = context[..., -teacher.shape[-1]:]  # the last level: the encoder's output [B*M, Nc, E]
             loss = loss + self.gram_loss_weight * gram_loss(student, gather_tokens(teacher, context_idx))
         if self.local_head is not None:
-            stats = token_voxel_statistics(volume, self.patch_size)  # [B, N, LOCAL_FEATURES]
+            stats = token_voxel_statistics(volume, self.patch_size, self.local_loss_split)  # [B, N, S * LOCAL_FEATURES]
             stats = gather_tokens(stats.repeat_interleave(context_idx.shape[0] // volume.shape[0], dim=0), context_idx)
             visible = self.local_head(context[..., -self.local_head.in_features:])  # from the last level
             loss = loss + self.local_loss_weight * elementwise_error(visible, stats, self.loss_type).mean()

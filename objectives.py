@@ -45,16 +45,21 @@ LOCAL_FEATURES = 2 + LOCAL_BINS
 
 
 @torch.no_grad()
-def token_voxel_statistics(volume: torch.Tensor, patch_size: Sequence[int]) -> torch.Tensor:
-    """The local loss's targets, in the encoder's token order: volume [B,1,D,H,W] -> [B, N, LOCAL_FEATURES], each
-    token's voxels' mean, std and LOCAL_BINS-bin histogram, layer-normed per token (as MaskFeat's HOG)."""
-    (B, _, D, H, W), (pd, ph, pw) = volume.shape, patch_size
-    x = volume.float().reshape(B, D // pd, pd, H // ph, ph, W // pw, pw).permute(0, 1, 3, 5, 2, 4, 6)
-    x = x.reshape(B, -1, pd * ph * pw)  # [B, N, v voxels per token]
+def token_voxel_statistics(volume: torch.Tensor, patch_size: Sequence[int],
+                           split: Sequence[int] = (1, 1, 1)) -> torch.Tensor:
+    """The local loss's targets, in the encoder's token order: volume [B,1,D,H,W] -> [B, N, S * LOCAL_FEATURES]. Each
+    token is cut into S = prod(split) sub-blocks (`split` per axis, in order), and each sub-block's voxels give their
+    mean, std and LOCAL_BINS-bin histogram, layer-normed per sub-block (as MaskFeat's HOG)."""
+    (B, _, D, H, W), (pd, ph, pw), (sd, sh, sw) = volume.shape, patch_size, split
+    if pd % sd or ph % sh or pw % sw:
+        raise ValueError(f"a tubelet of {list(patch_size)} voxels does not split into {list(split)} sub-blocks")
+    x = volume.float().reshape(B, D // pd, sd, pd // sd, H // ph, sh, ph // sh, W // pw, sw, pw // sw)
+    x = x.permute(0, 1, 4, 7, 2, 5, 8, 3, 6, 9)  # [B, gd, gh, gw, sd, sh, sw, voxels of a sub-block by axis]
+    x = x.reshape(B, (D // pd) * (H // ph) * (W // pw), sd * sh * sw, -1)  # [B, N, S, v voxels per sub-block]
     edges = torch.linspace(-3, 3, LOCAL_BINS + 1, device=volume.device)[1:-1]
-    histogram = F.one_hot((x.unsqueeze(-1) >= edges).sum(-1), LOCAL_BINS).float().mean(2)  # [B, N, LOCAL_BINS]
+    histogram = F.one_hot((x.unsqueeze(-1) >= edges).sum(-1), LOCAL_BINS).float().mean(3)  # [B, N, S, LOCAL_BINS]
     stats = torch.cat([x.mean(-1, keepdim=True), x.std(-1, keepdim=True), histogram], dim=-1)
-    return F.layer_norm(stats, stats.shape[-1:])
+    return F.layer_norm(stats, stats.shape[-1:]).flatten(2)
 
 
 def context_distance_weights(context_idx: torch.Tensor, target_idx: torch.Tensor, grid: Sequence[int]) -> torch.Tensor:

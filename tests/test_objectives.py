@@ -110,6 +110,22 @@ def test_the_local_loss_asks_each_visible_token_to_keep_its_own_voxel_statistics
     assert plain_model.local_head is None and "local_head.weight" in model.state_dict()  # saved: resumes exactly
 
 
+def test_the_local_loss_can_ask_each_token_to_keep_the_statistics_of_its_depth_halves():
+    volume = batch(tiny_model())[0]
+    halves = token_voxel_statistics(volume, PATCH, split=(1, 2, 1))  # [B, N, 2 * F]
+    fine = token_voxel_statistics(volume, [4, 4, 8])  # [B, 2 * N]: the grid of the halves, 2 x 8 x 4 tokens
+    B, N, F = fine.shape[0], halves.shape[1], fine.shape[2]
+    by_token = fine.reshape(B, 2, 4, 2, 4, F).permute(0, 1, 2, 4, 3, 5).reshape(B, N, 2 * F)  # [gd, gh, sh, gw]
+    assert torch.allclose(halves, by_token)
+    model = tiny_model(local_loss_weight=0.5, local_loss_split=(1, 2, 1))
+    assert model.local_head.out_features == 2 * F
+    model(volume, *batch(model)[1:]).loss.backward()
+    with pytest.raises(ValueError, match="does not split"):
+        token_voxel_statistics(volume, PATCH, split=(1, 3, 1))
+    with pytest.raises(ConfigError, match="local_loss_split"):
+        load_config([], local_loss_split=[1, 3, 1])
+
+
 def test_the_defaults_are_the_plain_jepa_loss():
     model = tiny_model()
     volume, ctx, tgt = batch(model)

@@ -15,7 +15,7 @@ from sklearn.linear_model import RidgeCV
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from config import load_config  # noqa: E402
 from labels import load_labelled_volumes, phantom_labels  # noqa: E402
-from objectives import LOCAL_FEATURES, token_voxel_statistics  # noqa: E402
+from objectives import token_voxel_statistics  # noqa: E402
 from probe import read_model_checkpoint, resolve_checkpoint  # noqa: E402
 
 cfg = load_config(["--config", "configs/learn.yaml", "--phantom_dir", "data/phantoms256"])
@@ -26,14 +26,14 @@ for run in sys.argv[1:]:
     model, run_cfg, _ = read_model_checkpoint(resolve_checkpoint(f"experiments/runs/{run}/checkpoints"))
     model.eval()
     with torch.no_grad():
-        stats = token_voxel_statistics(volumes, run_cfg.patch_size)  # [M, N, LOCAL_FEATURES]
+        stats = token_voxel_statistics(volumes, run_cfg.patch_size, run_cfg.local_loss_split)  # [M, N, S * F]
         tokens = {"target": model.target_encoder(volumes), "context": model.encoder(volumes)}  # [M, N, E] each
     out = {}
     if model.local_head is not None:
         with torch.no_grad():
             out.update({f"head_l1_{name}": round(float((model.local_head(t) - stats).abs().mean()), 3)
                         for name, t in tokens.items()})
-    y = stats.reshape(-1, LOCAL_FEATURES).numpy()
+    y = stats.reshape(-1, stats.shape[-1]).numpy()
     for name, t in tokens.items():
         x = t.reshape(-1, t.shape[-1]).numpy()
         half = len(x) // 2

@@ -44,7 +44,7 @@ def runs_of(arm: str) -> dict:
 # learning-curve point ARMuSTEP: ARM's). b4first: section 11's b4 runs (commit 720a850), which v4's were paired with.
 # fr4's context head moves the random stream, so t4's inits only stand in for fr4c's: its exact init is fr4's frozen
 # target (`compare fr4c fr4`); fn4's init is t4's to the last digit.
-RANDOM_FROM = {"glf": "lf", "glf12000": "lf", "gl4": "t4", "loc4": "t4", "loc4w2": "t4", "llog4": "t4", "lfl": "lf", "fr4": "t4", "fn4": "t4", "fr4c": "t4", "fn4c": "t4", "v4": "b4first", "tg4": "t4", "tgs15": "t15"}
+RANDOM_FROM = {"glf": "lf", "lfq": "lf", "lfh": "lf", "lfqw2": "lf", "glf12000": "lf", "gl4": "t4", "loc4": "t4", "loc4w2": "t4", "llog4": "t4", "lfl": "lf", "fr4": "t4", "fn4": "t4", "fr4c": "t4", "fn4c": "t4", "v4": "b4first", "tg4": "t4", "tgs15": "t15"}
 
 
 def random_arm(arm: str) -> str:
@@ -156,25 +156,33 @@ def reference_table() -> None:
 def shortcut_table(arms: list) -> None:
     """Each run minus the hand-made token features (each token's mean, std, percentiles and histogram) on the same
     probe splits: `lesion_tokens` against reference.json's, `lesion` attentive against handmade_attentive.json's
-    (the same attentive probe over those tokens, on the run's tubelet grid)."""
+    (the same attentive probe over those tokens, on the run's tubelet grid), and against tokens holding those
+    statistics for each of their four depth quarters (4x8x8 grid only)."""
     dense = load("reference")["tasks"]["lesion_tokens"]["handmade"]["token_stats_histogram"]["auroc"]["values"]
     attentive = load("handmade_attentive")["features"]
-    print("| run | `lesion` attentive - token statistics | `lesion_tokens` - token statistics |")
-    print("|---|---|---|")
+    print("| run | `lesion` attentive - token statistics | `lesion` attentive - depth-quarter statistics | "
+          "`lesion_tokens` - token statistics |")
+    print("|---|---|---|---|")
     for arm in arms:
-        means = {"lesion": [], "lesion_tokens": []}
+        means = {"token": [], "quarters": [], "dense": []}
         for seed, r in sorted(runs_of(arm).items()):
             grid = "4,4,8" if "--patch_size 4,4,8" in r["pretrain"]["command"] else "4,8,8"
+            volume = r["tasks"]["lesion"]["encoders"]["pretrained"]["attentive"]["auroc"]["values"]
+            references = {"token": (volume, attentive[f"token_stats_histogram {grid}"]),
+                          "quarters": (volume, attentive.get(f"token_stats_histogram {grid} by 1,4,1")),
+                          "dense": (r["tasks"]["lesion_tokens"]["encoders"]["pretrained"]["token_linear"]["auroc"][
+                              "values"], {"attentive": {"auroc": {"values": dense}}})}
             cells = []
-            for task, readout, reference in (("lesion", "attentive", attentive[f"token_stats_histogram {grid}"][
-                    "attentive"]["auroc"]["values"]), ("lesion_tokens", "token_linear", dense)):
-                values = r["tasks"][task]["encoders"]["pretrained"][readout]["auroc"]["values"]
-                diff = [a - b for a, b in zip(values, reference, strict=True)]
-                means[task].append(sum(diff) / len(diff))
+            for name, (values, reference) in references.items():
+                if reference is None:
+                    cells.append("")
+                    continue
+                diff = [a - b for a, b in zip(values, reference["attentive"]["auroc"]["values"], strict=True)]
+                means[name].append(sum(diff) / len(diff))
                 cells.append(signed(interval(diff)))
-            print(f"| {arm}_s{seed} ({grid}) | {cells[0]} | {cells[1]} |")
-        print(f"| {arm}: mean over seeds | {signed(interval(means['lesion']))} | "
-              f"{signed(interval(means['lesion_tokens']))} |")
+            print(f"| {arm}_s{seed} ({grid}) | " + " | ".join(cells) + " |")
+        print(f"| {arm}: mean over seeds | " + " | ".join(signed(interval(m)) if m else "" for m in means.values())
+              + " |")
 
 
 if __name__ == "__main__":
