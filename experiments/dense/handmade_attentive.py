@@ -6,7 +6,6 @@ token's two depth halves), the reference for the local loss on sub-blocks.
 
     python experiments/dense/handmade_attentive.py [SEEDS] > experiments/dense/handmade_attentive.json
 """
-import dataclasses
 import json
 import os
 import sys
@@ -15,18 +14,13 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-from config import load_config  # noqa: E402
 from dense import handmade_token_features  # noqa: E402
-from labels import load_labelled_volumes, phantom_labels, task_targets  # noqa: E402
-from probe import Task, readout_scores  # noqa: E402
+from labels import phantom_labels_path  # noqa: E402
+from probe import readout_scores  # noqa: E402
+from suite import lesion_suite  # noqa: E402  (experiments/dense/suite.py)
 
 seeds = int(sys.argv[1]) if len(sys.argv) > 1 else 10
-cfg = load_config(["--config", "configs/learn.yaml", "--phantom_dir", "data/phantoms256"])
-labels_csv = phantom_labels(cfg, varied=True)
-cfg = dataclasses.replace(cfg, cache_dir=os.path.dirname(labels_csv) + "-cache")
-volumes, values, _ = load_labelled_volumes(cfg, labels_csv, columns=["lesion"])
-task = Task("lesion", "lesion")
-targets, _ = task_targets(task, values["lesion"], labels_csv)
+cfg, volumes, task, targets = lesion_suite()
 
 
 def by_token(features: np.ndarray, grid: list, split: list) -> np.ndarray:
@@ -36,7 +30,7 @@ def by_token(features: np.ndarray, grid: list, split: list) -> np.ndarray:
     return x.reshape(M, gd * gh * gw, -1)
 
 
-report = {"labels": os.path.relpath(labels_csv), "seeds": seeds, "task": "lesion", "features": {}}
+report = {"labels": os.path.relpath(phantom_labels_path(cfg, varied=True)), "seeds": seeds, "task": "lesion", "features": {}}
 for patch, split in (([4, 8, 8], [1, 1, 1]), ([4, 4, 8], [1, 1, 1]), ([4, 8, 8], [1, 2, 1]), ([4, 8, 8], [1, 4, 1])):
     grid = [s // p for s, p in zip(cfg.image_size, patch)]
     sub_grid = [g * n for g, n in zip(grid, split)]

@@ -7,7 +7,6 @@ targets (local_fit.py's R^2) but not what tells a lesion.
 
     python experiments/dense/kept_targets.py SPLIT RUN [RUN...]     # SPLIT e.g. 1,4,1; RUN: a folder of experiments/runs/
 """
-import dataclasses
 import os
 import sys
 
@@ -16,18 +15,12 @@ import torch
 from sklearn.linear_model import Ridge
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-from config import load_config  # noqa: E402
-from labels import load_labelled_volumes, phantom_labels, task_targets  # noqa: E402
 from objectives import token_voxel_statistics  # noqa: E402
-from probe import Task, read_model_checkpoint, readout_scores, resolve_checkpoint  # noqa: E402
+from probe import read_model_checkpoint, readout_scores, resolve_checkpoint  # noqa: E402
+from suite import lesion_suite  # noqa: E402  (experiments/dense/suite.py)
 
 split, runs = [int(n) for n in sys.argv[1].split(",")], sys.argv[2:]
-cfg = load_config(["--config", "configs/learn.yaml", "--phantom_dir", "data/phantoms256"])
-labels_csv = phantom_labels(cfg, varied=True)
-cfg = dataclasses.replace(cfg, cache_dir=os.path.dirname(labels_csv) + "-cache")
-volumes, values, _ = load_labelled_volumes(cfg, labels_csv, columns=["lesion"])
-task = Task("lesion", "lesion")
-targets, _ = task_targets(task, values["lesion"], labels_csv)
+cfg, volumes, task, targets = lesion_suite()
 
 
 def attentive(name: str, features: np.ndarray) -> None:

@@ -5,7 +5,6 @@ held-out R^2 of a ridge regression from each encoder's tokens to the statistics 
 
     python experiments/dense/local_fit.py RUN [RUN...]     # RUN: a folder of experiments/runs/
 """
-import dataclasses
 import os
 import sys
 
@@ -13,15 +12,11 @@ import torch
 from sklearn.linear_model import RidgeCV
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-from config import load_config  # noqa: E402
-from labels import load_labelled_volumes, phantom_labels  # noqa: E402
 from objectives import token_voxel_statistics  # noqa: E402
 from probe import read_model_checkpoint, resolve_checkpoint  # noqa: E402
+from suite import lesion_suite  # noqa: E402  (experiments/dense/suite.py)
 
-cfg = load_config(["--config", "configs/learn.yaml", "--phantom_dir", "data/phantoms256"])
-labels_csv = phantom_labels(cfg, varied=True)
-cfg = dataclasses.replace(cfg, cache_dir=os.path.dirname(labels_csv) + "-cache")
-volumes, _, _ = load_labelled_volumes(cfg, labels_csv, max_volumes=60, columns=["lesion"])
+volumes = lesion_suite(max_volumes=60)[1]
 for run in sys.argv[1:]:
     model, run_cfg, _ = read_model_checkpoint(resolve_checkpoint(f"experiments/runs/{run}/checkpoints"))
     model.eval()
