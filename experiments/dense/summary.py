@@ -168,16 +168,18 @@ def shortcut_table(arms: list) -> None:
         for seed, r in sorted(runs_of(arm).items()):
             grid = "4,4,8" if "--patch_size 4,4,8" in r["pretrain"]["command"] else "4,8,8"
             volume = r["tasks"]["lesion"]["encoders"]["pretrained"]["attentive"]["auroc"]["values"]
-            references = {"token": (volume, attentive[f"token_stats_histogram {grid}"]),
-                          "quarters": (volume, attentive.get(f"token_stats_histogram {grid} by 1,4,1")),
-                          "dense": (r["tasks"]["lesion_tokens"]["encoders"]["pretrained"]["token_linear"]["auroc"][
-                              "values"], {"attentive": {"auroc": {"values": dense}}})}
+            quarters = attentive.get(f"token_stats_histogram {grid} by 1,4,1")
+            references = {  # name: (the run's values, the reference's on the same splits, or None)
+                "token": (volume, attentive[f"token_stats_histogram {grid}"]["attentive"]["auroc"]["values"]),
+                "quarters": (volume, quarters and quarters["attentive"]["auroc"]["values"]),
+                "dense": (r["tasks"]["lesion_tokens"]["encoders"]["pretrained"]["token_linear"]["auroc"]["values"],
+                          dense)}
             cells = []
             for name, (values, reference) in references.items():
                 if reference is None:
                     cells.append("")
                     continue
-                diff = [a - b for a, b in zip(values, reference["attentive"]["auroc"]["values"], strict=True)]
+                diff = [a - b for a, b in zip(values, reference, strict=True)]
                 means[name].append(sum(diff) / len(diff))
                 cells.append(signed(interval(diff)))
             print(f"| {arm}_s{seed} ({grid}) | " + " | ".join(cells) + " |")
