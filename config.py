@@ -100,6 +100,7 @@ class Config:
     mask_block_aspect: float = 1.5  # max aspect ratio distortion of a block per axis pair
     mask_tube_axis: Optional[int] = None  # 0 | 1 | 2: blocks span the whole grid along this axis (0 = across B-scans); None = 3D blocks
     # --- model ---
+    patch_stem: str = "linear"  # linear (ViT's: one linear map of each tubelet) | hmlp (three non-overlapping convolutions with GELU: a nonlinear map of the tubelet's own voxels; patch_size [even, 4k, 4k])
     embed_dim: int = 96  # context/target encoder width
     depth: int = 4  # encoder blocks
     num_heads: int = 4  # encoder attention heads (embed_dim must divide by it)
@@ -188,6 +189,7 @@ CHOICES = {
     "missing_spacing": ("resize", "skip"),
     "mask_type": ("multiblock", "multiblock_inside", "random"),
     "loss": ("l1", "mse"),
+    "patch_stem": ("linear", "hmlp"),
     "schedule": ("cosine", "constant"),
     "ema_schedule": ("cosine", "linear"),
     "wandb": ("auto", "online", "offline", "disabled"),
@@ -396,6 +398,11 @@ def validate(cfg: Config) -> None:
     if any(n < 1 or p % n for n, p in zip(cfg.local_loss_split, cfg.patch_size)):
         raise ConfigError(f"local_loss_split: {cfg.local_loss_split} must cut the tubelet {cfg.patch_size} into whole "
                           f"sub-blocks: each a positive divisor of patch_size on its axis, e.g. 1,2,1.")
+    pd, ph, pw = cfg.patch_size
+    if cfg.patch_stem == "hmlp" and (pd % 2 or ph % 4 or pw % 4 or cfg.embed_dim % 2):
+        raise ConfigError(f"patch_stem: hmlp cuts each tubelet into 1x2x2 cells, then 2x2x2 of those, then the rest: "
+                          f"it needs an even pd, ph and pw multiples of 4 and an even embed_dim, got patch_size "
+                          f"{cfg.patch_size} and embed_dim {cfg.embed_dim}; use e.g. 4,8,8, or patch_stem linear.")
     if not 1 <= cfg.target_levels <= cfg.depth:
         raise ConfigError(f"target_levels: {cfg.target_levels} must be between 1 (the last block) and depth ({cfg.depth}).")
     if cfg.embed_dim % cfg.num_heads or cfg.pred_embed_dim % cfg.pred_num_heads:

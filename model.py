@@ -1,6 +1,6 @@
 """VJEPA3D: a 3D V-JEPA for OCT volumes.
 
-  volume [B,1,D,H,W] --tubelet Conv3d--> tokens [B,N,E] (+ fixed 3D sin-cos positions)
+  volume [B,1,D,H,W] --tubelet embedding--> tokens [B,N,E] (+ fixed 3D sin-cos positions)
   context encoder:  only the visible tokens  x[context_idx] -> [B,Nc,E]
   predictor:        context tokens + mask tokens at the target positions -> predictions [B,Nt,E]
   target encoder:   EMA copy of the context encoder over ALL tokens, no gradients,
@@ -140,13 +140,32 @@ def recompute_in_backward(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return checkpoint(block, x, use_reentrant=False)
 
 
-class Encoder(nn.Module):
-    """Tubelet embedding + ViT. Key layout (export): patch_embed.weight/bias, blocks.{i}.*, norm.*"""
+def tubelet_embedding(patch_size: Sequence[int], dim: int, stem: str = "linear") -> nn.Module:
+    """The tubelet embedding, volume [B,1,D,H,W] -> [B,E,gd,gh,gw]: each token a function of its own tubelet's voxels
+    only, so no masked voxel reaches a context token. 'linear': one Conv3d whose kernel is its stride (ViT's).
+    'hmlp' (hierarchical MLP stem, Touvron et al., ECCV 2022): 1x2x2 cells -> E/2 channels, 2x2x2 of those -> E/2,
+    the rest -> E, with GELU between, each again a Conv3d whose kernel is its stride: a nonlinear map of the same
+    voxels. ValueError for another stem, or a tubelet hmlp cannot cut (pd even, ph and pw multiples of 4)."""
+    pd, ph, pw = patch_size
+    if stem == "linear":
+        return nn.Conv3d(1, dim, kernel_size=tuple(patch_size), stride=tuple(patch_size))
+    if stem != "hmlp" or pd % 2 or ph % 4 or pw % 4:
+        raise ValueError(f"patch_stem {stem!r} with patch_size {list(patch_size)}: expected 'linear', or 'hmlp' with "
+                         f"an even pd and ph, pw multiples of 4")
+    rest = (pd // 2, ph // 4, pw // 4)
+    return nn.Sequential(nn.Conv3d(1, dim // 2, kernel_size=(1, 2, 2), stride=(1, 2, 2)), nn.GELU(),
+                         nn.Conv3d(dim // 2, dim // 2, kernel_size=(2, 2, 2), stride=(2, 2, 2)), nn.GELU(),
+                         nn.Conv3d(dim // 2, dim, kernel_size=rest, stride=rest))
 
-    def __init__(self, image_size, patch_size, dim, depth, num_heads, mlp_ratio):
+
+class Encoder(nn.Module):
+    """Tubelet embedding + ViT. Key layout (export): patch_embed.weight/bias (the hmlp stem: patch_embed.{0,2,4}.*),
+    blocks.{i}.*, norm.*"""
+
+    def __init__(self, image_size, patch_size, dim, depth, num_heads, mlp_ratio, patch_stem: str = "linear"):
         super().__init__()
         self.grid = [s // p for s, p in zip(image_size, patch_size)]
-        self.patch_embed = nn.Conv3d(1, dim, kernel_size=tuple(patch_size), stride=tuple(patch_size))
+        self.patch_embed = tubelet_embedding(patch_size, dim, patch_stem)
         self.register_buffer("pos_embed", sincos_pos_embed_3d(dim, self.grid), persistent=False)
         self.blocks = nn.ModuleList([Block(dim, num_heads, mlp_ratio) for _ in range(depth)])
         self.norm = nn.LayerNorm(dim)
@@ -228,7 +247,8 @@ class VJEPA3D(nn.Module):
                  num_heads: int = 6, pred_embed_dim: int = 192, pred_depth: int = 6, pred_num_heads: int = 6,
                  mlp_ratio: float = 4.0, loss: str = "l1", context_loss_weight: float = 0.0,
                  context_loss_distance: bool = False, target_levels: int = 1, gram_loss_weight: float = 0.0,
-                 local_loss_weight: float = 0.0, local_loss_split: Sequence[int] = (1, 1, 1)):
+                 local_loss_weight: float = 0.0, local_loss_split: Sequence[int] = (1, 1, 1),
+                 patch_stem: str = "linear"):
         super().__init__()
         if loss not in LOSSES:
             raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {loss!r}")
@@ -240,7 +260,7 @@ class VJEPA3D(nn.Module):
         self.loss_type = loss
         self.context_loss_weight, self.context_loss_distance = context_loss_weight, context_loss_distance
         self.levels = target_level_blocks(depth, target_levels) if target_levels > 1 else []
-        self.encoder = Encoder(image_size, patch_size, embed_dim, depth, num_heads, mlp_ratio)
+        self.encoder = Encoder(image_size, patch_size, embed_dim, depth, num_heads, mlp_ratio, patch_stem)
         self.predictor = Predictor(self.grid, embed_dim, pred_embed_dim, pred_depth, pred_num_heads, mlp_ratio,
                                    target_levels, context_head=context_loss_weight > 0)
         self.apply(_init_weights)
@@ -248,6 +268,8 @@ class VJEPA3D(nn.Module):
             for i, block in enumerate(blocks):  # residual projections scaled down with depth (as in I-JEPA)
                 block.attn.proj.weight.data.div_(math.sqrt(2.0 * (i + 1)))
                 block.mlp.fc2.weight.data.div_(math.sqrt(2.0 * (i + 1)))
+        for conv in [m for m in self.encoder.patch_embed.modules() if isinstance(m, nn.Conv3d)][:-1]:
+            nn.init.kaiming_normal_(conv.weight, nonlinearity="relu")  # the hmlp stem's inner convolutions feed a GELU
         self.target_encoder = copy.deepcopy(self.encoder)
         self.target_encoder.requires_grad_(False)
         self.gram_loss_weight = gram_loss_weight
@@ -264,7 +286,7 @@ class VJEPA3D(nn.Module):
         model = cls(cfg.image_size, cfg.patch_size, cfg.embed_dim, cfg.depth, cfg.num_heads, cfg.pred_embed_dim,
                     cfg.pred_depth, cfg.pred_num_heads, cfg.mlp_ratio, cfg.loss, cfg.context_loss_weight,
                     cfg.context_loss_distance, cfg.target_levels, cfg.gram_loss_weight, cfg.local_loss_weight,
-                    cfg.local_loss_split)
+                    cfg.local_loss_split, cfg.patch_stem)
         model.set_grad_checkpointing(cfg.grad_checkpointing)
         return model
 
@@ -369,7 +391,7 @@ class VJEPA3D(nn.Module):
             return self.target_encoder(volume)
 
     def encoder_state_dict(self) -> dict:
-        """The target (EMA) encoder alone, for downstream use. Keys: patch_embed.{weight,bias} (Conv3d),
+        """The target (EMA) encoder alone, for downstream use. Keys: patch_embed.{weight,bias} (Conv3d; hmlp: .{0,2,4}.*),
         blocks.{i}.{norm1,attn.qkv,attn.proj,norm2,mlp.fc1,mlp.fc2}.{weight,bias}, norm.{weight,bias}."""
         return {k: v.detach().cpu().clone() for k, v in self.target_encoder.state_dict().items()}
 
@@ -414,18 +436,21 @@ def training_flops_per_sample(cfg) -> dict:
     """Model FLOPs of one training sample, counted from the architecture (multiply-add = 2 FLOPs).
 
     Trained parts cost forward + backward (3x forward); the target encoder (and the Gram teacher, with Gram
-    anchoring) runs forward only; the patch embedding of the context encoder needs no input gradient (2x forward)."""
+    anchoring) runs forward only; the first convolution of the tubelet embedding needs no input gradient (2x
+    forward). The embedding reads every token's voxels, masked or not."""
     n_context, n_target = cfg.token_counts()
     n = n_context + n_target
     patch_voxels = math.prod(cfg.patch_size)
-    embed = 2 * n * patch_voxels * cfg.embed_dim
+    hmlp = cfg.patch_stem == "hmlp"
+    first = 2 * n * patch_voxels * (cfg.embed_dim // 2 if hmlp else cfg.embed_dim)  # hmlp: 4 voxels -> E/2 per cell
+    embed = first + (n * patch_voxels * cfg.embed_dim ** 2 * 5 / 32 if hmlp else 0)  # its 2x2x2 and last convolutions
     context = transformer_flops(n_context, cfg.embed_dim, cfg.depth, cfg.mlp_ratio)
     predictor = (transformer_flops(n, cfg.pred_embed_dim, cfg.pred_depth, cfg.mlp_ratio)
                  + 2 * n_context * cfg.embed_dim * cfg.pred_embed_dim + 2 * n_target * cfg.pred_embed_dim * cfg.embed_dim)
     target = embed + transformer_flops(n, cfg.embed_dim, cfg.depth, cfg.mlp_ratio)
     teacher = target if cfg.gram_loss_weight > 0 else 0
-    total = 2 * embed + 3 * (context + predictor) + target + teacher
-    return {"context_encoder": 2 * embed + 3 * context, "predictor": 3 * predictor, "target_encoder": target,
+    total = 3 * embed - first + 3 * (context + predictor) + target + teacher
+    return {"context_encoder": 3 * embed - first + 3 * context, "predictor": 3 * predictor, "target_encoder": target,
             "gram_teacher": teacher, "total": total}
 
 
@@ -434,13 +459,16 @@ def activation_bytes_per_sample(cfg) -> float:
 
     Per pre-norm block and token: norm in/out (2), qkv (3), attention out, residual, norm2 in/out (2) and the
     MLP hidden before and after GELU (2 x mlp_ratio) values of the width, in the compute dtype; with
-    grad_checkpointing only the block inputs are kept, plus all of one block's while backward recomputes it."""
+    grad_checkpointing only the block inputs are kept, plus all of one block's while backward recomputes it. The hmlp
+    stem keeps its two inner maps before and after GELU for every token: 9/32 x E values per voxel."""
     n_context, n_target = cfg.token_counts()
     bytes_per_value = 2 if cfg.use_bf16 else 4
     full_block = 9 + 2 * cfg.mlp_ratio  # values per token and width
     widths = n_context * cfg.embed_dim, (n_context + n_target) * cfg.pred_embed_dim  # per block: encoder, predictor
     values = widths[0] * cfg.depth + widths[1] * cfg.pred_depth
     values = values + max(widths) * full_block if cfg.grad_checkpointing else values * full_block
+    if cfg.patch_stem == "hmlp":
+        values += math.prod(cfg.image_size) * cfg.embed_dim * 9 / 32
     return values * bytes_per_value + math.prod(cfg.image_size) * 4
 
 
@@ -468,10 +496,11 @@ def memory_per_device(cfg, model: VJEPA3D, fsdp: int, batch: int) -> dict:
 # ----------------------------------------------------------------------------------------------------------
 
 EXPORT_FORMAT = "octjepa-encoder"
-EXPORT_VERSION = 1  # bump when config.json or the weights' layout changes meaning; newer exports are refused
+EXPORT_VERSION = 2  # 2: architecture.patch_stem. Bump when config.json or the weights' layout changes meaning; newer exports are refused
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"  # the names Hugging Face's hub tools read
 EARLIER_WEIGHTS_FILE = "encoder.safetensors"  # what exports before 2026-11-25 named their weights
-ARCHITECTURE_FIELDS = ("image_size", "patch_size", "embed_dim", "depth", "num_heads", "mlp_ratio")
+ARCHITECTURE_FIELDS = ("image_size", "patch_size", "patch_stem", "embed_dim", "depth", "num_heads", "mlp_ratio")
+VERSION_1_ARCHITECTURE = {"patch_stem": "linear"}  # the fields format_version 1 did not write, as they were then
 PREPROCESSING_FIELDS = ("image_size", "target_spacing", "missing_spacing", "clip_percentiles", "sop_classes")
 AUGMENTATION_FIELDS = ("flip_prob", "intensity_jitter")  # training-time only: fine-tuning uses them
 PREPROCESSING_STEPS = (  # what data.load_val_sample does with the fields above; documentation in config.json
@@ -519,6 +548,8 @@ def export_settings(config: dict, where: str = CONFIG_FILE) -> Config:
         values = config.get(section)
         if not isinstance(values, dict):
             raise ExportError(f"{where}: no '{section}' section.")
+        if section == "architecture" and version == 1:
+            values = {**VERSION_1_ARCHITECTURE, **values}
         extra = set(values) - set(names) - ({"steps"} if section == "preprocessing" else set())
         missing = [n for n in names if n not in values]
         if missing or extra:
@@ -558,8 +589,9 @@ class ExportedEncoder(Encoder):
     of the export's weights file."""
 
     def __init__(self, config: dict):
-        a = config["architecture"]
-        super().__init__(a["image_size"], a["patch_size"], a["embed_dim"], a["depth"], a["num_heads"], a["mlp_ratio"])
+        a = {**VERSION_1_ARCHITECTURE, **config["architecture"]}
+        super().__init__(a["image_size"], a["patch_size"], a["embed_dim"], a["depth"], a["num_heads"], a["mlp_ratio"],
+                         a["patch_stem"])
         self.config = config
         self.image_size, self.patch_size, self.embed_dim = list(a["image_size"]), list(a["patch_size"]), a["embed_dim"]
 
@@ -594,10 +626,15 @@ MONAI_VIT_KEYS = (("patch_embed.", "patch_embedding.patch_embeddings."), (".attn
 def monai_vit(encoder: ExportedEncoder, img_size: Optional[Sequence[int]] = None) -> nn.Module:
     """The encoder as MONAI's 3D ViT (monai.networks.nets.ViT, the backbone of its UNETR) for inputs of img_size
     (default: the trained size; any multiple of patch_size): the same weights, and the encoder's sin-cos positions
-    copied in (MONAI builds its own in another axis order). vit(volume)[0] equals encoder(volume). Needs monai."""
+    copied in (MONAI builds its own in another axis order). vit(volume)[0] equals encoder(volume). Needs monai.
+    ValueError for the hmlp stem: MONAI's ViT embeds each tubelet with one linear map."""
+    a = {**VERSION_1_ARCHITECTURE, **encoder.config["architecture"]}
+    if a["patch_stem"] != "linear":
+        raise ValueError(f"monai_vit: this encoder's patch_stem is {a['patch_stem']!r}; MONAI's ViT embeds each tubelet "
+                         f"with one linear map (patch_stem 'linear'), so it cannot hold these weights. Use the encoder "
+                         f"itself as the backbone (tokens [B,N,E] = encoder(volume)).")
     from monai.networks.nets import ViT
     size = list(img_size or encoder.image_size)
-    a = encoder.config["architecture"]
     vit = ViT(in_channels=1, img_size=size, patch_size=encoder.patch_size, hidden_size=a["embed_dim"],
               mlp_dim=int(a["embed_dim"] * a["mlp_ratio"]), num_layers=a["depth"], num_heads=a["num_heads"],
               proj_type="conv", pos_embed_type="sincos", classification=False, dropout_rate=0.0, spatial_dims=3,

@@ -152,6 +152,9 @@ def test_wrong_type_names_the_field(argv, field):
     (dict(shard="zero3"), "shard"),
     (dict(fsdp_size=4), "fsdp_size"),  # without shard fsdp
     (dict(shard="fsdp", fsdp_size=0), "fsdp_size"),
+    (dict(patch_stem="conv"), "patch_stem"),
+    (dict(patch_stem="hmlp", image_size=[16, 64, 60], patch_size=[4, 8, 6]), "patch_stem: hmlp cuts each tubelet"),
+    (dict(patch_stem="hmlp", image_size=[15, 64, 64], patch_size=[3, 8, 8]), "patch_stem: hmlp cuts each tubelet"),
 ])
 def test_invalid_values_are_rejected_with_the_field_named(overrides, field):
     with pytest.raises(ConfigError, match=field):

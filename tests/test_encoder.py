@@ -159,6 +159,43 @@ def test_monai_vit_holds_the_encoder_exactly_at_the_trained_and_another_size(exp
             assert float((vit(volume)[0] - encoder(volume)).abs().max()) <= 1e-6
 
 
+@pytest.fixture(scope="module")
+def hmlp_export(tmp_path_factory, smoke_phantoms) -> str:
+    """The export of a 3-update run of the smoke config with the hmlp tubelet stem."""
+    tmp = tmp_path_factory.mktemp("hmlp")
+    assert train.main(["--config", str(REPO / "configs" / "smoke.yaml"), "--phantom_dir", smoke_phantoms,
+                       "--out_dir", str(tmp / "runs"), "--run_name", "r", "--max_steps", "3", "--ckpt_every_steps",
+                       "3", "--patch_stem", "hmlp"]) == 0
+    assert encoder_cli.main(["export", "--ckpt", str(tmp / "runs" / "r" / "checkpoints"), "--out",
+                             str(tmp / "encoder")]) == 0
+    return str(tmp / "encoder")
+
+
+def test_an_hmlp_export_loads_with_both_loaders_and_is_refused_by_monai_saying_why(hmlp_export):
+    trained, cfg, _ = read_model_checkpoint(str(Path(hmlp_export).parents[0] / "runs" / "r" / "checkpoints"
+                                                / "step_0000003.pt"))
+    assert cfg.patch_stem == "hmlp" and json.loads(Path(hmlp_export, "config.json").read_text())[
+        "architecture"]["patch_stem"] == "hmlp"
+    volume = torch.randn(2, 1, *cfg.image_size, generator=torch.Generator().manual_seed(8))
+    for loaded in (load_encoder(hmlp_export), export.import_standalone(hmlp_export).load(hmlp_export)):
+        assert "patch_embed.2.weight" in loaded.state_dict()
+        assert float((loaded.encode(volume) - trained.encode(volume)).abs().max()) <= 1e-6
+    with pytest.raises(ValueError, match="patch_stem is 'hmlp'; MONAI's ViT embeds each tubelet with one linear map"):
+        model.monai_vit(load_encoder(hmlp_export))
+
+
+def test_an_export_of_format_version_1_loads_with_the_linear_stem_it_had(export_dir, trained_checkpoint, tmp_path):
+    config = json.loads(Path(export_dir, "config.json").read_text())
+    config["format_version"] = 1
+    del config["architecture"]["patch_stem"], config["weights"]
+    save_encoder(safetensors.torch.load_file(Path(export_dir, "model.safetensors")), config, str(tmp_path))
+    trained, cfg, _ = read_model_checkpoint(trained_checkpoint)
+    volume = torch.randn(2, 1, *cfg.image_size, generator=torch.Generator().manual_seed(9))
+    encoder = load_encoder(str(tmp_path))
+    assert encoder.settings.patch_stem == "linear"
+    assert float((encoder.encode(volume) - trained.encode(volume)).abs().max()) <= 1e-6
+
+
 def rewrite_weights(directory: Path, edit) -> None:
     """Change the tensors of an export and record the new weights' sha256, as a careless user would."""
     tensors = safetensors.torch.load_file(directory / "model.safetensors")

@@ -5,7 +5,7 @@ import torch
 
 from config import load_config
 from data import MaskGenerator, sample_rng
-from model import JEPAOutput, VJEPA3D, sincos_pos_embed_3d
+from model import JEPAOutput, VJEPA3D, sincos_pos_embed_3d, training_flops_per_sample, tubelet_embedding
 
 IMAGE, PATCH = [8, 32, 32], [4, 8, 8]
 
@@ -150,6 +150,36 @@ def test_encode_and_exported_encoder_give_the_same_features():
     fresh = tiny_model(depth=2).target_encoder
     fresh.load_state_dict(model.encoder_state_dict())
     torch.testing.assert_close(fresh(x), feats)
+
+
+def test_each_hmlp_token_is_a_nonlinear_function_of_its_own_tubelets_voxels_only():
+    torch.manual_seed(0)
+    stem = tubelet_embedding(PATCH, 64, "hmlp")
+    x = torch.randn(1, 1, *IMAGE)
+    changed = x.clone()
+    changed[..., 4:8, 8:16, 16:24] += torch.randn(1, 1, 4, 8, 8)  # the voxels of token (1, 1, 2) alone
+    moved = (stem(changed) - stem(x)).abs().amax(dim=1)[0] > 0  # [gd, gh, gw]
+    assert moved[1, 1, 2] and moved.sum() == 1  # no voxel of one tubelet reaches another token
+    zero = stem(torch.zeros_like(x))
+    assert (stem(2 * x) - zero - 2 * (stem(x) - zero)).abs().max() > 1e-3  # linear maps would give 0
+
+
+def test_the_hmlp_stem_is_refused_for_a_tubelet_it_cannot_cut_naming_the_sizes():
+    with pytest.raises(ValueError, match=r"'hmlp' with patch_size \[4, 6, 8\]"):
+        tubelet_embedding([4, 6, 8], 64, "hmlp")
+    with pytest.raises(ValueError, match="'conv'"):
+        tubelet_embedding(PATCH, 64, "conv")
+
+
+@pytest.mark.parametrize("stem", ["linear", "hmlp"])
+def test_the_counted_flops_of_the_target_encoder_are_what_torch_counts_besides_attention(stem):
+    from torch.utils.flop_counter import FlopCounterMode
+    cfg = load_config([], image_size=IMAGE, patch_size=PATCH, embed_dim=64, depth=2, num_heads=4, patch_stem=stem)
+    model = VJEPA3D.from_config(cfg)
+    with FlopCounterMode(display=False) as counter:
+        model.encode(torch.randn(1, 1, *IMAGE))
+    attention = 2 * 2 * model.num_tokens ** 2 * 64 * 2  # QK^T and AV of 2 blocks: torch does not count CPU's fused kernel
+    assert training_flops_per_sample(cfg)["target_encoder"] - attention == counter.get_total_flops()
 
 
 def test_grad_checkpointing_gives_the_same_gradients():
