@@ -187,9 +187,9 @@ tags: [oct, ophthalmology, 3d, v-jepa, self-supervised, feature-extraction]
 # octjepa encoder (3D V-JEPA for retinal OCT)
 
 The EMA target encoder of a 3D V-JEPA pretrained with octjepa: a ViT of {a['depth']} blocks, width {a['embed_dim']},
-{a['num_heads']} heads, on tubelets of {a['patch_size']} voxels (embedded by the {a['patch_stem']} stem); trained on inputs of {a['image_size']} [D, H, W]
-(any multiple of the patch size is accepted: the sin-cos positions are built for its grid). Weights:
-`model.safetensors`; architecture, preprocessing contract and provenance: `config.json`.
+{a['num_heads']} heads, on tubelets of {a['patch_size']} voxels embedded by the {a['patch_stem']} stem; trained on
+inputs of {a['image_size']} [D, H, W] (any multiple of the patch size is accepted: the sin-cos positions are built
+for its grid). Weights: `model.safetensors`; architecture, preprocessing contract and provenance: `config.json`.
 
 ## Use
 ```python

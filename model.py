@@ -391,8 +391,9 @@ class VJEPA3D(nn.Module):
             return self.target_encoder(volume)
 
     def encoder_state_dict(self) -> dict:
-        """The target (EMA) encoder alone, for downstream use. Keys: patch_embed.{weight,bias} (Conv3d; hmlp: .{0,2,4}.*),
-        blocks.{i}.{norm1,attn.qkv,attn.proj,norm2,mlp.fc1,mlp.fc2}.{weight,bias}, norm.{weight,bias}."""
+        """The target (EMA) encoder alone, for downstream use. Keys: patch_embed.{weight,bias} (Conv3d; the hmlp
+        stem: patch_embed.{0,2,4}.*), blocks.{i}.{norm1,attn.qkv,attn.proj,norm2,mlp.fc1,mlp.fc2}.{weight,bias},
+        norm.{weight,bias}."""
         return {k: v.detach().cpu().clone() for k, v in self.target_encoder.state_dict().items()}
 
     def shard_units(self) -> List[nn.Module]:
@@ -496,7 +497,8 @@ def memory_per_device(cfg, model: VJEPA3D, fsdp: int, batch: int) -> dict:
 # ----------------------------------------------------------------------------------------------------------
 
 EXPORT_FORMAT = "octjepa-encoder"
-EXPORT_VERSION = 2  # 2: architecture.patch_stem. Bump when config.json or the weights' layout changes meaning; newer exports are refused
+EXPORT_VERSION = 2  # bump when config.json or the weights' layout changes meaning; newer exports are refused
+# (2: architecture.patch_stem)
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"  # the names Hugging Face's hub tools read
 EARLIER_WEIGHTS_FILE = "encoder.safetensors"  # what exports before 2026-11-25 named their weights
 ARCHITECTURE_FIELDS = ("image_size", "patch_size", "patch_stem", "embed_dim", "depth", "num_heads", "mlp_ratio")
@@ -630,9 +632,9 @@ def monai_vit(encoder: ExportedEncoder, img_size: Optional[Sequence[int]] = None
     ValueError for the hmlp stem: MONAI's ViT embeds each tubelet with one linear map."""
     a = {**VERSION_1_ARCHITECTURE, **encoder.config["architecture"]}
     if a["patch_stem"] != "linear":
-        raise ValueError(f"monai_vit: this encoder's patch_stem is {a['patch_stem']!r}; MONAI's ViT embeds each tubelet "
-                         f"with one linear map (patch_stem 'linear'), so it cannot hold these weights. Use the encoder "
-                         f"itself as the backbone (tokens [B,N,E] = encoder(volume)).")
+        raise ValueError(f"monai_vit: this encoder's patch_stem is {a['patch_stem']!r}; MONAI's ViT embeds each "
+                         f"tubelet with one linear map (patch_stem 'linear'), so it cannot hold these weights. Use "
+                         f"the encoder itself as the backbone (tokens [B,N,E] = encoder(volume)).")
     from monai.networks.nets import ViT
     size = list(img_size or encoder.image_size)
     vit = ViT(in_channels=1, img_size=size, patch_size=encoder.patch_size, hidden_size=a["embed_dim"],

@@ -178,7 +178,7 @@ def test_the_counted_flops_of_the_target_encoder_are_what_torch_counts_besides_a
     model = VJEPA3D.from_config(cfg)
     with FlopCounterMode(display=False) as counter:
         model.encode(torch.randn(1, 1, *IMAGE))
-    attention = 2 * 2 * model.num_tokens ** 2 * 64 * 2  # QK^T and AV of 2 blocks: torch does not count CPU's fused kernel
+    attention = 2 * 2 * model.num_tokens ** 2 * 64 * 2  # QK^T, AV of 2 blocks: torch skips CPU's fused kernel
     assert training_flops_per_sample(cfg)["target_encoder"] - attention == counter.get_total_flops()
 
 
