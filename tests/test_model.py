@@ -178,8 +178,10 @@ def test_the_counted_flops_of_the_target_encoder_are_what_torch_counts_besides_a
     model = VJEPA3D.from_config(cfg)
     with FlopCounterMode(display=False) as counter:
         model.encode(torch.randn(1, 1, *IMAGE))
-    attention = 2 * 2 * model.num_tokens ** 2 * 64 * 2  # QK^T, AV of 2 blocks: torch skips CPU's fused kernel
-    assert training_flops_per_sample(cfg)["target_encoder"] - attention == counter.get_total_flops()
+    attention = 2 * 2 * model.num_tokens ** 2 * 64 * 2  # QK^T and AV of 2 blocks
+    counted = sum(flops for op, flops in counter.get_flop_counts()["Global"].items()
+                  if "scaled_dot_product" not in str(op))  # torch counts some attention kernels, not CPU's fused one
+    assert training_flops_per_sample(cfg)["target_encoder"] - attention == counted > 0
 
 
 def test_grad_checkpointing_gives_the_same_gradients():

@@ -44,7 +44,7 @@ def runs_of(arm: str) -> dict:
 # learning-curve point ARMuSTEP: ARM's). b4first: section 11's b4 runs (commit 720a850), which v4's were paired with.
 # fr4's context head moves the random stream, so t4's inits only stand in for fr4c's: its exact init is fr4's frozen
 # target (`compare fr4c fr4`); fn4's init is t4's to the last digit.
-RANDOM_FROM = {"glf": "lf", "lfq": "lf", "lfh": "lf", "lfqw2": "lf", "glf12000": "lf", "gl4": "t4", "loc4": "t4", "loc4w2": "t4", "llog4": "t4", "lfl": "lf", "fr4": "t4", "fn4": "t4", "fr4c": "t4", "fn4c": "t4", "v4": "b4first", "tg4": "t4", "tgs15": "t15"}
+RANDOM_FROM = {"glf": "lf", "lfq": "lf", "lfh": "lf", "lfqw2": "lf", "glf12000": "lf", "gl4": "t4", "loc4": "t4", "loc4w2": "t4", "llog4": "t4", "lfl": "lf", "fr4": "t4", "fn4": "t4", "fr4c": "t4", "fn4c": "t4", "v4": "b4first", "tg4": "t4", "tgs15": "t15", "hmlpq": "hmlp"}
 
 
 def random_arm(arm: str) -> str:
