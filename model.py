@@ -594,6 +594,7 @@ class ExportedEncoder(Encoder):
         a = {**VERSION_1_ARCHITECTURE, **config["architecture"]}
         super().__init__(a["image_size"], a["patch_size"], a["embed_dim"], a["depth"], a["num_heads"], a["mlp_ratio"],
                          a["patch_stem"])
+        self.architecture = a  # config.json's, with the fields its format_version did not write
         self.config = config
         self.image_size, self.patch_size, self.embed_dim = list(a["image_size"]), list(a["patch_size"]), a["embed_dim"]
 
@@ -630,7 +631,7 @@ def monai_vit(encoder: ExportedEncoder, img_size: Optional[Sequence[int]] = None
     (default: the trained size; any multiple of patch_size): the same weights, and the encoder's sin-cos positions
     copied in (MONAI builds its own in another axis order). vit(volume)[0] equals encoder(volume). Needs monai.
     ValueError for the hmlp stem: MONAI's ViT embeds each tubelet with one linear map."""
-    a = {**VERSION_1_ARCHITECTURE, **encoder.config["architecture"]}
+    a = encoder.architecture
     if a["patch_stem"] != "linear":
         raise ValueError(f"monai_vit: this encoder's patch_stem is {a['patch_stem']!r}; MONAI's ViT embeds each "
                          f"tubelet with one linear map (patch_stem 'linear'), so it cannot hold these weights. Use "
