@@ -53,19 +53,20 @@ import torch.nn.functional as F
 from matplotlib.figure import Figure
 from sklearn.decomposition import PCA
 
+from checkpoint import resolve_checkpoint
 from config import Config, ConfigError, NoUsableData, ScriptParser, given_flags, load_config, script_main
 from data import load_prepared, load_val_sample, to_sample
-from dense import position_share, position_share_of_sums, position_sums
 from dicom import UnusableFile
+from health import position_share, position_share_of_sums, position_sums
 from export import HUBCONF, MODEL_CARD, STANDALONE_MODULE, export
 from index import format_reason_table, index_records
 from model import (CONFIG_FILE, POOL_ALIASES, POOLS, WEIGHTS_FILE, ExportError, PretrainedEncoder, export_contract,
                    load_encoder, pool_name, pool_tokens, random_encoder)
 from privacy import share_safe_source, volume_key
-from labels import read_labels, task_targets
-from probe import Task, fit_attentive, probe_device, resolve_checkpoint, stratified_split
+from labels import encode_volumes, read_labels, task_targets
+from readouts import Task, fit_attentive, stratified_split
 from runlog import counted, progress
-from runtime import fetch_to_host, release_freed_memory, setup_runtime, to_device
+from runtime import fetch_to_host, probe_device, release_freed_memory, setup_runtime, to_device
 from storage import write_atomic
 from volumes import read_volume
 
@@ -392,26 +393,28 @@ def labelled_tokens(encoders: dict, cfg: Config, labels_csv: str, wanted: Option
     if wanted and not all(1 <= w <= len(rows) for w in wanted):
         raise ConfigError(f"volumes: {labels_csv} has rows 1 to {len(rows)}, not {wanted}.")
     fitting = set(fitting_rows([label for _, label in rows], wanted, fit_volumes, cfg.seed))
-    tokens, values, shown, inputs, skipped = {arm: [] for arm in encoders}, [], [], {}, Counter()
-    for row, (path, label) in counted([(r, v) for r, v in enumerate(rows, start=1) if r in fitting], "show: encode",
-                                      "volume"):
-        try:
-            volume = load_val_sample(path, cfg)[None]  # [1,1,D,H,W]
-        except UnusableFile as e:
-            if row in (wanted or []):
-                raise ConfigError(f"volumes: row {row} of {labels_csv} cannot be used ({e.reason}).") from None
-            skipped[e.reason] += 1
-            continue
-        for arm, encoder in encoders.items():
-            tokens[arm].append(encoder.encode(volume.to(device)).float().cpu()[0])
-        release_freed_memory()
-        if (row in wanted) if wanted else label not in [values[s] for s in shown]:
-            shown.append(len(values))
-            inputs[len(values)] = (volume[0], row, input_spacing(path, cfg))
-        values.append(label)
+    values, shown, inputs, skipped = [], [], {}, Counter()
+
+    def usable_volumes():
+        """The fitting rows' model inputs [1, D, H, W], read one at a time; noting labels, shown ones and skips."""
+        for row, (path, label) in counted([(r, v) for r, v in enumerate(rows, start=1) if r in fitting],
+                                          "show: encode", "volume"):
+            try:
+                volume = load_val_sample(path, cfg)  # [1,D,H,W]
+            except UnusableFile as e:
+                if row in (wanted or []):
+                    raise ConfigError(f"volumes: row {row} of {labels_csv} cannot be used ({e.reason}).") from None
+                skipped[e.reason] += 1
+                continue
+            if (row in wanted) if wanted else label not in [values[s] for s in shown]:
+                shown.append(len(values))
+                inputs[len(values)] = (volume, row, input_spacing(path, cfg))
+            values.append(label)
+            yield volume
+
+    tokens = encode_volumes(encoders, usable_volumes(), device, batch_size=1)
     labels, classes = task_targets(Task("label"), np.array(values, dtype=str), labels_csv)
-    return ({arm: torch.stack(t) for arm, t in tokens.items()}, labels, classes, shown, inputs, dict(skipped),
-            len(rows))
+    return tokens, labels, classes, shown, inputs, dict(skipped), len(rows)
 
 
 def draw_volume_row(fig, axes, volume: np.ndarray, look: dict, s: int, slab: int, patch_depth: int,

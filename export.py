@@ -22,11 +22,11 @@ from typing import Sequence, Tuple
 
 import torch
 
+from checkpoint import read_model_checkpoint, resolve_checkpoint
 from config import Config, ConfigError
 from model import (CONFIG_FILE, EXPORT_FORMAT, EXPORT_VERSION, VJEPA3D, WEIGHTS_FILE, ExportedEncoder, ExportError,
                    export_config, load_encoder, save_encoder)
 from privacy import share_safe_source
-from probe import read_model_checkpoint, resolve_checkpoint
 from storage import exists, write_atomic
 
 ROUND_TRIP_TOLERANCE = 1e-6

@@ -10,7 +10,7 @@ Labels: probe.py's CSV (paths relative to the CSV's folder; a series folder is o
     ...,patient            optional with either: the patient of each volume (default: the reader's key of the
                            DICOM PatientID, else the file), so that no patient is on two sides of a split
 
-Modes: `frozen` runs probe.py's probes (probe.split_scores: logistic regression on mean-pooled tokens, attentive
+Modes: `frozen` runs probe.py's probes (readouts.split_scores: logistic regression on mean-pooled tokens, attentive
 probe; the budget probe.py uses) on the frozen encoder. `full` fine-tunes the whole encoder, starting from those
 attentive probes (linear probing, then fine-tuning: a fresh head trained in batches of 8 did not even fit the
 training volumes of the labelled phantoms, experiments/README.md): AdamW, layer-wise LR decay (block i of L at
@@ -44,7 +44,7 @@ import tempfile
 import warnings
 from collections import Counter
 from dataclasses import dataclass, replace
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import safetensors.torch
@@ -59,10 +59,10 @@ from index import format_reason_table
 from labels import TokenFile, encode_volumes, read_label_rows
 from model import PretrainedEncoder, load_encoder, random_encoder, save_encoder
 from privacy import share_safe_source, volume_key
-from probe import (TEST_FRACTION, AttentiveProbe, Task, classification_scores, fit_attentive, interval,
-                   paired_difference, probe_device, split_scores, stratified_split)
+from readouts import (TEST_FRACTION, AttentiveProbe, Task, classification_scores, fit_attentive, interval,
+                      paired_difference, split_scores, stratified_split)
 from runlog import counted
-from runtime import release_freed_memory
+from runtime import probe_device, release_freed_memory
 from schedules import cosine_ramp
 from storage import write_atomic
 from volumes import read_volume
@@ -182,15 +182,10 @@ def model_inputs(data: LabelledSet, idx, cfg: Config, rng: Optional[np.random.Ge
 
 def labelled_tokens(encoder: PretrainedEncoder, data: LabelledSet, cfg: Config, device, name: str,
                     batch_size: int = 8) -> TokenFile:
-    """Frozen tokens [M, N, E] of every labelled volume, read and encoded batch by batch (labels.encode_volumes'
-    batches: the same tokens) into the file `name` beside the prepared volumes: neither is held in memory."""
-    count = len(data.paths)
-    tokens = TokenFile(os.path.join(data.prepared.folder.name, f"{name}.tokens"))
-    for i in range(0, count, batch_size):
-        tokens.append(encode_volumes(encoder, model_inputs(data, range(i, min(i + batch_size, count)), cfg), device,
-                                     batch_size))
-        release_freed_memory()
-    return tokens
+    """Frozen tokens [M, N, E] of every labelled volume (labels.encode_volumes of their validation crops, made one at
+    a time) in the file `name` beside the prepared volumes: neither is held in memory."""
+    crops = (model_inputs(data, [i], cfg)[0] for i in range(len(data.paths)))
+    return encode_volumes({name: encoder}, crops, device, batch_size, folder=data.prepared.folder.name)[name]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -241,7 +236,7 @@ def check_fold(data: LabelledSet, idx: np.ndarray, what: str) -> None:
 
 
 def task_scores(probs: np.ndarray, targets: np.ndarray, task: str) -> dict:
-    """AUROC and balanced accuracy of probabilities [M, C]: probe.classification_scores, or (multilabel: sigmoid
+    """AUROC and balanced accuracy of probabilities [M, C]: readouts.classification_scores, or (multilabel: sigmoid
     probabilities, targets [M, C] of 0/1) its mean over the classes, each scored as a binary task."""
     if task != "multilabel":
         return classification_scores(probs, targets)
@@ -250,7 +245,7 @@ def task_scores(probs: np.ndarray, targets: np.ndarray, task: str) -> dict:
 
 
 def frozen_fold(tokens: TokenFile, data: LabelledSet, train_idx, test_idx, seed: int) -> Dict[str, dict]:
-    """probe.split_scores on one fold (multilabel: on each class as a binary task, averaged): {probe: scores}."""
+    """readouts.split_scores on one fold (multilabel: on each class as a binary task, averaged): {probe: scores}."""
     if data.task != "multilabel":
         return split_scores(tokens, data.targets, train_idx, test_idx, seed)
     per_class = [split_scores(tokens, t, train_idx, test_idx, seed) for t in data.targets.T]
@@ -263,7 +258,7 @@ def frozen_fold(tokens: TokenFile, data: LabelledSet, train_idx, test_idx, seed:
 # ----------------------------------------------------------------------------------------------------------
 
 class Classifier(torch.nn.Module):
-    """An encoder with attentive heads (probe.AttentiveProbe): volume [B,1,D,H,W] -> tokens [B,N,E] -> logits [B,C].
+    """An encoder with attentive heads (readouts.AttentiveProbe): volume [B,1,D,H,W] -> tokens [B,N,E] -> logits [B,C].
     One head over the classes, or (multilabel) one binary head per class, whose two logits' difference is the
     class's log-odds."""
 
@@ -381,7 +376,7 @@ def save_fold(model: Classifier, encoder: PretrainedEncoder, data: LabelledSet, 
     safetensors.torch.save_file({k: v.detach().cpu().contiguous() for k, v in model.heads.state_dict().items()},
                                 os.path.join(directory, "heads.safetensors"))
     outputs = 2 if model.multilabel else len(data.classes)
-    heads = f"{len(model.heads)} x probe.AttentiveProbe({encoder.embed_dim}, {outputs}) (finetune.Classifier)"
+    heads = f"{len(model.heads)} x readouts.AttentiveProbe({encoder.embed_dim}, {outputs}) (finetune.Classifier)"
     root = os.path.dirname(os.path.abspath(source["labels"]))  # the CSV's folder: keys of its relative paths
     record = {"classes": data.classes, "task": data.task, "heads": heads, **fold,
               **{f"{part}_volumes": [volume_key(data.paths[i], root) for i in idx] for part, idx in parts.items()}}
@@ -436,7 +431,7 @@ def run_arm(arm: str, encoder: PretrainedEncoder, data: LabelledSet, splits: Lis
             settings: FullSettings, device, save: Optional[dict] = None,
             done: Optional[dict] = None) -> Dict[str, List[dict]]:
     """{mode or probe: one result per split} of one encoder (named `arm` in the progress lines): the frozen probes
-    (probe.split_scores) and full fine-tuning. save: {'directory', 'source'} to keep each fold's fine-tuned model
+    (readouts.split_scores) and full fine-tuning. save: {'directory', 'source'} to keep each fold's fine-tuned model
     (save_fold). done: {'directory', 'fingerprint'} where each split's result is written as it finishes and found
     again by the same command after a kill (fold_result)."""
     results: Dict[str, List[dict]] = {}

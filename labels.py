@@ -8,17 +8,18 @@ import math
 import os
 import sys
 from collections import Counter
-from typing import Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
+import torch.nn as nn
 
 from config import Config, ConfigError, phantom_labels_path
 from data import load_val_sample
 from dicom import UnusableFile
-from model import VJEPA3D
 from phantom import ensure_phantom_set
 from runlog import counted
+from runtime import release_freed_memory
 
 PROBE_PHANTOMS = 240  # volumes of the plain labelled phantom set (plain_lesion, and the probe during pretraining)
 PROBE_PHANTOM_SEED = 1  # the pretraining phantoms use seed 0
@@ -144,20 +145,6 @@ def task_targets(task, values: np.ndarray, source: str = "labels") -> Tuple[np.n
     return np.array([names.index(v) for v in values]), names
 
 
-@torch.no_grad()
-def encode_volumes(model: VJEPA3D, volumes: torch.Tensor, device, batch_size: int = 8) -> torch.Tensor:
-    """Frozen target-encoder tokens [M, N, E] (float32, CPU) of volumes [M,1,D,H,W]. Every batch has batch_size
-    volumes (the last one padded), so that a compiled device sees one shape."""
-    out = []
-    for i in range(0, len(volumes), batch_size):
-        batch = volumes[i:i + batch_size]
-        n = len(batch)
-        if n < batch_size:
-            batch = torch.cat([batch, batch[-1:].expand(batch_size - n, *batch.shape[1:])])
-        out.append(model.encode(batch.to(device).float()).float().cpu()[:n])
-    return torch.cat(out)
-
-
 class TokenFile:
     """Frozen tokens [M, N, E] (float32) in a file, appended batch by batch and read back by rows with explicit reads
     (a memory map's pages would count as resident memory), so that memory stays flat in M. Like a tensor [M, N, E]
@@ -214,3 +201,32 @@ def token_chunks(tokens: Tokens, idx: Sequence[int]) -> Iterator[Tuple[np.ndarra
     for start in range(0, len(idx), rows):
         part = idx[start:start + rows]
         yield part, tokens[part]
+
+
+def padded_batches(volumes: Iterable[torch.Tensor], batch_size: int) -> Iterator[Tuple[torch.Tensor, int]]:
+    """(batch [batch_size, 1, D, H, W], how many of it are volumes) of volumes [1, D, H, W] given one by one; the
+    last batch is padded with its last volume, so that every batch has one shape."""
+    batch = []
+    for volume in volumes:
+        batch.append(volume)
+        if len(batch) == batch_size:
+            yield torch.stack(batch), batch_size
+            batch = []
+    if batch:
+        yield torch.stack(batch + batch[-1:] * (batch_size - len(batch))), len(batch)
+
+
+@torch.no_grad()
+def encode_volumes(encoders: Dict[str, nn.Module], volumes: Iterable[torch.Tensor], device, batch_size: int = 8,
+                   folder: Optional[str] = None) -> Dict[str, Tokens]:
+    """The one way labelled volumes become frozen tokens: {name: tokens [M, N, E] (float32)} of each encoder's
+    `encode` (VJEPA3D's target encoder, or an export) on the volumes [1, D, H, W] given one by one (or a tensor
+    [M, 1, D, H, W]), a padded batch at a time (one shape for a compiled device). In memory, or with a folder in a
+    TokenFile NAME.tokens there each, so that memory stays flat in M; the volumes may come from a generator that reads
+    them one at a time."""
+    out = {name: TokenFile(os.path.join(folder, f"{name}.tokens")) if folder else [] for name in encoders}
+    for batch, n in padded_batches(volumes, batch_size):
+        for name, encoder in encoders.items():
+            out[name].append(encoder.encode(batch.to(device).float()).float().cpu()[:n])
+        release_freed_memory()
+    return {name: tokens if folder else torch.cat(tokens) for name, tokens in out.items()}

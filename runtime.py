@@ -95,6 +95,13 @@ def device_kind(cfg: Config, xla: bool = True) -> str:
     return kind
 
 
+def probe_device(cfg: Config) -> torch.device:
+    """Where the commands that use a trained encoder run (probe.py, encoder.py, finetune.py): cuda when cfg.device is
+    auto or cuda and a GPU is there, else cpu (device_kind without xla); ConfigError for xla."""
+    if cfg.device == "xla":
+        raise ConfigError("device: probe.py, encoder.py and finetune.py run on cpu or cuda; use --device cpu or auto.")
+    return torch.device(device_kind(cfg, xla=False))
+
 def leave_process_group(mesh) -> None:
     """Leave the DDP or FSDP2 process group while the interpreter is still whole (setup_runtime registers this to
     run at exit, with FSDP2's device mesh or None). Gloo's worker threads free a finished collective's tensors,

@@ -29,13 +29,13 @@ from config import (DEMO_FLAGS, EXIT_OK, Config, Diverged, NoUsableData, Preempt
 from data import (build_datasets, describe_masks, format_reason_table, make_loader, make_val_loader,
                   mask_generator_from_config, mask_stats)
 from model import VJEPA3D
-from dense import position_share_of_sums, position_sums
-from probe import compare_with_random, prepare_probe_set, probe_auroc, rankme
+from health import position_share_of_sums, position_sums, rankme
+from runprobe import compare_with_random, prepare_probe_set, probe_auroc
 from runlog import (RunLog, Throughput, describe_run, format_train_line, json_number, save_mask_plot,
                     save_schedule_plot, save_training_plot, summary)
 from checkpoint import (check_checkpoint_folder, checkpoint_everywhere, checkpoint_path, load_resume_checkpoint,
-                        plan_record, read_checkpoint, resolve_run_dir, restore, resumed_plan, run_folder_lock,
-                        split_fingerprint)
+                        plan_record, read_checkpoint, resolve_run_dir, restore, resumed_plan, split_fingerprint)
+from lock import run_folder_lock
 from runtime import (PendingDeviceStats, Runtime, StopRequested, StopSignals, adamw_state, any_process,
                      check_ranks_agree, gather_objects, global_value, mark_step, master_decides, place_model,
                      probes_in_this_process, reduce_mean, setup_runtime, state_bytes_per_device, to_device, wrap_ddp,

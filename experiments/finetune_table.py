@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from probe import interval  # noqa: E402
+from readouts import interval  # noqa: E402
 
 MODES = ("mean_pool", "attentive", "full")
 

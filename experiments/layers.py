@@ -18,8 +18,11 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 from config import load_config  # noqa: E402  (the repo's flat modules)
+from checkpoint import read_model_checkpoint, resolve_checkpoint  # noqa: E402
 from labels import encode_volumes, load_labelled_volumes, phantom_labels, task_targets  # noqa: E402
-from probe import READOUTS, SUITE, load_model, readout_scores, resolve_checkpoint  # noqa: E402
+from probe import SUITE  # noqa: E402
+from readouts import READOUTS, readout_scores  # noqa: E402
+from runprobe import random_model  # noqa: E402
 
 
 def layer_tokens(model: torch.nn.Module, volumes: torch.Tensor) -> list:
@@ -30,7 +33,7 @@ def layer_tokens(model: torch.nn.Module, volumes: torch.Tensor) -> list:
     hooks = [blocks[0].register_forward_pre_hook(lambda block, args: calls.append([args[0]]))]
     hooks += [block.register_forward_hook(lambda block, args, out: calls[-1].append(out)) for block in blocks]
     try:
-        output = encode_volumes(model.eval(), volumes, "cpu")
+        output = encode_volumes({"model": model.eval()}, volumes, "cpu")["model"]
     finally:
         for hook in hooks:
             hook.remove()
@@ -51,9 +54,9 @@ def main() -> None:
     labels = phantom_labels(cfg, varied=kind == "varied")
     volumes = None
     for spec in args.ckpts:
-        model, model_cfg = load_model(resolve_checkpoint(spec.removesuffix(":random")), cfg)
+        model, model_cfg, _ = read_model_checkpoint(resolve_checkpoint(spec.removesuffix(":random")))
         if spec.endswith(":random"):
-            model, _ = load_model("random", model_cfg)
+            model = random_model(model_cfg)
         if volumes is None:
             volumes, values, _ = load_labelled_volumes(
                 dataclasses.replace(model_cfg, phantom_dir=cfg.phantom_dir, cache_dir=cfg.cache_dir), labels,

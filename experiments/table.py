@@ -26,7 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPORTS = os.path.join(HERE, "learn")  # where the reports are read: experiments/learn, or the folder of --reports
 DEMO = os.path.join(HERE, "demo")  # the demo's reports (experiments/demo.sh)
 sys.path.insert(0, os.path.dirname(HERE))
-from probe import READOUTS, interval  # noqa: E402  (the repo's flat modules)
+from readouts import READOUTS, interval  # noqa: E402  (the repo's flat modules)
 
 
 def load(name: str, folder: str = "") -> dict:

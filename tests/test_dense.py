@@ -1,5 +1,6 @@
 """Token-level measurements: the position share of an encoder's tokens, and the dense lesion task whose targets are
 where the phantom generator drew each lesion, on the tokens the model sees."""
+import dataclasses
 import os
 
 import numpy as np
@@ -7,7 +8,9 @@ import pytest
 import torch
 
 import dense
+import health
 import probe
+import references
 from config import load_config
 from data import load_val_sample
 from phantom import set_member, set_voxel_layers, synth_reflectivity, write_phantom_set
@@ -16,12 +19,12 @@ from phantom import set_member, set_voxel_layers, synth_reflectivity, write_phan
 def test_position_share_is_one_for_a_position_code_and_near_zero_for_tokens_that_ignore_position():
     torch.manual_seed(0)
     code = torch.randn(1, 64, 16) * 3
-    assert dense.position_share(code.expand(50, -1, -1)) == pytest.approx(1.0)
-    assert dense.position_share(torch.randn(50, 64, 16)) < 0.05
+    assert health.position_share(code.expand(50, -1, -1)) == pytest.approx(1.0)
+    assert health.position_share(torch.randn(50, 64, 16)) < 0.05
     tokens = code + torch.randn(50, 64, 16)
-    assert 0.85 < dense.position_share(tokens) < 0.95  # positions carry 9 of 10 parts of the variance
-    sums = dense.position_sums(tokens[:20]) + dense.position_sums(tokens[20:])  # validation adds batches
-    assert dense.position_share_of_sums(sums, 50) == pytest.approx(dense.position_share(tokens))
+    assert 0.85 < health.position_share(tokens) < 0.95  # positions carry 9 of 10 parts of the variance
+    sums = health.position_sums(tokens[:20]) + health.position_sums(tokens[20:])  # validation adds batches
+    assert health.position_share_of_sums(sums, 50) == pytest.approx(health.position_share(tokens))
 
 
 @pytest.fixture(scope="module")
@@ -52,11 +55,12 @@ def test_the_dense_task_reads_lesion_tokens_from_features_and_a_small_fcn_learns
     volumes = torch.stack([load_val_sample(p, cfg) for p in paths])
     targets = dense.set_token_targets(set_voxel_layers(varied_set), paths, dense.target_grid(cfg.image_size))
     train, test = np.arange(8), np.arange(8, 12)
-    features = dense.handmade_token_features(volumes, dense.target_grid(cfg.image_size))
+    features = references.handmade_token_features(volumes, dense.target_grid(cfg.image_size))
     assert features["token_stats"].shape == (12, 256, 7) and features["token_histogram"].shape == (12, 256, 16)
     scores = dense.linear_token_probe(features["token_stats_histogram"], targets, train, test)
     assert 0.0 <= scores["ap"] <= 1.0 and 0.0 <= scores["auroc"] <= 1.0
-    fcn = dense.fit_token_fcn(volumes, targets, train, dense.target_grid(cfg.image_size), seed=0, steps=3)
+    fcn = dense.fit_token_cnn(volumes, targets, train, dense.target_grid(cfg.image_size), seed=0,
+                              budget=dataclasses.replace(references.TOKEN_CNN, steps=3))
     assert fcn(volumes[:2]).shape == (2, 256)
     fine = torch.randn(12, 512, 5)  # 4x4x8 tubelets: a 4x16x8 grid pooled onto the 4x8x8 targets
     pooled = dense.tokens_on_grid(fine, [4, 16, 8], [4, 8, 8])

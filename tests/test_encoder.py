@@ -20,10 +20,10 @@ import safetensors.torch
 import torch
 from PIL import Image
 
-import dense
 import encoder as encoder_cli
 import export
 import finetune
+import health
 import model
 import train
 from config import DEMO_FLAGS, ConfigError, load_config
@@ -32,7 +32,7 @@ from helpers import one_thread  # noqa: F401 (autouse: tiny models, one thread)
 from index import find_files, scan_files
 from labels import read_labels
 from model import Encoder, ExportError, load_encoder, random_encoder, save_encoder
-from probe import read_model_checkpoint
+from checkpoint import read_model_checkpoint
 from volumes import read_volume
 
 REPO = Path(__file__).resolve().parents[1]
@@ -336,7 +336,7 @@ def test_embed_stores_what_standardizing_needs_and_the_position_share_of_the_tok
     assert np.median(cosines(standardized["embedding"])) < np.median(cosines(raw["embedding"]))
     encoder = load_encoder(export_dir)
     volumes = torch.stack([load_val_sample(str(p), encoder.settings) for p in raw["path"]])
-    share = dense.position_share(encoder.encode(volumes))
+    share = health.position_share(encoder.encode(volumes))
     assert float(raw["position_share"]) == pytest.approx(share, abs=1e-6) and 0 < share < 1
 
 

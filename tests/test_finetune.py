@@ -19,7 +19,7 @@ import probe
 from helpers import REPO, one_thread  # noqa: F401 (one_thread: autouse, tiny models, one thread)
 from model import load_encoder, random_encoder
 from privacy import volume_key
-from probe import AttentiveProbe
+from readouts import AttentiveProbe
 
 
 def write_labels(path: Path, phantoms: str, header, row) -> str:

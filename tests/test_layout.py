@@ -79,6 +79,10 @@ def test_loading_an_exported_encoder_loads_neither_the_training_loop_nor_the_rea
     assert not loaded_with("model") & (READER | {"train", "runtime", "probe"}), sorted(loaded_with("model"))
 
 
+def test_the_training_loop_loads_neither_the_probe_suite_nor_the_dense_task():
+    assert not loaded_with("train") & {"probe", "dense", "references", "finetune", "encoder", "export"}, \
+        sorted(loaded_with("train"))
+
 def test_storage_is_low_it_loads_neither_torch_nor_the_reader():
     loaded = loaded_with("storage")
     third_party = set().union(*(all_imports(MODULES[m]) for m in loaded))

@@ -10,11 +10,14 @@ import torch
 
 import labels
 import probe
+import readouts
+import references
+import runprobe
 from config import load_config
+from health import rankme
 from model import VJEPA3D
 from objectives import feature_std
 from phantom import VARIED_LABELS, Eye, draw_eye, synth_reflectivity, write_phantom_set
-from probe import rankme
 from helpers import one_thread  # noqa: F401 (autouse: tiny models, one thread)
 
 TINY = ["--image_size", "8,32,32", "--patch_size", "4,8,8", "--embed_dim", "24", "--depth", "1", "--num_heads", "2",
@@ -33,27 +36,27 @@ def tokens_with_signal(n_per_class=20, classes=3, tokens=32, dim=16, strength=6.
 
 def test_scores_are_chance_for_uninformative_and_one_for_perfect_probabilities():
     labels = np.repeat(np.arange(3), 10)
-    assert probe.classification_scores(np.full((30, 3), 1 / 3), labels) == {"auroc": 0.5, "balanced_accuracy": 1 / 3}
-    assert probe.classification_scores(np.eye(3)[labels], labels) == {"auroc": 1.0, "balanced_accuracy": 1.0}
+    assert readouts.classification_scores(np.full((30, 3), 1 / 3), labels) == {"auroc": 0.5, "balanced_accuracy": 1 / 3}
+    assert readouts.classification_scores(np.eye(3)[labels], labels) == {"auroc": 1.0, "balanced_accuracy": 1.0}
     two = np.array([0, 0, 1, 1])
-    assert probe.classification_scores(np.array([[0.9, 0.1], [0.6, 0.4], [0.3, 0.7], [0.2, 0.8]]), two)["auroc"] == 1.0
+    assert readouts.classification_scores(np.array([[0.9, 0.1], [0.6, 0.4], [0.3, 0.7], [0.2, 0.8]]), two)["auroc"] == 1.0
 
 
 def test_interval_is_a_t_interval_over_seeds():
-    iv = probe.interval([0.6, 0.7, 0.8])
+    iv = readouts.interval([0.6, 0.7, 0.8])
     assert iv["mean"] == pytest.approx(0.7)
     assert iv["high"] - iv["mean"] == pytest.approx(4.303 * 0.1 / math.sqrt(3), rel=1e-3)  # t(0.975, 2 dof) = 4.303
-    assert probe.interval([0.5] * 4)["low"] == probe.interval([0.5] * 4)["high"] == 0.5
-    assert probe.interval([0.5])["high"] == math.inf
+    assert readouts.interval([0.5] * 4)["low"] == readouts.interval([0.5] * 4)["high"] == 0.5
+    assert readouts.interval([0.5])["high"] == math.inf
 
 
 def test_stratified_split_holds_out_every_class_and_changes_with_the_seed():
     labels = np.array([0] * 10 + [1] * 5 + [2] * 2)
-    train, test = probe.stratified_split(labels, 0.4, seed=0)
+    train, test = readouts.stratified_split(labels, 0.4, seed=0)
     assert sorted(np.concatenate([train, test])) == list(range(17))
     assert set(labels[train]) == set(labels[test]) == {0, 1, 2}
     assert list(np.bincount(labels[test])) == [4, 2, 1]
-    assert not np.array_equal(test, probe.stratified_split(labels, 0.4, seed=1)[1])
+    assert not np.array_equal(test, readouts.stratified_split(labels, 0.4, seed=1)[1])
 
 
 GRID = (2, 4, 4)  # the token grid of tokens_with_signal: 32 tokens
@@ -61,29 +64,29 @@ GRID = (2, 4, 4)  # the token grid of tokens_with_signal: 32 tokens
 
 def test_probes_find_a_label_carried_by_a_few_tokens():
     tokens, labels = tokens_with_signal()
-    report = probe.readout_scores(tokens, GRID, labels, probe.Task("label"), seeds=range(2))
-    for readout in probe.READOUTS:
+    report = readouts.readout_scores(tokens, GRID, labels, readouts.Task("label"), seeds=range(2))
+    for readout in readouts.READOUTS:
         assert report[readout]["auroc"]["mean"] > 0.9, readout
 
 
 def test_probes_of_tokens_in_a_file_read_a_few_volumes_at_a_time_learn_what_they_learn_in_memory(tmp_path,
                                                                                                    monkeypatch):
     tokens, targets = tokens_with_signal()
-    train, test = probe.stratified_split(targets, probe.TEST_FRACTION, seed=0)
-    in_memory = probe.fit_attentive(tokens, targets, train, probe.Task("label"), seed=0)  # one chunk: full batch
-    expected = probe.split_scores(tokens, targets, train, test, 0, probe.READOUTS, GRID)
+    train, test = readouts.stratified_split(targets, readouts.TEST_FRACTION, seed=0)
+    in_memory = readouts.fit_attentive(tokens, targets, train, readouts.Task("label"), seed=0)  # one chunk: full batch
+    expected = readouts.split_scores(tokens, targets, train, test, 0, readouts.READOUTS, GRID)
     stored = labels.TokenFile(str(tmp_path / "tokens"))
     for i in range(0, len(tokens), 7):
         stored.append(tokens[i:i + 7])
     monkeypatch.setattr(labels, "TOKEN_CHUNK_BYTES", 5 * tokens[0].numel() * 4)  # 5 volumes at a time
-    from_file = probe.fit_attentive(stored, targets, train, probe.Task("label"), seed=0)
+    from_file = readouts.fit_attentive(stored, targets, train, readouts.Task("label"), seed=0)
     assert stored.shape == tokens.shape and torch.equal(stored[test], tokens[test])
     for name, weights in in_memory.state_dict().items():
         if name != "scores.bias":  # a shift of every token's score, which the softmax ignores: rounding noise drives it
             torch.testing.assert_close(from_file.state_dict()[name], weights, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(from_file(tokens), in_memory(tokens), rtol=1e-5, atol=1e-5)
-    scores = probe.split_scores(stored, targets, train, test, 0, probe.READOUTS, GRID)
-    for readout in probe.READOUTS:
+    scores = readouts.split_scores(stored, targets, train, test, 0, readouts.READOUTS, GRID)
+    for readout in readouts.READOUTS:
         assert scores[readout] == pytest.approx(expected[readout]), readout
 
 
@@ -93,7 +96,7 @@ def test_depth_rows_keep_where_along_the_a_scan_a_feature_is():
     tokens = torch.randn(len(labels), 32, 16, generator=g) * 0.1
     for i, c in enumerate(labels):  # the same feature in every volume, in the top depth row (0) or the bottom one (3)
         tokens[i].view(*GRID, 16)[:, 3 * c, :, 0] += 1.0
-    report = probe.readout_scores(tokens, GRID, labels, probe.Task("label"), range(2), probe.LINEAR_READOUTS)
+    report = readouts.readout_scores(tokens, GRID, labels, readouts.Task("label"), range(2), readouts.LINEAR_READOUTS)
     assert report["depth_rows"]["auroc"]["mean"] > 0.95
     assert report["mean_pool"]["auroc"]["mean"] < 0.75  # the mean of the tokens is the same for both classes
 
@@ -101,16 +104,16 @@ def test_depth_rows_keep_where_along_the_a_scan_a_feature_is():
 def test_linear_probe_scores_near_one_on_a_trivially_separable_set():
     labels = np.repeat(np.arange(3), 20)
     pooled = np.eye(3)[labels] * 5 + np.random.default_rng(0).normal(0, 0.3, (60, 3))  # [M, E]: the class, plus noise
-    train, test = probe.stratified_split(labels, probe.TEST_FRACTION, seed=0)
-    scores = probe.linear_probe(pooled, labels, train, test)
+    train, test = readouts.stratified_split(labels, readouts.TEST_FRACTION, seed=0)
+    scores = readouts.linear_probe(pooled, labels, train, test)
     assert scores["auroc"] > 0.99 and scores["balanced_accuracy"] > 0.95
 
 
 def test_probe_on_constant_features_scores_chance():
     _, labels = tokens_with_signal()
     tokens = torch.ones(len(labels), 32, 16)  # a collapsed encoder: the same features for every volume
-    report = probe.readout_scores(tokens, GRID, labels, probe.Task("label"), seeds=range(2))
-    for name in probe.READOUTS:
+    report = readouts.readout_scores(tokens, GRID, labels, readouts.Task("label"), seeds=range(2))
+    for name in readouts.READOUTS:
         assert report[name]["auroc"]["mean"] == pytest.approx(0.5)
         assert report[name]["balanced_accuracy"]["mean"] == pytest.approx(1 / 3)
 
@@ -129,12 +132,12 @@ def test_collapsed_encoder_scores_chance_and_is_flagged_by_the_collapse_metrics(
     labels = np.repeat(np.arange(2), 12)
     volumes = torch.randn(len(labels), 1, *cfg.image_size, generator=g)
     volumes[labels == 1, :, :, :8] += 2.0  # a label that any working encoder sees
-    train_idx, test_idx = probe.stratified_split(labels, probe.TEST_FRACTION, seed=0)
-    probe_set = probe.ProbeSet(volumes.half(), labels, ["a", "b"], train_idx, test_idx)
+    train_idx, test_idx = readouts.stratified_split(labels, readouts.TEST_FRACTION, seed=0)
+    probe_set = runprobe.ProbeSet(volumes.half(), labels, ["a", "b"], train_idx, test_idx)
 
-    healthy = probe.probe_auroc(VJEPA3D.from_config(cfg), probe_set, "cpu")
+    healthy = runprobe.probe_auroc(VJEPA3D.from_config(cfg), probe_set, "cpu")
     collapsed_model_ = collapsed_model(cfg)
-    collapsed = probe.probe_auroc(collapsed_model_, probe_set, "cpu")
+    collapsed = runprobe.probe_auroc(collapsed_model_, probe_set, "cpu")
     assert healthy["probe_auroc"] > 0.9
     assert collapsed == {"probe_auroc": 0.5, "probe_bal_acc": 0.5, "probe_rows_auroc": 0.5}
     tokens = collapsed_model_.encode(volumes[:4].float())
@@ -144,12 +147,12 @@ def test_collapsed_encoder_scores_chance_and_is_flagged_by_the_collapse_metrics(
 
 def test_probe_auroc_leaves_the_model_as_it_found_it(phantom_dir):
     cfg = load_config(TINY)
-    probe_set = probe.prepare_probe_set(cfg, f"{phantom_dir}/labels.csv")
+    probe_set = runprobe.prepare_probe_set(cfg, f"{phantom_dir}/labels.csv")
     assert probe_set.volumes.dtype == torch.float16 and probe_set.volumes.shape == (10, 1, 8, 32, 32)
     assert probe_set.classes == ["drusen", "fluid", "none"]
     model = VJEPA3D.from_config(cfg)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    scores = probe.probe_auroc(model, probe_set, "cpu")
+    scores = runprobe.probe_auroc(model, probe_set, "cpu")
     assert set(scores) == {"probe_auroc", "probe_bal_acc", "probe_rows_auroc"} and 0 <= scores["probe_auroc"] <= 1
     assert model.training and all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
@@ -230,10 +233,10 @@ def test_probe_of_a_checkpoint_reports_intervals_over_seeds(capsys, tmp_path, ph
     assert code == 0
     task = json.loads((tmp_path / "probe.json").read_text())["tasks"]["label"]
     assert task["volumes"] == 10 and list(task["class_counts"]) == ["drusen", "fluid", "none"]
-    for iv in [*(task["encoders"]["encoder"][r]["auroc"] for r in probe.READOUTS), task["supervised"]["auroc"],
-               *(task["handmade"][f]["auroc"] for f in probe.HANDMADE)]:  # the floor... and the ceiling and shortcut
+    for iv in [*(task["encoders"]["encoder"][r]["auroc"] for r in readouts.READOUTS), task["supervised"]["auroc"],
+               *(task["handmade"][f]["auroc"] for f in references.HANDMADE)]:  # the floor... and the ceiling and shortcut
         assert len(iv["values"]) == 2 and iv["low"] <= iv["mean"] <= iv["high"]
-    assert task["best_handmade"] in probe.HANDMADE and isinstance(task["valid"], bool)
+    assert task["best_handmade"] in references.HANDMADE and isinstance(task["valid"], bool)
     out = capsys.readouterr().out
     assert "depth_rows" in out and "small 3D CNN" in out and "(best hand-made)" in out
 
@@ -256,7 +259,7 @@ def test_vs_random_probes_both_encoders_alike_and_plots_the_run(capsys, tmp_path
     assert report["ckpt"].endswith("step_0000004.pt")
     task = report["tasks"]["label"]
     assert task["encoders"]["pretrained"] == task["encoders"]["random"]
-    assert {r: v["random"]["beats"] for r, v in task["versus"]["pretrained"].items()} == dict.fromkeys(probe.READOUTS, False)
+    assert {r: v["random"]["beats"] for r, v in task["versus"]["pretrained"].items()} == dict.fromkeys(readouts.READOUTS, False)
     assert "handmade" not in task and "supervised" not in task  # --no_reference
     assert (tmp_path / "p.png").stat().st_size > 0
     assert "BEATS" not in capsys.readouterr().out
@@ -264,13 +267,13 @@ def test_vs_random_probes_both_encoders_alike_and_plots_the_run(capsys, tmp_path
 
 def test_end_of_run_verdict_compares_with_a_random_init_on_the_same_splits(phantom_dir):
     cfg = load_config(TINY)
-    probe_set = probe.prepare_probe_set(cfg, f"{phantom_dir}/labels.csv")
+    probe_set = runprobe.prepare_probe_set(cfg, f"{phantom_dir}/labels.csv")
     torch.manual_seed(cfg.seed)
-    same_as_random = probe.compare_with_random(VJEPA3D.from_config(cfg), cfg, probe_set, "cpu", seeds=3)
+    same_as_random = runprobe.compare_with_random(VJEPA3D.from_config(cfg), cfg, probe_set, "cpu", seeds=3)
     assert same_as_random["pretrained"] == same_as_random["random"]
-    assert same_as_random["beats_random"] == dict.fromkeys(probe.LINEAR_READOUTS, False)
-    collapsed = probe.compare_with_random(collapsed_model(cfg), cfg, probe_set, "cpu", seeds=3)
-    assert all(collapsed["pretrained"][r]["mean"] == 0.5 for r in probe.LINEAR_READOUTS)
+    assert same_as_random["beats_random"] == dict.fromkeys(readouts.LINEAR_READOUTS, False)
+    collapsed = runprobe.compare_with_random(collapsed_model(cfg), cfg, probe_set, "cpu", seeds=3)
+    assert all(collapsed["pretrained"][r]["mean"] == 0.5 for r in readouts.LINEAR_READOUTS)
     assert not any(collapsed["beats_random"].values())
 
 
@@ -305,7 +308,7 @@ def lesion_volumes(eye_of, n=96):
 
 
 def best_handmade_auroc(volumes, labels) -> float:
-    scores = probe.handmade_scores(volumes, labels, probe.Task("lesion", "lesion"), seeds=range(2))
+    scores = references.handmade_scores(volumes, labels, readouts.Task("lesion", "lesion"), seeds=range(2))
     return max(s["auroc"]["mean"] for s in scores.values())
 
 
@@ -335,8 +338,8 @@ def test_suite_tasks_have_balanced_labels_and_reproducible_splits(varied_set, tm
             assert len(set(targets)) == len(targets) and names == []  # a number per eye
         else:
             assert names == ["no", "yes"] and list(np.bincount(targets)) == [4, 4]  # balanced
-        train, test = probe.task_split(targets, task, seed=0)
-        again = probe.task_split(targets, task, seed=0)
+        train, test = readouts.task_split(targets, task, seed=0)
+        again = readouts.task_split(targets, task, seed=0)
         assert np.array_equal(train, again[0]) and np.array_equal(test, again[1]) and not set(train) & set(test)
     other = write_phantom_set(str(tmp_path / "again"), n=8, shape=(8, 32, 32), varied=True)
     assert open(f"{other}/labels.csv").read() == open(f"{varied_set}/labels.csv").read()
@@ -344,12 +347,12 @@ def test_suite_tasks_have_balanced_labels_and_reproducible_splits(varied_set, tm
 
 def test_few_shot_trains_on_shots_per_class_and_tests_on_the_full_task_split():
     labels = np.repeat(np.arange(2), 50)
-    full = probe.Task("lesion", "lesion")
-    few = probe.Task("lesion_10shot", "lesion", shots=10)
+    full = readouts.Task("lesion", "lesion")
+    few = readouts.Task("lesion_10shot", "lesion", shots=10)
     for seed in range(3):
-        train, test = probe.task_split(labels, few, seed)
+        train, test = readouts.task_split(labels, few, seed)
         assert list(np.bincount(labels[train])) == [10, 10]
-        full_train, full_test = probe.task_split(labels, full, seed)
+        full_train, full_test = readouts.task_split(labels, full, seed)
         assert np.array_equal(test, full_test) and set(train) <= set(full_train)
 
 
@@ -357,11 +360,11 @@ def test_regression_probes_score_concordance_and_r2():
     rng = np.random.default_rng(0)
     features = rng.normal(size=(80, 5))
     targets = features[:, 0] * 2 + rng.normal(0, 0.1, 80)
-    task = probe.Task("thickness", "retina_thickness", regression=True)
-    train, test = probe.task_split(targets, task, seed=0)
-    scores = probe.linear_probe(features, targets, train, test, task)
+    task = readouts.Task("thickness", "retina_thickness", regression=True)
+    train, test = readouts.task_split(targets, task, seed=0)
+    scores = readouts.linear_probe(features, targets, train, test, task)
     assert scores["concordance"] > 0.9 and scores["r2"] > 0.9
-    assert probe.regression_scores(np.zeros(10), np.arange(10.0))["concordance"] == 0.5  # no ranking: chance
+    assert readouts.regression_scores(np.zeros(10), np.arange(10.0))["concordance"] == 0.5  # no ranking: chance
 
 
 def test_a_checkpoint_is_probed_with_its_own_phantom_folder_unless_one_is_given():

@@ -16,7 +16,8 @@ from sklearn.linear_model import Ridge
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from objectives import token_voxel_statistics  # noqa: E402
-from probe import read_model_checkpoint, readout_scores, resolve_checkpoint  # noqa: E402
+from checkpoint import read_model_checkpoint, resolve_checkpoint  # noqa: E402
+from readouts import readout_scores  # noqa: E402
 from suite import lesion_suite  # noqa: E402  (experiments/dense/suite.py)
 
 split, runs = [int(n) for n in sys.argv[1].split(",")], sys.argv[2:]

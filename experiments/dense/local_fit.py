@@ -13,7 +13,7 @@ from sklearn.linear_model import RidgeCV
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from objectives import token_voxel_statistics  # noqa: E402
-from probe import read_model_checkpoint, resolve_checkpoint  # noqa: E402
+from checkpoint import read_model_checkpoint, resolve_checkpoint  # noqa: E402
 from suite import lesion_suite  # noqa: E402  (experiments/dense/suite.py)
 
 volumes = lesion_suite(max_volumes=60)[1]

@@ -7,7 +7,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from config import Config, load_config  # noqa: E402
 from labels import load_labelled_volumes, phantom_labels, task_targets  # noqa: E402
-from probe import Task  # noqa: E402
+from readouts import Task  # noqa: E402
 
 
 def lesion_suite(max_volumes=None):

@@ -22,7 +22,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), os.path.dirname(os.path.dirname(HERE))]
-from probe import interval  # noqa: E402  (the repo's flat modules)
+from readouts import interval  # noqa: E402  (the repo's flat modules)
 from table import cell, signed  # noqa: E402  (experiments/table.py)
 
 ROWS = (("lesion", "attentive"), ("lesion", "mean_pool"), ("lesion_tokens", "token_linear"),
