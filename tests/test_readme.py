@@ -10,6 +10,7 @@ import importlib
 import re
 import runpy
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -159,7 +160,7 @@ def heading_anchors(page: Path) -> set:
 
 def test_every_link_of_the_pages_reaches_a_file_and_heading_that_exist():
     broken = []
-    for page in PAGES + ["docs/config.md", "docs/incidents.md"]:
+    for page in PAGES + ["docs/config.md", "docs/incidents.md", "experiments/NOTES.md"]:
         for target, anchor in re.findall(r"\]\(([^)#\s]*)(#[^)\s]*)?\)", (REPO / page).read_text()):
             if target.startswith(("http://", "https://")):
                 continue
@@ -192,3 +193,148 @@ def test_every_place_the_readme_says_to_change_exists_where_it_says():
     missing = [f"{file}:{name}" for file, name, link in places
                if link != file or name not in defined_names(REPO / file)]
     assert not missing, missing
+
+
+# Pointers stay honest: what a page loads is made by a command it shows first, every path it names exists, every
+# pointer to a section of a page names one that is there, and "Does it learn?" stays one table of today's results.
+
+def code_in_order(text: str) -> list:
+    """The code of a page in reading order: each line of its fenced blocks, and each inline code span elsewhere."""
+    found = []
+    for block, inline in re.findall(r"```\w*\n(.*?)```|`([^`\n]+)`", text, re.S):
+        found += block.replace("\\\n", " ").splitlines() if block else [inline]
+    return found
+
+
+def run_folder(args: list):
+    """The run folder a real `python train.py ARGS` writes (out_dir/run_name), or None: a dry run, or a timestamped
+    name. The flags win over the --config file, which wins over the Config defaults; no flags at all is the demo."""
+    from config import DEMO_FLAGS, Config, load_yaml, parse_flags
+    flags = parse_flags(args or DEMO_FLAGS)
+    if "dry_run" in flags:
+        return None
+    values = {f.name: f.default for f in Config.__dataclass_fields__.values()}
+    values.update(load_yaml(str(REPO / flags["config"])) if "config" in flags else {}, **flags)
+    return f"{values['out_dir']}/{values['run_name']}" if values["run_name"] else None
+
+
+OUTPUT_FLAGS = ("--out", "--json", "--plot")
+RUN_FILES = ("config.yaml", "metrics.jsonl", "events.jsonl", "training.png")  # docs/outputs.md, "The run folder"
+
+
+def made_and_read(line: str) -> tuple:
+    """(the runs/ paths a line of code writes, the runs/ paths it reads). What a command writes is the value of an
+    output flag, with all under it, or a training run's folder: its files and checkpoints/ (an export or a
+    fine-tuning inside that folder is made by another command). A placeholder (runs/<run>) is neither."""
+    made, read = [], []
+    for part in re.split(r"&&|;", re.sub(r"\s#.*", "", line)):
+        words = re.findall(r"[^\s\"'(),=]+", part)
+        train = re.search(r"\b(?:python3?|torchrun)\s(?:.*\s)?train\.py\b(.*)", part)
+        folder = run_folder(train.group(1).split()) if train else None
+        if folder:
+            files = "|".join(map(re.escape, RUN_FILES))
+            made.append(re.compile(rf"{re.escape(folder)}(/checkpoints(/.*)?|/({files}))?"))
+        for i, word in enumerate(words):
+            if word.startswith("runs/") and "<" not in word and "..." not in word:
+                if i and words[i - 1] in OUTPUT_FLAGS:
+                    made.append(re.compile(re.escape(word.rstrip("/")) + "(/.*)?"))
+                else:
+                    read.append(word.rstrip("/.:"))
+    return made, read
+
+
+def test_every_run_folder_the_readme_reads_is_made_by_a_command_it_shows_before():
+    """`load_encoder("runs/learn/encoder")` needs an `encoder.py export ... --out runs/learn/encoder` shown above
+    it, not only the run `runs/learn`: a reader follows the page top to bottom."""
+    made, read, unmade = [], [], []
+    for line in code_in_order((REPO / "README.md").read_text()):
+        writes, reads = made_and_read(line)
+        unmade += [path for path in reads if not any(m.fullmatch(path) for m in made)]
+        made, read = made + writes, read + reads
+    assert not unmade, f"read before any command shown writes them: {unmade}"
+    assert len(made) >= 5 and len(read) >= 10, (made, read)  # the page's commands were found
+
+
+def named_paths(text: str) -> list:
+    """The repository paths a page names, in prose, code or links: experiments/..., docs/..., configs/...; braces
+    expanded, placeholders (NAME, ARM_sS, *) and the uncommitted experiments/runs/ left out."""
+    found = []
+    for word in re.findall(r"(?<![\w/.-])((?:experiments|docs|configs)/[\w./{},-]*[\w}/])", text):
+        found += [w for w in braces(word) if not re.search(r"[A-Z]{2,}|_s[A-Z]\b|_s[A-Z]\.|\*", w)
+                  and not w.startswith("experiments/runs/")]
+    return found
+
+
+def test_every_path_the_readmes_name_exists():
+    missing = [f"{page}: {path}" for page in ("README.md", "experiments/README.md")
+               for path in named_paths((REPO / page).read_text()) if not (REPO / path).exists()]
+    assert not missing, missing
+
+
+def section(page: Path, heading: str) -> str:
+    """The text under the first heading of a page that starts with `heading`, up to the next heading of its level."""
+    text = page.read_text()
+    match = re.search(rf"^(#+) {re.escape(heading)}.*$", text, re.M)
+    assert match, f"{page.name} has no heading {heading!r}"
+    end = re.search(rf"^#{{1,{len(match.group(1))}}} ", text[match.end():], re.M)
+    return text[match.end():match.end() + end.start() if end else len(text)]
+
+
+POINTER = re.compile(r"(?<![\w/])((?:[\w-]+/)*(?:[\w-]+\.md|README|NOTES))(?:'s)?[,:]?\s*\(?\"([A-Za-z][^\"]{0,80})\""
+                     r"(\s+numbers)?")
+
+
+def pointer_target(name: str) -> Path:
+    """README and NOTES name the top-level README.md and experiments/NOTES.md; other names are repository paths."""
+    return REPO / {"README": "README.md", "NOTES": "experiments/NOTES.md", "NOTES.md": "experiments/NOTES.md"}.get(
+        name, name)
+
+
+def test_every_pointer_to_a_section_names_one_that_is_there():
+    """In every file of the repository: a page followed by words in quotes (configs/learn.yaml's pointers to
+    experiments/README.md) finds those words on that page, and where `numbers` follows them (a claim that the
+    section so named holds figures), figures in that section; NOTES.md's `section N` finds its heading `## N.`."""
+    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True).stdout.split()
+    notes = (REPO / "experiments" / "NOTES.md").read_text()
+    broken = []
+    for name in files:
+        if not name.endswith((".md", ".py", ".yaml", ".sh", ".diff", ".log")) or not (REPO / name).exists():
+            continue
+        text = (REPO / name).read_text(errors="replace")
+        for page, words, numbers in POINTER.findall(text):
+            target, words = pointer_target(page), " ".join(words.split())
+            if not target.exists() or words not in " ".join(target.read_text().split()):
+                broken.append(f"{name}: {page}, {words!r}")
+            elif numbers and not re.search(r"\d\.\d{3}", section(target, words.rstrip("?"))):
+                broken.append(f"{name}: {page}, {words!r} has no numbers")
+        for first, last in re.findall(r"NOTES(?:\.md)?,? sections? (\d+)(?:-(\d+))?", text):
+            broken += [f"{name}: NOTES section {n}" for n in {first, last or first}
+                       if not re.search(rf"^## {n}\. ", notes, re.M)]
+    assert not broken, broken
+
+
+def suite_validity() -> dict:
+    """task: "valid" or "not valid", as experiments/README.md's table of the suite says (its last column)."""
+    rows = re.findall(r"^\| `(\w+)`[^\n]*\| (?:\*\*)?(not valid|valid)", section(REPO / "experiments/README.md",
+                                                                                   "The learning suite"), re.M)
+    return dict(rows)
+
+
+def test_does_it_learn_is_one_short_table_of_todays_results_each_with_its_command():
+    """The README states today's result, not its history (that is experiments/): at most 30 lines, one table, no
+    dated rows, each row with the command that produces it, and a task that is not valid says so in its row."""
+    text = section(REPO / "README.md", "Does it learn?")
+    assert len(text.strip("\n").splitlines()) <= 30, len(text.strip("\n").splitlines())
+    dated = re.search(r"\b20\d\d-\d\d-\d\d\b|until that|that evening", text)
+    assert not dated, f"a dated row ({dated.group(0)}): history goes to experiments/"
+    tables = re.findall(r"(?:^\|.*\n)+", text, re.M)
+    assert len(tables) == 1, f"{len(tables)} tables"
+    rows = tables[0].splitlines()[2:]
+    assert len(rows) >= 4, rows
+    validity = suite_validity()
+    assert "valid" in validity.values(), validity  # the suite's table says which tasks count
+    invalid = {task for task, verdict in validity.items() if verdict == "not valid"}
+    for row in rows:
+        assert re.search(r"`python [\w/]+\.py[^`]*`", row), f"a row without its command: {row}"
+        named = set(re.findall(r"`(\w+)`", row)) & invalid
+        assert not named or "not valid" in row, f"{named} is not a valid task; its row must say so: {row}"
