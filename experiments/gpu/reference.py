@@ -23,7 +23,8 @@ in each arm's own code:
 
 Both in bf16 autocast when the octjepa config has use_bf16 (weights, gradients, AdamW and EMA state fp32 in both),
 batch --batch (2). Reported per arm: median update time (min-max), peak CUDA memory of an update (max_memory_allocated
-after a reset, less the other arm's resident state, which shares the process), the model FLOPs per update (octjepa's
+after a reset, less what was allocated before it that is not this arm's own weights, EMA target and AdamW state: the
+other arm shares the process; the shared input volume is left out too), the model FLOPs per update (octjepa's
 training_flops_per_sample, the same architecture for both), TFLOP/s and their share of a bf16 (fp32 for fp32 sizes)
 8192^3 matmul timed with CUDA events in the same run. Eager, then (--compile both) compiled: octjepa with
 VJEPA3D.compile_parts() (train.py's compile_model), the reference with .compile(dynamic=False) on its encoder,
@@ -43,6 +44,7 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import gc
 import importlib
 import json
 import math
@@ -235,7 +237,7 @@ class OctjepaArm(Arm):
 class ReferenceArm(Arm):
     name = "reference"
 
-    def __init__(self, cfg, batch, amp, lr, wd, ema, clip, ref, patch_sdp_kernel):
+    def __init__(self, cfg, batch, amp, lr, wd, ema, clip, ref):
         D, H, W = cfg.image_size
         pd, ph, pw = cfg.patch_size
         if H != W or ph != pw:
@@ -408,8 +410,9 @@ def matmul_peak(device, dtype, n=None, iters=10, trials=5) -> dict:
     return {"n": n, "dtype": str(dtype).replace("torch.", ""), "flops": max(rates), "trials": rates}
 
 
-def timed_update(arm, device, other_resident: int) -> dict:
-    """One update of arm, synchronized: wall seconds, and on CUDA its peak (less the other arm's resident state)."""
+def timed_update(arm, device, own_resident: int = 0) -> dict:
+    """One update of arm, synchronized: wall seconds, and on CUDA its peak: max_memory_allocated after a reset, less
+    what was allocated before the update that is not this arm's resident state (the other arm's, the inputs)."""
     sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -420,7 +423,7 @@ def timed_update(arm, device, other_resident: int) -> dict:
     out = {"s": time.perf_counter() - start}
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated()
-        out.update(peak_bytes=peak - other_resident, peak_bytes_process=peak, update_adds_bytes=peak - before)
+        out.update(peak_bytes=peak - before + own_resident, peak_bytes_process=peak, update_adds_bytes=peak - before)
     return out
 
 
@@ -428,21 +431,22 @@ def run_phase(arms, device, warmup: int, rounds: int, per_round: int, compiled: 
     """Warm each arm up (compiled: the first update compiles), then `rounds` rounds of `per_round` updates of each
     arm in turn (A, B, A, B ...). Per arm: median, min, max time, the first update, peak memory, the last loss."""
     results = {}
+    if compiled:  # the compiler's one-time start (imports, worker pool) charged to neither arm's compile time
+        torch.compile(lambda x: torch.sin(x) + 1, dynamic=False)(torch.randn(64, device=device))
+        sync(device)
     for arm in arms:
         if compiled:
             arm.compile(style)
-        other = sum(a.resident_bytes() for a in arms if a is not arm) if device.type == "cuda" else 0
-        first = timed_update(arm, device, other)
+        first = timed_update(arm, device)
         for _ in range(warmup - 1):
-            timed_update(arm, device, other)
+            timed_update(arm, device)
         results[arm.name] = {"first_update_s": first["s"], "times_s": [], "peaks": []}
         print(f"  {arm.name}: first update {first['s']:.2f} s{' (compiles)' if compiled else ''}", flush=True)
     resident = {arm.name: arm.resident_bytes() for arm in arms} if device.type == "cuda" else {}
     for _ in range(rounds):
         for arm in arms:
-            other = sum(v for k, v in resident.items() if k != arm.name)
             for _ in range(per_round):
-                t = timed_update(arm, device, other)
+                t = timed_update(arm, device, resident.get(arm.name, 0))
                 results[arm.name]["times_s"].append(t["s"])
                 results[arm.name]["peaks"].append(t)
     for arm in arms:
@@ -487,10 +491,13 @@ def run_size(size, args, extra_flags, device, ref, report, write):
     volume = torch.randn(args.batch, 1, *cfg.image_size, generator=gen)
     batch = tuple(t.to(device) for t in (volume, context, target))
     hp = dict(lr=cfg.base_lr, wd=cfg.weight_decay, ema=cfg.ema_base, clip=args.clip)
-    torch.manual_seed(args.seed)
-    arms = [OctjepaArm(cfg, batch, amp, **hp)]
-    torch.manual_seed(args.seed)
-    arms.append(ReferenceArm(cfg, batch, amp, ref=ref, patch_sdp_kernel=args.ref_sdp_kernel == "null", **hp))
+    start = time.perf_counter()
+    with torch.device(device):  # weights initialised where they live: seconds on a GPU, a minute for ViT-L on a CPU
+        torch.manual_seed(args.seed)
+        arms = [OctjepaArm(cfg, batch, amp, **hp)]
+        torch.manual_seed(args.seed)
+        arms.append(ReferenceArm(cfg, batch, amp, ref=ref, **hp))
+    print(f"built both models in {time.perf_counter() - start:.1f} s", flush=True)
     flops, flops_source = flops_per_sample(cfg)
     ref_flops, _ = flops_per_sample(reference_flops_config(cfg))
     n_context, n_target = cfg.token_counts()
@@ -522,6 +529,7 @@ def run_size(size, args, extra_flags, device, ref, report, write):
               f"ratio {o['median_s'] / r['median_s']:.3f}", flush=True)
         write()
     del arms, batch
+    gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
