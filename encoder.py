@@ -64,7 +64,7 @@ from model import (CONFIG_FILE, POOL_ALIASES, POOLS, WEIGHTS_FILE, ExportError, 
                    load_encoder, pool_name, pool_tokens, random_encoder)
 from privacy import share_safe_source, volume_key
 from labels import encode_volumes, read_labels, task_targets
-from readouts import Task, fit_attentive, stratified_split
+from readouts import fit_attentive, stratified_split
 from runlog import counted, progress
 from runtime import fetch_to_host, probe_device, release_freed_memory, setup_runtime, to_device
 from storage import write_atomic
@@ -351,7 +351,7 @@ def looks(tokens: torch.Tensor, grid: List[int], labels: np.ndarray, shown: List
     M, _, E = tokens.shape
     enface = tokens.view(M, *grid, E).mean(2).flatten(1, 2)  # [M, gd*gw, E]
     train = np.setdiff1d(np.arange(M), shown)  # the shown volumes are held out: p is a held-out prediction
-    head = fit_attentive(tokens, labels, train, Task("label"), seed=0)
+    head = fit_attentive(tokens, labels, train, seed=0)
     with torch.no_grad():
         attention = head.attention(tokens[shown]).mean(-1)  # [S, N]
         probs = F.softmax(head(tokens[shown]), dim=-1)[torch.arange(len(shown)), labels[shown]]
@@ -413,7 +413,7 @@ def labelled_tokens(encoders: dict, cfg: Config, labels_csv: str, wanted: Option
             yield volume
 
     tokens = encode_volumes(encoders, usable_volumes(), device, batch_size=1)
-    labels, classes = task_targets(Task("label"), np.array(values, dtype=str), labels_csv)
+    labels, classes = task_targets(np.array(values, dtype=str), labels_csv)
     return tokens, labels, classes, shown, inputs, dict(skipped), len(rows)
 
 

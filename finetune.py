@@ -59,7 +59,7 @@ from index import format_reason_table
 from labels import TokenFile, encode_volumes, read_label_rows
 from model import PretrainedEncoder, load_encoder, random_encoder, save_encoder
 from privacy import share_safe_source, volume_key
-from readouts import (TEST_FRACTION, AttentiveProbe, Task, classification_scores, fit_attentive, interval,
+from readouts import (TEST_FRACTION, AttentiveProbe, classification_scores, fit_attentive, interval,
                       paired_difference, split_scores, stratified_split)
 from runlog import counted
 from runtime import probe_device, release_freed_memory
@@ -278,8 +278,8 @@ def probe_heads(tokens: TokenFile, data: LabelledSet, fit_idx: np.ndarray, seed:
     """probe.py's attentive probe trained on the frozen tokens [M,N,E] of data[fit_idx] (multilabel: one binary probe
     per class): where full fine-tuning starts from (linear probing, then fine-tuning)."""
     if data.task != "multilabel":
-        return [fit_attentive(tokens, data.targets, fit_idx, Task("label"), seed)]
-    return [fit_attentive(tokens, t, fit_idx, Task("label"), seed) for t in data.targets.T]
+        return [fit_attentive(tokens, data.targets, fit_idx, seed)]
+    return [fit_attentive(tokens, t, fit_idx, seed) for t in data.targets.T]
 
 
 def layer_decay_groups(model: Classifier, settings: FullSettings) -> List[dict]:

@@ -23,7 +23,7 @@ from runtime import release_freed_memory
 
 PROBE_PHANTOMS = 240  # volumes of the plain labelled phantom set (plain_lesion, and the probe during pretraining)
 PROBE_PHANTOM_SEED = 1  # the pretraining phantoms use seed 0
-SUITE_PHANTOMS = 300  # volumes of the varied labelled phantom set (lesion, thickness, lesion_10shot)
+SUITE_PHANTOMS = 300  # volumes of the varied labelled phantom set (lesion, lesion_tokens)
 SUITE_PHANTOM_SEED = 2
 TOKEN_CHUNK_BYTES = 64 * 2 ** 20  # the probes read frozen tokens this many bytes at a time (token_chunks)
 
@@ -124,19 +124,9 @@ def load_labelled_volumes(cfg: Config, labels_csv: str, max_volumes: Optional[in
     return torch.stack(volumes), values, dict(skipped)
 
 
-def task_targets(task, values: np.ndarray, source: str = "labels") -> Tuple[np.ndarray, List[str]]:
-    """(class ids [M], class names) of the column values [M] of a probe.Task that classifies (names sorted), or
-    (numbers [M], []) of one that regresses. Raises ConfigError when a held-out split is impossible or a number is
-    not one."""
-    if task.regression:
-        try:
-            numbers = values.astype(float)
-        except ValueError:
-            raise ConfigError(f"labels: {source} column {task.column} must hold numbers for the task {task.name}") from None
-        if len(numbers) < 4 or numbers.std() == 0:
-            raise ConfigError(f"labels: {source} column {task.column} needs at least 4 usable volumes with different "
-                              f"values for a held-out split.")
-        return numbers, []
+def task_targets(values: np.ndarray, source: str = "labels") -> Tuple[np.ndarray, List[str]]:
+    """(class ids [M], class names sorted) of a label column's values [M]. Raises ConfigError when a held-out split
+    is impossible."""
     counts = Counter(values)
     if len(counts) < 2 or min(counts.values()) < 2:
         raise ConfigError(f"labels: {source} gives {dict(counts)} usable volumes per class; a held-out split needs "

@@ -17,8 +17,6 @@ The built-in suite (SUITE), on labelled phantoms written once with other seeds t
                  reports, kept for continuity; a depth profile gives it away (the lesions sit at one depth).
   lesion         none / drusen / fluid on SUITE_PHANTOMS varied phantoms (PHANTOM_DIR_suite; phantom.draw_eye: depth
                  position, tilt, curvature, eye motion, layer thickness and reflectivity, brightness, speckle, vessels).
-  thickness      regression of the retina's thickness (phantom.retina_thickness) on the varied phantoms.
-  lesion_10shot  the lesion task from 10 training volumes per class.
   lesion_tokens  which tokens hold lesion voxels, per token, on the varied phantoms (dense.py: the dense task).
 Labels (labels.py): a CSV path,label (paths relative to its folder; a series folder is one volume) is one task,
 `label`. A checkpoint brings its own model, preprocessing and phantom folder; config flags shape the random model.
@@ -39,7 +37,7 @@ from checkpoint import read_model_checkpoint, resolve_checkpoint
 from config import Config, ConfigError, ScriptParser, given_flags, load_config, script_main
 from labels import encode_volumes, load_labelled_volumes, phantom_labels, task_targets
 from phantom import set_voxel_layers
-from readouts import READOUTS, TEST_FRACTION, Task, beats, intervals, paired_difference, readout_scores, task_split
+from readouts import READOUTS, TEST_FRACTION, Task, beats, intervals, paired_difference, probe_split, readout_scores
 from references import handmade_scores, supervised_scores
 from runprobe import random_model
 from runtime import probe_device
@@ -48,28 +46,26 @@ CKPT_FIELDS = ("phantom_dir", "cache_dir", "device")  # the config flags that ap
 VALID_SHORTCUT_MAX = 0.65  # a valid task: the best hand-made features score at most this (0.5 = chance) ...
 VALID_CEILING_MIN = 0.75  # ... and the supervised CNN at least this
 SUITE = {"plain": (Task("plain_lesion"),),
-         "varied": (Task("lesion", "lesion"), Task("thickness", "retina_thickness", regression=True),
-                    Task("lesion_10shot", "lesion", shots=10),
-                    Task("lesion_tokens", "lesion", dense=True))}  # the built-in tasks, by the phantom set they use
+         "varied": (Task("lesion", "lesion"), Task("lesion_tokens", "lesion", dense=True))}  # the built-in tasks, by the phantom set they use
 
 
 # ----------------------------------------------------------------------------------------------------------
 # A task's report: every encoder and read-out beside the shortcut and the ceiling
 # ----------------------------------------------------------------------------------------------------------
 
-def task_report(task: Task, targets: np.ndarray, tokens: Dict[str, torch.Tensor], grid: Sequence[int],
+def task_report(labels: np.ndarray, tokens: Dict[str, torch.Tensor], grid: Sequence[int],
                 volumes: torch.Tensor, seeds: Sequence[int], readouts: Sequence[str] = READOUTS,
                 reference: bool = True) -> dict:
-    """One task: each encoder's read-outs (tokens: {encoder name: [M, N, E]}; 'random' is the floor) and, with
+    """One task with class ids labels [M]: each encoder's read-outs (tokens: {encoder name: [M, N, E]}; 'random' is the floor) and, with
     `reference`, the hand-made features (the shortcut), the supervised CNN (the ceiling) and the task's validity:
     {"metric", "encoders": {name: {readout: {metric: interval}}}, "handmade": {features: ...}, "best_handmade",
     "supervised": {metric: interval}, "valid", "versus": {name: {readout: comparisons}}}."""
-    metric = task.metric
-    report = {"metric": metric, "regression": task.regression, "shots": task.shots,
-              "encoders": {name: readout_scores(t, grid, targets, task, seeds, readouts) for name, t in tokens.items()}}
+    metric = "auroc"
+    report = {"metric": metric,
+              "encoders": {name: readout_scores(t, grid, labels, seeds, readouts) for name, t in tokens.items()}}
     if reference:
-        report = with_references(report, handmade_scores(volumes, targets, task, seeds),
-                                 supervised_scores(volumes, targets, task, seeds))
+        report = with_references(report, handmade_scores(volumes, labels, seeds),
+                                 supervised_scores(volumes, labels, seeds))
     report["versus"] = {name: {readout: comparisons(report, scores[readout][metric], readout) for readout in scores}
                         for name, scores in report["encoders"].items() if name != "random"}
     return report
@@ -81,9 +77,9 @@ def dense_report(labels: np.ndarray, paths: np.ndarray, labels_csv: str, tokens:
     the volume labels [M] (the `lesion` task's), for the phantom set of labels_csv (the volumes' paths [M])."""
     targets = dense.set_token_targets(set_voxel_layers(os.path.dirname(labels_csv)), paths,
                                       dense.target_grid(volumes.shape[2:]))
-    runs = dense.stack_runs([dense.split_scores(tokens, grid, volumes, targets, *task_split(labels, Task("lesion"), s),
+    runs = dense.stack_runs([dense.split_scores(tokens, grid, volumes, targets, *probe_split(labels, s),
                                                 s, reference) for s in seeds])
-    report = {"metric": "auroc", "regression": False, "shots": None, "scored_tokens": int((targets >= 0).sum()),
+    report = {"metric": "auroc", "scored_tokens": int((targets >= 0).sum()),
               "lesion_tokens": int((targets == 1).sum()),
               "position_share": {name: dense.position_share(t) for name, t in tokens.items()},
               "encoders": {name: {"token_linear": intervals(runs[name])} for name in tokens}}
@@ -193,18 +189,18 @@ def main(argv: List[str]) -> int:
         volumes, values, skipped = load_labelled_volumes(probe_cfg, csv_path, columns=columns)
         if skipped:
             print(f"{csv_path}: skipped unusable files: {skipped}", file=sys.stderr)
-        targets = {t.name: task_targets(t, values[t.column], f"{csv_path} (unusable files: {skipped or 'none'})")
+        targets = {t.name: task_targets(values[t.column], f"{csv_path} (unusable files: {skipped or 'none'})")
                    for t in tasks}  # checked before any encoding
         tokens = encode_volumes({arm: m.to(device).eval() for arm, m in arms.items()}, volumes, device)
         for task in tasks:
             print(f"probing {task.name} ({len(volumes)} volumes of {csv_path})", file=sys.stderr)
             y, names = targets[task.name]
-            counts = {"class_counts": {n: int((y == i).sum()) for i, n in enumerate(names)}} if names else {}
             report["tasks"][task.name] = {
-                "labels": csv_path, "column": task.column, "volumes": len(volumes), "skipped": skipped, **counts,
+                "labels": csv_path, "column": task.column, "volumes": len(volumes), "skipped": skipped,
+                "class_counts": {n: int((y == i).sum()) for i, n in enumerate(names)},
                 **(dense_report(y, values["path"], csv_path, tokens, model.grid, volumes, range(args.seeds),
                                 not args.no_reference) if task.dense else
-                   task_report(task, y, tokens, model.grid, volumes, range(args.seeds), readouts,
+                   task_report(y, tokens, model.grid, volumes, range(args.seeds), readouts,
                                reference=not args.no_reference))}
     print(format_report(report))
     if args.json:
@@ -235,8 +231,7 @@ def format_report(report: dict) -> str:
         valid = ("" if "valid" not in t else
                  "  VALID" if t["valid"] else f"  not valid (needs the best hand-made <= {VALID_SHORTCUT_MAX} and the "
                                               f"CNN >= {VALID_CEILING_MIN})")
-        shots = f", {t['shots']} per class to train" if t["shots"] else ""
-        lines += ["", f"{name}: {metric}, {t['volumes']} volumes{shots}{valid}"]
+        lines += ["", f"{name}: {metric}, {t['volumes']} volumes{valid}"]
         for encoder, scores in t["encoders"].items():
             for readout, s in scores.items():
                 lines.append(f"  {encoder:<11}{readout:<19}{cell(s[metric])}")

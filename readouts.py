@@ -4,10 +4,9 @@
     read-outs (READOUTS): mean_pool (the mean token, a linear model), depth_rows (the mean of each depth row of the
                  token grid, concatenated: where along the A-scan a feature is survives), attentive (learned attention
                  pooling of standardized tokens, a fixed budget of full-batch AdamW steps)
-    linear models: scikit-learn's logistic regression or ridge on standardized features, the L2 strength chosen by
+    linear models: scikit-learn's logistic regression on standardized features, the L2 strength chosen by
                  cross-validation on the training split
-    metrics:     classification: macro one-vs-rest AUROC and balanced accuracy; regression: concordance (the share of
-                 volume pairs put in the right order: 0.5 = chance) and R^2
+    metrics:     macro one-vs-rest AUROC (0.5 = chance) and balanced accuracy of the held-out class probabilities
     statistics:  each probe seed is a new split (TEST_FRACTION of each class held out) and a new initialisation;
                  mean and 95% t-interval over seeds, and paired differences (the same splits) with their intervals
 
@@ -24,8 +23,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from sklearn.exceptions import ConvergenceWarning
-from sklearn.linear_model import LogisticRegression, RidgeCV
-from sklearn.metrics import balanced_accuracy_score, r2_score, roc_auc_score
+from sklearn.linear_model import LogisticRegression
+from sklearn.metrics import balanced_accuracy_score, roc_auc_score
 from sklearn.model_selection import GridSearchCV, StratifiedKFold
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
@@ -35,7 +34,6 @@ from model import POOLS, pool_tokens
 
 TEST_FRACTION = 0.4  # share of each class held out
 LINEAR_CS = (0.003, 0.03, 0.3, 3.0)  # logistic regression: inverse L2 strengths tried by cross-validation
-RIDGE_ALPHAS = tuple(np.logspace(-1, 4, 11))  # ridge regression: L2 strengths tried (leave-one-out)
 READOUTS = (*POOLS, "attentive")  # POOLS: model.pool_tokens of the tokens, then a linear model
 LINEAR_READOUTS = POOLS  # the cheap ones: the end-of-run verdict and the in-training probe
 
@@ -53,13 +51,6 @@ def classification_scores(probs: np.ndarray, labels: np.ndarray) -> dict:
     else:
         auroc = roc_auc_score(labels, probs, multi_class="ovr", average="macro", labels=np.arange(num_classes))
     return {"auroc": float(auroc), "balanced_accuracy": float(balanced_accuracy_score(labels, probs.argmax(1)))}
-
-
-def regression_scores(predicted: np.ndarray, targets: np.ndarray) -> dict:
-    """Concordance (share of pairs in the right order, (Kendall tau + 1) / 2: 0.5 = chance, 1 = a perfect ranking)
-    and R^2 of predictions [M] for targets [M]."""
-    tau = scipy.stats.kendalltau(predicted, targets).statistic
-    return {"concordance": 0.5 if np.isnan(tau) else float((tau + 1) / 2), "r2": float(r2_score(targets, predicted))}
 
 
 def interval(values: Sequence[float]) -> dict:
@@ -92,18 +83,11 @@ def paired_difference(a: dict, b: dict) -> dict:
 
 @dataclass(frozen=True)
 class Task:
-    """What a probe predicts: a column of a labels CSV, as classes or as a number, from all of the training split
-    or from `shots` training volumes per class."""
+    """What a probe predicts: the classes of a column of a labels CSV, one per volume, or with `dense` which tokens
+    hold a lesion (dense.py)."""
     name: str
     column: str = "label"
-    regression: bool = False
-    shots: Optional[int] = None
     dense: bool = False  # a target per token: where the phantom drew its lesions (dense.py), not the column
-
-    @property
-    def metric(self) -> str:
-        """The headline metric: 0.5 is chance for both."""
-        return "concordance" if self.regression else "auroc"
 
 
 def stratified_split(labels: np.ndarray, test_fraction: float, seed: int) -> Tuple[np.ndarray, np.ndarray]:
@@ -118,56 +102,35 @@ def stratified_split(labels: np.ndarray, test_fraction: float, seed: int) -> Tup
     return np.array(sorted(train)), np.array(sorted(test))
 
 
-def task_split(targets: np.ndarray, task: Task, seed: int,
-               test_fraction: float = TEST_FRACTION) -> Tuple[np.ndarray, np.ndarray]:
-    """(train, test) indices of one probe seed: stratified by class (by quintile of a regression target), then
-    `shots` training volumes per class kept for a few-shot task. The test split does not depend on shots."""
-    strata = targets
-    if task.regression:
-        strata = np.searchsorted(np.quantile(targets, [0.2, 0.4, 0.6, 0.8]), targets)
-    train, test = stratified_split(strata, test_fraction, seed)
-    if task.shots is not None:
-        rng = np.random.default_rng([seed, task.shots])
-        train = np.sort(np.concatenate([rng.permutation(train[strata[train] == c])[:task.shots]
-                                        for c in np.unique(strata[train])]))
-    return train, test
-
-
-def scores_of(task: Task, outputs: np.ndarray, targets: np.ndarray) -> dict:
-    """Scores of a model's outputs on held-out volumes: class probabilities [M, C] or predictions [M]."""
-    return regression_scores(outputs, targets) if task.regression else classification_scores(outputs, targets)
+def probe_split(labels: np.ndarray, seed: int) -> Tuple[np.ndarray, np.ndarray]:
+    """(train, test) indices of probe seed `seed`: TEST_FRACTION of each class held out (stratified_split)."""
+    return stratified_split(labels, TEST_FRACTION, seed)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Read-outs of frozen tokens
 # ----------------------------------------------------------------------------------------------------------
 
-def fit_linear(x: np.ndarray, y: np.ndarray, regression: bool = False):
-    """A scikit-learn pipeline on standardized features x [M, F]: ridge regression (regression) or a multinomial
-    logistic regression, the L2 strength chosen by cross-validation on (x, y)."""
-    if regression:
-        model = make_pipeline(StandardScaler(), RidgeCV(alphas=RIDGE_ALPHAS))
-    else:
-        model = make_pipeline(StandardScaler(), LogisticRegression(C=LINEAR_CS[2], max_iter=1000))
-        folds = min(3, int(np.bincount(y)[np.unique(y)].min()))  # every class in each fold
-        if folds >= 2:
-            model = GridSearchCV(model, {"logisticregression__C": LINEAR_CS}, scoring="neg_log_loss",
-                                 cv=StratifiedKFold(folds, shuffle=True, random_state=0))
+def fit_linear(x: np.ndarray, y: np.ndarray):
+    """A scikit-learn pipeline on standardized features x [M, F]: a multinomial logistic regression, the L2 strength
+    chosen by cross-validation on (x, y)."""
+    model = make_pipeline(StandardScaler(), LogisticRegression(C=LINEAR_CS[2], max_iter=1000))
+    folds = min(3, int(np.bincount(y)[np.unique(y)].min()))  # every class in each fold
+    if folds >= 2:
+        model = GridSearchCV(model, {"logisticregression__C": LINEAR_CS}, scoring="neg_log_loss",
+                             cv=StratifiedKFold(folds, shuffle=True, random_state=0))
     with warnings.catch_warnings():  # constant features (a collapsed encoder) make the solver warn; it scores chance
         warnings.simplefilter("ignore", ConvergenceWarning)
         warnings.simplefilter("ignore", RuntimeWarning)
         return model.fit(x, y)
 
 
-def linear_probe(features: np.ndarray, targets: np.ndarray, train_idx: np.ndarray, test_idx: np.ndarray,
-                 task: Task = Task("label")) -> dict:
-    """Held-out scores (scores_of) of fit_linear on features [M, F]."""
-    model = fit_linear(features[train_idx], targets[train_idx], task.regression)
-    if task.regression:
-        return scores_of(task, model.predict(features[test_idx]), targets[test_idx])
-    probs = np.zeros((len(test_idx), int(targets.max()) + 1))
+def linear_probe(features: np.ndarray, labels: np.ndarray, train_idx: np.ndarray, test_idx: np.ndarray) -> dict:
+    """Held-out classification_scores of fit_linear on features [M, F] for class ids labels [M]."""
+    model = fit_linear(features[train_idx], labels[train_idx])
+    probs = np.zeros((len(test_idx), int(labels.max()) + 1))
     probs[:, model.classes_] = model.predict_proba(features[test_idx])
-    return scores_of(task, probs, targets[test_idx])
+    return classification_scores(probs, labels[test_idx])
 
 
 def pooled_features(tokens: Tokens, grid: Optional[Sequence[int]], pool: str) -> np.ndarray:
@@ -177,7 +140,7 @@ def pooled_features(tokens: Tokens, grid: Optional[Sequence[int]], pool: str) ->
 
 class AttentiveProbe(torch.nn.Module):
     """Attention pooling of frozen tokens [M, N, E] (one learned score vector per head), then a linear layer to
-    out_dim outputs (class logits, or one regression output). Starts as mean pooling (zero scores). The tokens are
+    out_dim class logits. Starts as mean pooling (zero scores). The tokens are
     standardized per feature (the training tokens' mean and std: set_standardization), then layer-normed."""
 
     def __init__(self, dim: int, out_dim: int, num_heads: int = 4):
@@ -223,29 +186,6 @@ class AttentiveProbe(torch.nn.Module):
         return self.head(torch.einsum("mnh,mne->mhe", weights, normed).flatten(1))
 
 
-def output_dim(task: Task, targets: np.ndarray) -> int:
-    """Outputs of a trained read-out: one per class, or one for a regression."""
-    return 1 if task.regression else int(targets.max()) + 1
-
-
-def training_targets(task: Task, targets: np.ndarray, fit: np.ndarray) -> torch.Tensor:
-    """The targets [M] a torch model trains on and is scored against: class ids, or the regression target
-    standardized with the mean and std of the fit split (R^2 and concordance do not change)."""
-    if not task.regression:
-        return torch.from_numpy(targets).long()
-    return torch.from_numpy((targets - targets[fit].mean()) / max(targets[fit].std(), 1e-8)).float()
-
-
-def task_loss(task: Task, outputs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy of class logits [M, C], or the mean squared error of predictions [M, 1]."""
-    return F.mse_loss(outputs[:, 0], y) if task.regression else F.cross_entropy(outputs, y)
-
-
-def task_outputs(task: Task, outputs: torch.Tensor) -> np.ndarray:
-    """What scores_of takes: class probabilities [M, C] or predictions [M]."""
-    return outputs[:, 0].numpy() if task.regression else F.softmax(outputs, dim=-1).numpy()
-
-
 def train_steps(model: nn.Module, accumulate_gradient, steps: int, lr: float, weight_decay: float) -> nn.Module:
     """AdamW on model for `steps` updates, each on the gradient accumulate_gradient() leaves in its parameters;
     returns the model in eval mode."""
@@ -259,15 +199,15 @@ def train_steps(model: nn.Module, accumulate_gradient, steps: int, lr: float, we
     return model.eval()
 
 
-def fit_attentive(tokens: Tokens, targets: np.ndarray, train_idx: np.ndarray, task: Task, seed: int,
+def fit_attentive(tokens: Tokens, labels: np.ndarray, train_idx: np.ndarray, seed: int,
                   steps: int = 300, lr: float = 1e-2, weight_decay: float = 1e-2) -> AttentiveProbe:
-    """An AttentiveProbe trained full-batch on the tokens [M, N, E] of train_idx for a fixed budget, the same for
-    every encoder. Standardizing the features raised the AUROC; early stopping on a fifth of the training volumes
+    """An AttentiveProbe trained full-batch on the tokens [M, N, E] of train_idx to their class ids labels [M], for a
+    fixed budget, the same for every encoder. Standardizing the features raised the AUROC; early stopping on a fifth of the training volumes
     lowered it and doubled its spread over probe seeds (experiments/README.md)."""
     torch.manual_seed(seed)
-    probe = AttentiveProbe(tokens.shape[-1], output_dim(task, targets))
+    probe = AttentiveProbe(tokens.shape[-1], int(labels.max()) + 1)
     probe.set_standardization(chunk for _, chunk in token_chunks(tokens, train_idx))
-    y = training_targets(task, targets, train_idx)
+    y = torch.from_numpy(labels).long()
 
     def normalized_chunks():
         """(part of train_idx, its standardized, layer-normed tokens), read from `tokens` again."""
@@ -279,7 +219,7 @@ def fit_attentive(tokens: Tokens, targets: np.ndarray, train_idx: np.ndarray, ta
     def full_batch_gradient():
         """The gradient of the mean loss over train_idx: each chunk's mean loss weighted by its share of them."""
         for part, normed in kept or normalized_chunks():
-            loss = task_loss(task, probe.classify(normed), y[part])
+            loss = F.cross_entropy(probe.classify(normed), y[part])
             (loss * (len(part) / len(train_idx))).backward()
 
     return train_steps(probe, full_batch_gradient, steps, lr, weight_decay)
@@ -291,31 +231,29 @@ def attentive_outputs(probe: AttentiveProbe, tokens: Tokens, idx: np.ndarray) ->
     return torch.cat([probe(chunk) for _, chunk in token_chunks(tokens, idx)])
 
 
-def split_scores(tokens: Tokens, targets: np.ndarray, train_idx: np.ndarray, test_idx: np.ndarray, seed: int,
-                 readouts: Sequence[str] = ("mean_pool", "attentive"), grid: Optional[Sequence[int]] = None,
-                 task: Task = Task("label")) -> Dict[str, dict]:
-    """{readout: held-out scores (scores_of) on test_idx} of each read-out trained on train_idx, initialised from
+def split_scores(tokens: Tokens, labels: np.ndarray, train_idx: np.ndarray, test_idx: np.ndarray, seed: int,
+                 readouts: Sequence[str] = ("mean_pool", "attentive"),
+                 grid: Optional[Sequence[int]] = None) -> Dict[str, dict]:
+    """{readout: held-out classification_scores on test_idx} of each read-out trained on train_idx, initialised from
     `seed`. tokens: [M, N, E] frozen features of M labelled volumes (token grid `grid`, needed for depth_rows);
-    targets: [M] class ids or numbers. The one place that says how a read-out is scored: readout_scores and
-    finetune.py call it."""
+    labels: [M] class ids. The one place that says how a read-out is scored: readout_scores and finetune.py call it."""
     scores = {}
     for readout in readouts:
         if readout == "attentive":
-            outputs = attentive_outputs(fit_attentive(tokens, targets, train_idx, task, seed), tokens, test_idx)
-            y = training_targets(task, targets, train_idx).numpy()
-            scores[readout] = scores_of(task, task_outputs(task, outputs), y[test_idx])
+            outputs = attentive_outputs(fit_attentive(tokens, labels, train_idx, seed), tokens, test_idx)
+            scores[readout] = classification_scores(F.softmax(outputs, dim=-1).numpy(), labels[test_idx])
         else:
-            scores[readout] = linear_probe(pooled_features(tokens, grid, readout), targets, train_idx, test_idx, task)
+            scores[readout] = linear_probe(pooled_features(tokens, grid, readout), labels, train_idx, test_idx)
     return scores
 
 
-def readout_scores(tokens: torch.Tensor, grid: Sequence[int], targets: np.ndarray, task: Task, seeds: Sequence[int],
+def readout_scores(tokens: torch.Tensor, grid: Sequence[int], labels: np.ndarray, seeds: Sequence[int],
                    readouts: Sequence[str] = READOUTS) -> Dict[str, Dict[str, dict]]:
-    """{readout: {metric: interval over seeds}} of one encoder's frozen tokens [M, N, E] (token grid `grid`) on a
-    task with per-volume targets [M] (class ids or numbers)."""
+    """{readout: {metric: interval over seeds}} of one encoder's frozen tokens [M, N, E] (token grid `grid`) for the
+    class ids labels [M], on the probe splits of `seeds`."""
     runs: Dict[str, List[dict]] = {r: [] for r in readouts}
     for seed in seeds:
-        train, test = task_split(targets, task, seed)
-        for readout, scores in split_scores(tokens, targets, train, test, seed, readouts, grid, task).items():
+        train, test = probe_split(labels, seed)
+        for readout, scores in split_scores(tokens, labels, train, test, seed, readouts, grid).items():
             runs[readout].append(scores)
     return {r: intervals(s) for r, s in runs.items()}

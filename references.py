@@ -17,8 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from objectives import LOCAL_BINS
-from readouts import Task, intervals, linear_probe, output_dim, scores_of, task_loss, task_outputs, task_split, \
-    training_targets, train_steps
+from readouts import classification_scores, intervals, linear_probe, probe_split, train_steps
 
 HANDMADE = ("depth_profile", "histogram", "pooled_voxels", "profile_histogram")
 HISTOGRAM_BINS = 32  # over [-3, 3] standard deviations of the normalized volume
@@ -43,16 +42,15 @@ def handmade_features(volumes: torch.Tensor) -> Dict[str, np.ndarray]:
             "profile_histogram": np.concatenate([profile, histogram], axis=1)}
 
 
-def handmade_scores(volumes: torch.Tensor, targets: np.ndarray, task: Task,
-                    seeds: Sequence[int]) -> Dict[str, Dict[str, dict]]:
-    """{feature set: {metric: interval}} of a linear model on each HANDMADE feature set, the same splits as the
-    encoders' read-outs."""
+def handmade_scores(volumes: torch.Tensor, labels: np.ndarray, seeds: Sequence[int]) -> Dict[str, Dict[str, dict]]:
+    """{feature set: {metric: interval}} of a linear model on each HANDMADE feature set for the class ids labels [M],
+    on the same probe splits as the encoders' read-outs."""
     features = handmade_features(volumes)
     runs: Dict[str, List[dict]] = {name: [] for name in features}
     for seed in seeds:
-        train, test = task_split(targets, task, seed)
+        train, test = probe_split(labels, seed)
         for name, x in features.items():
-            runs[name].append(linear_probe(x, targets, train, test, task))
+            runs[name].append(linear_probe(x, labels, train, test))
     return {name: intervals(r) for name, r in runs.items()}
 
 
@@ -142,15 +140,13 @@ def fit_cnn(volumes: torch.Tensor, targets: torch.Tensor, train_idx: np.ndarray,
     return train_steps(cnn, batch_gradient, budget.steps, budget.lr, 1e-4)
 
 
-def supervised_scores(volumes: torch.Tensor, targets: np.ndarray, task: Task, seeds: Sequence[int]) -> Dict[str, dict]:
-    """{metric: interval} of a SmallCNN (VOLUME_CNN) trained on each seed's training split, the same splits as the
-    read-outs."""
-    runs = []
+def supervised_scores(volumes: torch.Tensor, labels: np.ndarray, seeds: Sequence[int]) -> Dict[str, dict]:
+    """{metric: interval} of a SmallCNN (VOLUME_CNN) trained to the class ids labels [M] on each seed's training split,
+    the same probe splits as the read-outs."""
+    runs, y = [], torch.from_numpy(labels).long()
     for seed in seeds:
-        train, test = task_split(targets, task, seed)
-        y = training_targets(task, targets, train)
-        cnn = fit_cnn(volumes, y, train, lambda out, t: task_loss(task, out, t), output_dim(task, targets),
-                      VOLUME_CNN, seed)
+        train, test = probe_split(labels, seed)
+        cnn = fit_cnn(volumes, y, train, F.cross_entropy, int(labels.max()) + 1, VOLUME_CNN, seed)
         with torch.no_grad():
-            runs.append(scores_of(task, task_outputs(task, cnn(volumes[test].float())), y.numpy()[test]))
+            runs.append(classification_scores(F.softmax(cnn(volumes[test].float()), dim=-1).numpy(), labels[test]))
     return intervals(runs)

@@ -16,8 +16,7 @@ import torch
 from config import Config
 from labels import encode_volumes, load_labelled_volumes, phantom_labels, task_targets
 from model import VJEPA3D, pool_tokens
-from readouts import LINEAR_READOUTS, TEST_FRACTION, Task, linear_probe, paired_difference, readout_scores, \
-    stratified_split
+from readouts import LINEAR_READOUTS, TEST_FRACTION, linear_probe, paired_difference, readout_scores, stratified_split
 
 PROBE_SET_VOLUMES = 240  # at most this many volumes are kept in memory for probing during pretraining
 
@@ -37,7 +36,7 @@ def prepare_probe_set(cfg: Config, labels_csv: Optional[str] = None, max_volumes
     Raises ConfigError for a missing or unusable labels file."""
     labels_csv = labels_csv or phantom_labels(cfg)
     volumes, values, skipped = load_labelled_volumes(cfg, labels_csv, max_volumes)
-    labels, classes = task_targets(Task("label"), values["label"], f"{labels_csv} (unusable files: {skipped or 'none'})")
+    labels, classes = task_targets(values["label"], f"{labels_csv} (unusable files: {skipped or 'none'})")
     train_idx, test_idx = stratified_split(labels, TEST_FRACTION, seed=0)
     return ProbeSet(volumes.half(), labels, classes, train_idx, test_idx)
 
@@ -79,7 +78,7 @@ def compare_with_random(model: VJEPA3D, cfg: Config, probe_set: ProbeSet, device
     out = {}
     for arm, arm_model in (("pretrained", model), ("random", random_init)):
         tokens = frozen_tokens(arm_model, probe_set.volumes, device)
-        scores = readout_scores(tokens, model.grid, probe_set.labels, Task("label"), range(seeds), LINEAR_READOUTS)
+        scores = readout_scores(tokens, model.grid, probe_set.labels, range(seeds), LINEAR_READOUTS)
         out[arm] = {readout: s["auroc"] for readout, s in scores.items()}
     out["difference"] = {r: paired_difference(out["pretrained"][r], out["random"][r]) for r in LINEAR_READOUTS}
     out["beats_random"] = {r: bool(out["difference"][r]["low"] > 0 and out["pretrained"][r]["low"] > 0.5)

@@ -61,11 +61,11 @@ def main() -> None:
             volumes, values, _ = load_labelled_volumes(
                 dataclasses.replace(model_cfg, phantom_dir=cfg.phantom_dir, cache_dir=cfg.cache_dir), labels,
                 columns=[task.column])
-            targets, _ = task_targets(task, values[task.column])
+            targets, _ = task_targets(values[task.column])
         layers = layer_tokens(model, volumes)
         names = ["embedding"] + [f"block {i}" for i in range(1, len(layers) - 1)] + ["output"]
         for name, tokens in zip(names, layers):
-            scores = readout_scores(tokens, model.grid, targets, task, range(args.seeds), args.readouts.split(","))
+            scores = readout_scores(tokens, model.grid, targets, range(args.seeds), args.readouts.split(","))
             cells = ", ".join(f"{r} {s[task.metric]['mean']:.3f} [{s[task.metric]['low']:.3f}, "
                               f"{s[task.metric]['high']:.3f}]" for r, s in scores.items())
             print(f"{spec} | {args.task} | {name}: {cells}", flush=True)

@@ -64,7 +64,7 @@ GRID = (2, 4, 4)  # the token grid of tokens_with_signal: 32 tokens
 
 def test_probes_find_a_label_carried_by_a_few_tokens():
     tokens, labels = tokens_with_signal()
-    report = readouts.readout_scores(tokens, GRID, labels, readouts.Task("label"), seeds=range(2))
+    report = readouts.readout_scores(tokens, GRID, labels, seeds=range(2))
     for readout in readouts.READOUTS:
         assert report[readout]["auroc"]["mean"] > 0.9, readout
 
@@ -73,13 +73,13 @@ def test_probes_of_tokens_in_a_file_read_a_few_volumes_at_a_time_learn_what_they
                                                                                                    monkeypatch):
     tokens, targets = tokens_with_signal()
     train, test = readouts.stratified_split(targets, readouts.TEST_FRACTION, seed=0)
-    in_memory = readouts.fit_attentive(tokens, targets, train, readouts.Task("label"), seed=0)  # one chunk: full batch
+    in_memory = readouts.fit_attentive(tokens, targets, train, seed=0)  # one chunk: full batch
     expected = readouts.split_scores(tokens, targets, train, test, 0, readouts.READOUTS, GRID)
     stored = labels.TokenFile(str(tmp_path / "tokens"))
     for i in range(0, len(tokens), 7):
         stored.append(tokens[i:i + 7])
     monkeypatch.setattr(labels, "TOKEN_CHUNK_BYTES", 5 * tokens[0].numel() * 4)  # 5 volumes at a time
-    from_file = readouts.fit_attentive(stored, targets, train, readouts.Task("label"), seed=0)
+    from_file = readouts.fit_attentive(stored, targets, train, seed=0)
     assert stored.shape == tokens.shape and torch.equal(stored[test], tokens[test])
     for name, weights in in_memory.state_dict().items():
         if name != "scores.bias":  # a shift of every token's score, which the softmax ignores: rounding noise drives it
@@ -96,7 +96,7 @@ def test_depth_rows_keep_where_along_the_a_scan_a_feature_is():
     tokens = torch.randn(len(labels), 32, 16, generator=g) * 0.1
     for i, c in enumerate(labels):  # the same feature in every volume, in the top depth row (0) or the bottom one (3)
         tokens[i].view(*GRID, 16)[:, 3 * c, :, 0] += 1.0
-    report = readouts.readout_scores(tokens, GRID, labels, readouts.Task("label"), range(2), readouts.LINEAR_READOUTS)
+    report = readouts.readout_scores(tokens, GRID, labels, range(2), readouts.LINEAR_READOUTS)
     assert report["depth_rows"]["auroc"]["mean"] > 0.95
     assert report["mean_pool"]["auroc"]["mean"] < 0.75  # the mean of the tokens is the same for both classes
 
@@ -112,7 +112,7 @@ def test_linear_probe_scores_near_one_on_a_trivially_separable_set():
 def test_probe_on_constant_features_scores_chance():
     _, labels = tokens_with_signal()
     tokens = torch.ones(len(labels), 32, 16)  # a collapsed encoder: the same features for every volume
-    report = readouts.readout_scores(tokens, GRID, labels, readouts.Task("label"), seeds=range(2))
+    report = readouts.readout_scores(tokens, GRID, labels, seeds=range(2))
     for name in readouts.READOUTS:
         assert report[name]["auroc"]["mean"] == pytest.approx(0.5)
         assert report[name]["balanced_accuracy"]["mean"] == pytest.approx(1 / 3)
@@ -308,7 +308,7 @@ def lesion_volumes(eye_of, n=96):
 
 
 def best_handmade_auroc(volumes, labels) -> float:
-    scores = references.handmade_scores(volumes, labels, readouts.Task("lesion", "lesion"), seeds=range(2))
+    scores = references.handmade_scores(volumes, labels, seeds=range(2))
     return max(s["auroc"]["mean"] for s in scores.values())
 
 
@@ -330,41 +330,15 @@ def varied_set(tmp_path_factory) -> str:
 
 
 def test_suite_tasks_have_balanced_labels_and_reproducible_splits(varied_set, tmp_path):
-    rows = {c: np.array([r[1] for r in labels.read_labels(f"{varied_set}/labels.csv", (c,))])
-            for c in ("lesion", "retina_thickness")}
+    rows = {c: np.array([r[1] for r in labels.read_labels(f"{varied_set}/labels.csv", (c,))]) for c in ("lesion",)}
     for task in probe.SUITE["varied"]:
-        targets, names = labels.task_targets(task, rows[task.column])
-        if task.regression:
-            assert len(set(targets)) == len(targets) and names == []  # a number per eye
-        else:
-            assert names == ["no", "yes"] and list(np.bincount(targets)) == [4, 4]  # balanced
-        train, test = readouts.task_split(targets, task, seed=0)
-        again = readouts.task_split(targets, task, seed=0)
+        targets, names = labels.task_targets(rows[task.column])
+        assert names == ["no", "yes"] and list(np.bincount(targets)) == [4, 4]  # balanced
+        train, test = readouts.probe_split(targets, seed=0)
+        again = readouts.probe_split(targets, seed=0)
         assert np.array_equal(train, again[0]) and np.array_equal(test, again[1]) and not set(train) & set(test)
     other = write_phantom_set(str(tmp_path / "again"), n=8, shape=(8, 32, 32), varied=True)
     assert open(f"{other}/labels.csv").read() == open(f"{varied_set}/labels.csv").read()
-
-
-def test_few_shot_trains_on_shots_per_class_and_tests_on_the_full_task_split():
-    labels = np.repeat(np.arange(2), 50)
-    full = readouts.Task("lesion", "lesion")
-    few = readouts.Task("lesion_10shot", "lesion", shots=10)
-    for seed in range(3):
-        train, test = readouts.task_split(labels, few, seed)
-        assert list(np.bincount(labels[train])) == [10, 10]
-        full_train, full_test = readouts.task_split(labels, full, seed)
-        assert np.array_equal(test, full_test) and set(train) <= set(full_train)
-
-
-def test_regression_probes_score_concordance_and_r2():
-    rng = np.random.default_rng(0)
-    features = rng.normal(size=(80, 5))
-    targets = features[:, 0] * 2 + rng.normal(0, 0.1, 80)
-    task = readouts.Task("thickness", "retina_thickness", regression=True)
-    train, test = readouts.task_split(targets, task, seed=0)
-    scores = readouts.linear_probe(features, targets, train, test, task)
-    assert scores["concordance"] > 0.9 and scores["r2"] > 0.9
-    assert readouts.regression_scores(np.zeros(10), np.arange(10.0))["concordance"] == 0.5  # no ranking: chance
 
 
 def test_a_checkpoint_is_probed_with_its_own_phantom_folder_unless_one_is_given():

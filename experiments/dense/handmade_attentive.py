@@ -37,7 +37,7 @@ for patch, split in (([4, 8, 8], [1, 1, 1]), ([4, 4, 8], [1, 1, 1]), ([4, 8, 8],
     for name, features in handmade_token_features(volumes, sub_grid).items():
         if split != [1, 1, 1] and name != "token_stats_histogram":
             continue
-        scores = readout_scores(torch.from_numpy(by_token(features, grid, split)).float(), grid, targets, task,
+        scores = readout_scores(torch.from_numpy(by_token(features, grid, split)).float(), grid, targets,
                                 range(seeds), ("attentive", "mean_pool"))
         key = f"{name} {','.join(map(str, patch))}" + (f" by {','.join(map(str, split))}" if split != [1, 1, 1] else "")
         report["features"][key] = scores

@@ -26,7 +26,7 @@ cfg, volumes, task, targets = lesion_suite()
 
 def attentive(name: str, features: np.ndarray) -> None:
     """Print the attentive read-out of `lesion` from per-token features [M, N, F] on learn.yaml's grid."""
-    auroc = readout_scores(torch.as_tensor(features).float(), cfg.grid_size(), targets, task, range(10),
+    auroc = readout_scores(torch.as_tensor(features).float(), cfg.grid_size(), targets, range(10),
                            ("attentive",))["attentive"]["auroc"]
     print(f"{name}: {auroc['mean']:.3f} [{auroc['low']:.3f}, {auroc['high']:.3f}]", flush=True)
 

@@ -18,4 +18,4 @@ def lesion_suite(max_volumes=None):
     cfg = dataclasses.replace(cfg, cache_dir=os.path.dirname(labels_csv) + "-cache")
     volumes, values, _ = load_labelled_volumes(cfg, labels_csv, max_volumes=max_volumes, columns=["lesion"])
     task = Task("lesion", "lesion")
-    return cfg, volumes, task, task_targets(task, values["lesion"], labels_csv)[0]
+    return cfg, volumes, task, task_targets(values["lesion"], labels_csv)[0]
