@@ -9,10 +9,11 @@ After the demo (`python train.py`, which writes runs/demo/ and its labelled phan
 Fine-tuning on labelled volumes is finetune.py. An export is a folder that loads anywhere (torch, safetensors and
 numpy; no octjepa checkout): model.safetensors (the EMA target encoder, keys as model.Encoder), config.json (format
 version, architecture, the preprocessing contract, the training-time augmentation, the input sizes, the weights'
-sha256, and where they came from), octjepa_encoder.py (model.py's encoder code and a loader: load(DIR),
-OCTJEPAEncoder.from_pretrained(DIR) with huggingface_hub, monai_vit(encoder)), hubconf.py (torch.hub.load(DIR,
-"encoder", source="local")) and README.md (the model card). In this checkout: model.load_encoder(DIR), and
-data.load_val_sample(path, encoder.settings) preprocesses a DICOM file or series as the contract says.
+sha256, and where they came from), octjepa_encoder.py (the encoder code of model.py and pretrained.py, and a
+loader: load(DIR), OCTJEPAEncoder.from_pretrained(DIR) with huggingface_hub, monai_vit(encoder)), hubconf.py
+(torch.hub.load(DIR, "encoder", source="local")) and README.md (the model card). In this checkout:
+pretrained.load_encoder(DIR), and data.load_val_sample(path, encoder.settings) preprocesses a DICOM file or series as
+the contract says.
 
 embed writes one row per usable volume to an .npz (numpy only), safe to share (docs/privacy.md): volume (a keyed id
 of its path below data_root: privacy.volume_key), files, patient (the index's keyed hash of PatientID), laterality,
@@ -59,8 +60,9 @@ from dense import position_share, position_share_of_sums, position_sums
 from dicom import UnusableFile
 from export import HUBCONF, MODEL_CARD, STANDALONE_MODULE, export
 from index import format_reason_table, index_records
-from model import (CONFIG_FILE, POOL_ALIASES, POOLS, WEIGHTS_FILE, ExportError, PretrainedEncoder, export_contract,
-                   load_encoder, pool_name, pool_tokens, random_encoder)
+from model import POOL_ALIASES, POOLS, pool_name, pool_tokens
+from pretrained import (CONFIG_FILE, WEIGHTS_FILE, ExportError, PretrainedEncoder, export_contract, load_encoder,
+                        random_encoder)
 from privacy import share_safe_source, volume_key
 from labels import read_labels, task_targets
 from probe import Task, fit_attentive, probe_device, resolve_checkpoint, stratified_split

@@ -1,4 +1,4 @@
-"""encoder.py and model.load_encoder: a researcher exports the encoder of a real training run, loads it from plain
+"""encoder.py and pretrained.load_encoder: a researcher exports the encoder of a real training run, loads it from plain
 Python, embeds a folder or bucket (killed and resumed), and looks at its features."""
 import inspect
 import itertools
@@ -25,13 +25,15 @@ import encoder as encoder_cli
 import export
 import finetune
 import model
+import pretrained
 import train
 from config import DEMO_FLAGS, ConfigError, load_config
 from data import load_val_sample
 from helpers import one_thread  # noqa: F401 (autouse: tiny models, one thread)
 from index import find_files, scan_files
 from labels import read_labels
-from model import Encoder, ExportError, load_encoder, random_encoder, save_encoder
+from model import Encoder
+from pretrained import ExportError, load_encoder, random_encoder, save_encoder
 from probe import read_model_checkpoint
 from volumes import read_volume
 
@@ -88,7 +90,7 @@ LOAD_IN_ANOTHER_PROJECT = """
 import sys
 import numpy as np
 import torch
-sys.path.insert(0, PROJECT)  # its own config.py, data.py and model.py: importing any of them raises
+sys.path.insert(0, PROJECT)  # its own config.py, data.py, model.py and pretrained.py: importing any raises
 encoder = torch.hub.load(EXPORT, "encoder", source="local")
 sys.path.insert(0, EXPORT)
 import octjepa_encoder
@@ -97,7 +99,7 @@ volume = torch.from_numpy(np.load("volume.npy"))
 with torch.no_grad():
     np.save("tokens.npy", encoder(volume).numpy())
     np.save("again.npy", again.embed(volume).numpy())
-assert not {"config", "data", "model", "probe", "train"} & set(sys.modules), sorted(sys.modules)
+assert not {"config", "data", "model", "pretrained", "probe", "train"} & set(sys.modules), sorted(sys.modules)
 """
 
 
@@ -106,7 +108,7 @@ def test_an_export_loads_from_an_empty_folder_of_another_project_with_its_own_co
     project, elsewhere, copied = tmp_path / "their_project", tmp_path / "empty", tmp_path / "copied_export"
     project.mkdir()
     elsewhere.mkdir()
-    for name in ("config", "data", "model"):
+    for name in ("config", "data", "model", "pretrained"):
         (project / f"{name}.py").write_text(f"raise ImportError('their own {name}.py, not octjepa\\'s')\n")
     shutil.copytree(export_dir, copied)  # the folder alone: no octjepa checkout beside it
     trained, cfg, _ = read_model_checkpoint(trained_checkpoint)
@@ -122,10 +124,10 @@ def test_an_export_loads_from_an_empty_folder_of_another_project_with_its_own_co
     assert np.abs(np.load(elsewhere / "again.npy") - expected.mean(1)).max() <= 1e-6
 
 
-def test_the_exports_standalone_module_is_model_pys_code_not_a_copy_that_can_drift(export_dir):
+def test_the_exports_standalone_module_is_the_projects_code_not_a_copy_that_can_drift(export_dir):
     module = (Path(export_dir) / "octjepa_encoder.py").read_text()
-    for definition in (model.sincos_pos_embed_3d, model.Block, model.Encoder, model.ExportedEncoder,
-                       model.monai_vit):
+    for definition in (model.sincos_pos_embed_3d, model.Block, model.Encoder, model.pool_tokens,
+                       pretrained.ExportedEncoder, pretrained.monai_vit, pretrained.export_contract):
         assert inspect.getsource(definition) in module
     assert not re.search(r"^(import|from) (config|data|storage|dicom)\b", module, re.MULTILINE)
 
@@ -153,7 +155,7 @@ def test_monai_vit_holds_the_encoder_exactly_at_the_trained_and_another_size(exp
     pytest.importorskip("einops", reason="einops (monai's ViT needs it; requirements-dev.txt) is not installed")
     encoder = load_encoder(export_dir)
     for size in (encoder.image_size, [12, 48, 64]):
-        vit = model.monai_vit(encoder, size)
+        vit = pretrained.monai_vit(encoder, size)
         volume = torch.randn(2, 1, *size, generator=torch.Generator().manual_seed(7))
         with torch.no_grad():
             assert float((vit(volume)[0] - encoder(volume)).abs().max()) <= 1e-6
@@ -181,7 +183,7 @@ def test_an_hmlp_export_loads_with_both_loaders_and_is_refused_by_monai_saying_w
         assert "patch_embed.2.weight" in loaded.state_dict()
         assert float((loaded.encode(volume) - trained.encode(volume)).abs().max()) <= 1e-6
     with pytest.raises(ValueError, match="patch_stem is 'hmlp'; MONAI's ViT embeds each tubelet with one linear map"):
-        model.monai_vit(load_encoder(hmlp_export))
+        pretrained.monai_vit(load_encoder(hmlp_export))
 
 
 def test_an_export_of_format_version_1_loads_with_the_linear_stem_it_had(export_dir, trained_checkpoint, tmp_path):
