@@ -155,7 +155,7 @@ class Encoder(nn.Module):
     """Tubelet embedding + ViT. Key layout (export): patch_embed.weight/bias (the hmlp stem: patch_embed.{0,2,4}.*),
     blocks.{i}.*, norm.*"""
 
-    def __init__(self, image_size, patch_size, dim, depth, num_heads, mlp_ratio, patch_stem: str = "linear"):
+    def __init__(self, *, image_size, patch_size, dim, depth, num_heads, mlp_ratio, patch_stem: str = "linear"):
         super().__init__()
         self.grid = [s // p for s, p in zip(image_size, patch_size)]
         self.patch_embed = tubelet_embedding(patch_size, dim, patch_stem)
@@ -256,13 +256,22 @@ class Predictor(nn.Module):
         return self.proj(x[:, -n_target:]), context_pred
 
 
+# The Config fields VJEPA3D is built from, each a keyword argument of the same name (from_config passes them by name)
+MODEL_FIELDS = ("image_size", "patch_size", "patch_stem", "embed_dim", "depth", "num_heads", "pred_embed_dim",
+                "pred_depth", "pred_num_heads", "mlp_ratio", "loss", "context_loss_weight", "context_loss_distance",
+                "target_levels", "gram_loss_weight", "local_loss_weight", "local_loss_split")
+
+
 class VJEPA3D(nn.Module):
-    def __init__(self, image_size: List[int], patch_size: List[int], embed_dim: int = 384, depth: int = 12,
-                 num_heads: int = 6, pred_embed_dim: int = 192, pred_depth: int = 6, pred_num_heads: int = 6,
-                 mlp_ratio: float = 4.0, loss: str = "l1", context_loss_weight: float = 0.0,
-                 context_loss_distance: bool = False, target_levels: int = 1, gram_loss_weight: float = 0.0,
-                 local_loss_weight: float = 0.0, local_loss_split: Sequence[int] = (1, 1, 1),
-                 patch_stem: str = "linear"):
+    """The model trained: context encoder, predictor, EMA target encoder and the losses' heads. Its arguments are
+    keyword-only and named as the Config fields of MODEL_FIELDS (from_config)."""
+
+    def __init__(self, *, image_size: List[int], patch_size: List[int], patch_stem: str = "linear",
+                 embed_dim: int = 384, depth: int = 12, num_heads: int = 6, pred_embed_dim: int = 192,
+                 pred_depth: int = 6, pred_num_heads: int = 6, mlp_ratio: float = 4.0, loss: str = "l1",
+                 context_loss_weight: float = 0.0, context_loss_distance: bool = False, target_levels: int = 1,
+                 gram_loss_weight: float = 0.0, local_loss_weight: float = 0.0,
+                 local_loss_split: Sequence[int] = (1, 1, 1)):
         super().__init__()
         if loss not in LOSSES:
             raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {loss!r}")
@@ -274,9 +283,11 @@ class VJEPA3D(nn.Module):
         self.loss_type = loss
         self.context_loss_weight, self.context_loss_distance = context_loss_weight, context_loss_distance
         self.levels = target_level_blocks(depth, target_levels) if target_levels > 1 else []
-        self.encoder = Encoder(image_size, patch_size, embed_dim, depth, num_heads, mlp_ratio, patch_stem)
-        self.predictor = Predictor(self.grid, embed_dim, pred_embed_dim, pred_depth, pred_num_heads, mlp_ratio,
-                                   target_levels, context_head=context_loss_weight > 0)
+        self.encoder = Encoder(image_size=image_size, patch_size=patch_size, dim=embed_dim, depth=depth,
+                               num_heads=num_heads, mlp_ratio=mlp_ratio, patch_stem=patch_stem)
+        self.predictor = Predictor(grid=self.grid, enc_dim=embed_dim, dim=pred_embed_dim, depth=pred_depth,
+                                   num_heads=pred_num_heads, mlp_ratio=mlp_ratio, levels=target_levels,
+                                   context_head=context_loss_weight > 0)
         self.apply(_init_weights)
         for blocks in (self.encoder.blocks, self.predictor.blocks):
             for i, block in enumerate(blocks):  # residual projections scaled down with depth (as in I-JEPA)
@@ -297,10 +308,8 @@ class VJEPA3D(nn.Module):
 
     @classmethod
     def from_config(cls, cfg) -> "VJEPA3D":
-        model = cls(cfg.image_size, cfg.patch_size, cfg.embed_dim, cfg.depth, cfg.num_heads, cfg.pred_embed_dim,
-                    cfg.pred_depth, cfg.pred_num_heads, cfg.mlp_ratio, cfg.loss, cfg.context_loss_weight,
-                    cfg.context_loss_distance, cfg.target_levels, cfg.gram_loss_weight, cfg.local_loss_weight,
-                    cfg.local_loss_split, cfg.patch_stem)
+        """The model a Config describes (its MODEL_FIELDS), with its grad_checkpointing."""
+        model = cls(**{name: getattr(cfg, name) for name in MODEL_FIELDS})
         model.set_grad_checkpointing(cfg.grad_checkpointing)
         return model
 
@@ -461,7 +470,7 @@ def training_flops_per_sample(cfg) -> dict:
     embed = first + (n * patch_voxels * cfg.embed_dim ** 2 * 5 / 32 if hmlp else 0)  # its 2x2x2 and last convolutions
     context = transformer_flops(n_context, cfg.embed_dim, cfg.depth, cfg.mlp_ratio)
     predictor = (transformer_flops(n, cfg.pred_embed_dim, cfg.pred_depth, cfg.mlp_ratio)
-                 + 2 * n_context * cfg.embed_dim * cfg.pred_embed_dim + 2 * n_target * cfg.pred_embed_dim * cfg.embed_dim)
+                 + 2 * n * cfg.embed_dim * cfg.pred_embed_dim)  # its embedding (context tokens) and projection (targets)
     target = embed + transformer_flops(n, cfg.embed_dim, cfg.depth, cfg.mlp_ratio)
     teacher = target if cfg.gram_loss_weight > 0 else 0
     total = 3 * embed - first + 3 * (context + predictor) + target + teacher

@@ -93,13 +93,13 @@ def export_settings(config: dict, where: str = CONFIG_FILE) -> Config:
 class ExportedEncoder(Encoder):
     """An encoder built from an export's config.json (a dict; nothing else of octjepa needed). forward: volume
     [B,1,D,H,W] with D, H, W multiples of patch_size (the trained image_size, or any other: positions are built for
-    its grid) -> tokens [B,N,E]; embed: -> [B,E] (pool 'mean_pool') or [B, gh*E] ('depth_rows'). Its state_dict keys are those
-    of the export's weights file."""
+    its grid) -> tokens [B,N,E]; embed: -> [B,E] (pool 'mean_pool') or [B, gh*E] ('depth_rows'). Its state_dict keys
+    are those of the export's weights file."""
 
     def __init__(self, config: dict):
         a = {**VERSION_1_ARCHITECTURE, **config["architecture"]}
-        super().__init__(a["image_size"], a["patch_size"], a["embed_dim"], a["depth"], a["num_heads"], a["mlp_ratio"],
-                         a["patch_stem"])
+        super().__init__(image_size=a["image_size"], patch_size=a["patch_size"], dim=a["embed_dim"], depth=a["depth"],
+                         num_heads=a["num_heads"], mlp_ratio=a["mlp_ratio"], patch_stem=a["patch_stem"])
         self.architecture = a  # config.json's, with the fields its format_version did not write
         self.config = config
         self.image_size, self.patch_size, self.embed_dim = list(a["image_size"]), list(a["patch_size"]), a["embed_dim"]

@@ -73,8 +73,9 @@ def test_a_volume_that_is_not_a_multiple_of_the_patch_size_is_refused_naming_the
 def test_another_input_size_gives_the_tokens_of_an_encoder_built_natively_at_that_size(export_dir):
     encoder = load_encoder(export_dir)
     size = [12, 48, 64]  # another multiple of the patch size on every axis
-    native = Encoder(size, encoder.patch_size, encoder.embed_dim, encoder.settings.depth, encoder.settings.num_heads,
-                     encoder.settings.mlp_ratio)
+    settings = encoder.settings
+    native = Encoder(image_size=size, patch_size=settings.patch_size, dim=settings.embed_dim, depth=settings.depth,
+                     num_heads=settings.num_heads, mlp_ratio=settings.mlp_ratio)
     native.load_state_dict(encoder.state_dict())
     volume = torch.randn(2, 1, *size, generator=torch.Generator().manual_seed(4))
     tokens = encoder.encode(volume)

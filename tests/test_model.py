@@ -14,7 +14,7 @@ def tiny_model(**kw):
     torch.manual_seed(0)
     args = dict(embed_dim=64, depth=2, num_heads=4, pred_embed_dim=48, pred_depth=2, pred_num_heads=4)
     args.update(kw)
-    return VJEPA3D(IMAGE, PATCH, **args)
+    return VJEPA3D(image_size=IMAGE, patch_size=PATCH, **args)
 
 
 def masks(model, batch, seed=0, ratio=0.6):

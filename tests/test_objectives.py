@@ -17,8 +17,8 @@ IMAGE, PATCH = [8, 32, 32], [4, 8, 8]
 
 def tiny_model(**kw):
     torch.manual_seed(0)
-    return VJEPA3D(IMAGE, PATCH, embed_dim=32, depth=4, num_heads=4, pred_embed_dim=24, pred_depth=2,
-                   pred_num_heads=4, **kw)
+    return VJEPA3D(image_size=IMAGE, patch_size=PATCH, embed_dim=32, depth=4, num_heads=4, pred_embed_dim=24,
+                   pred_depth=2, pred_num_heads=4, **kw)
 
 
 def batch(model, n=2):
