@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from config import ConfigError, load_config
-from data import MaskGenerator, context_neighbour_share, mask_generator_from_config, mask_stats, sample_rng
+from data import sample_rng
+from masks import MaskGenerator, context_neighbour_share, mask_generator_from_config, mask_stats
 from model import VJEPA3D
 
 GRIDS = [(16, 24, 24), (3, 5, 7), (1, 1, 9), (5, 4, 3)]

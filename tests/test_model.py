@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from config import load_config
-from data import MaskGenerator, sample_rng
+from data import sample_rng
+from masks import MaskGenerator
 from model import JEPAOutput, VJEPA3D, sincos_pos_embed_3d, training_flops_per_sample, tubelet_embedding
 
 IMAGE, PATCH = [8, 32, 32], [4, 8, 8]

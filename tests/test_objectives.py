@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from config import CHOICES, ConfigError, load_config
-from data import MASK_TYPES, MaskGenerator, sample_rng
+from data import sample_rng
+from masks import MASK_TYPES, MaskGenerator
 from model import VJEPA3D, gather_tokens, target_level_blocks
 from objectives import (LOCAL_BINS, LOSSES, context_distance_weights, gram_loss, jepa_loss,
                         token_voxel_statistics)
