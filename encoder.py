@@ -60,7 +60,7 @@ from dense import position_share, position_share_of_sums, position_sums
 from dicom import UnusableFile
 from export import HUBCONF, MODEL_CARD, STANDALONE_MODULE, export
 from index import format_reason_table, index_records
-from model import POOL_ALIASES, POOLS, pool_name, pool_tokens
+from model import POOLS, pool_name, pool_tokens
 from pretrained import (CONFIG_FILE, WEIGHTS_FILE, ExportError, PretrainedEncoder, export_contract, load_encoder,
                         random_encoder)
 from privacy import share_safe_source, volume_key
@@ -120,7 +120,7 @@ def read_chunk(path: str, keys: List[str], settings: dict):
     except (OSError, ValueError, EOFError, zipfile.BadZipFile):
         return None
     saved = json.loads(str(chunk["settings"]))
-    if {**saved, "pool": POOL_ALIASES.get(saved.get("pool"), saved.get("pool"))} != settings:  # old pool names too
+    if saved != settings:
         raise ConfigError(f"out: {os.path.dirname(path)} holds rows embedded with other settings "
                           f"({str(chunk['settings'])}, now {json.dumps(settings)}); rerun with those, or delete that "
                           f"folder to start over.")
@@ -511,8 +511,8 @@ def main(argv: List[str]) -> int:
     em = command("embed", "one embedding per volume of a folder, manifest or gs:// prefix")
     em.add_argument("--encoder", required=True, help="an export folder")
     em.add_argument("--out", required=True, help="the .npz to write (OUT.partial/ holds the rows done so far)")
-    em.add_argument("--pool", default="mean_pool", choices=POOLS + tuple(POOL_ALIASES),
-                    help="mean_pool: [E]; depth_rows: each depth row's mean [gh*E] (mean, axial: their old names)")
+    em.add_argument("--pool", default="mean_pool", choices=POOLS,
+                    help="mean_pool: [E]; depth_rows: each depth row's mean [gh*E]")
     em.add_argument("--batch_size", type=int, default=8, help="volumes per forward pass (default 8)")
     em.add_argument("--save_every", type=int, default=256, help="save the rows done every N volumes (default 256)")
     em.add_argument("--standardize", action="store_true",

@@ -191,19 +191,17 @@ class Encoder(nn.Module):
 
 
 POOLS = ("mean_pool", "depth_rows")  # pool_tokens: export's embed, encoder.py embed --pool and probe.py's read-outs
-POOL_ALIASES = {"mean": "mean_pool", "axial": "depth_rows"}  # the names embed --pool took before; still accepted
 
 
 def pool_name(pool: str) -> str:
-    """The POOLS name of a pool given by that name or an old one (POOL_ALIASES); ValueError for any other."""
-    name = POOL_ALIASES.get(pool, pool)
-    if name not in POOLS:
-        raise ValueError(f"pool: expected one of {', '.join(POOLS)} (or {', '.join(POOL_ALIASES)}), got {pool!r}")
-    return name
+    """pool, checked: ValueError naming the POOLS for any other name."""
+    if pool not in POOLS:
+        raise ValueError(f"pool: expected one of {', '.join(POOLS)}, got {pool!r}")
+    return pool
 
 
 def pool_tokens(tokens: torch.Tensor, grid: Sequence[int], pool: str = "mean_pool") -> torch.Tensor:
-    """A volume embedding of tokens [B,N,E] on a (gd,gh,gw) grid (pool: a POOLS name, or an old one). 'mean_pool': the
+    """A volume embedding of tokens [B,N,E] on a (gd,gh,gw) grid (pool: a POOLS name). 'mean_pool': the
     mean token [B,E]. 'depth_rows': the mean of each axial (depth) row of tokens over B-scans and lateral positions,
     concatenated [B, gh*E]: what lies at which depth survives the pooling."""
     if pool_name(pool) == "mean_pool":

@@ -356,7 +356,7 @@ def test_embed_refuses_rows_saved_by_another_encoder_and_never_overwrites(export
     save_encoder(other.state_dict(), other.config, str(tmp_path / "other"))
     records = [r for r in scan_files(find_files(phantom_dir)) if r["ok"]]
     encoder_cli.embed_records(load_encoder(str(tmp_path / "other")), records[:2], other.settings,
-                              str(out) + ".partial", "mean", 2, 2, encoder_cli.setup_runtime(other.settings))
+                              str(out) + ".partial", "mean_pool", 2, 2, encoder_cli.setup_runtime(other.settings))
     flags = ["embed", "--encoder", export_dir, "--data_root", phantom_dir, "--out", str(out), "--workers", "0"]
     assert encoder_cli.main(flags + ["--batch_size", "2", "--save_every", "2"]) == 2
     assert "holds rows embedded with other settings" in capsys.readouterr().err
