@@ -26,7 +26,7 @@ from typing import Callable, List, Optional, Tuple
 import numpy as np
 import torch
 
-from config import Config, ConfigError, ExitError, RunPlan, StorageFailed, plan_run
+from config import Config, ConfigError, ExitError, RunPlan, StorageFailed, plan_run, without_removed_fields
 from runtime import (Runtime, broadcast_from_master, gather_objects, master_decides, place_model_state,
                      place_optimizer_state, state_to_host)
 from storage import (copy_atomic, exists, gcs_filesystem, glob_paths, is_transient, open_atomic, process_is_running,
@@ -231,6 +231,7 @@ RESUME_FREE_FIELDS = (
 def changed_settings(saved_config: dict, cfg: Config) -> List[str]:
     """'field: saved -> now' for each model, preprocessing, mask, loss or optimizer setting that differs from the
     checkpoint's config (a field the checkpoint does not know counts as changed only from a non-default value)."""
+    saved_config = without_removed_fields(saved_config, "resume: the checkpoint's ")  # active ones: their patch
     now, default = asdict(cfg), asdict(Config())
     skip = set(RESUME_FREE_FIELDS) | set(PLAN_FIELDS) | set(SCHEDULE_FIELDS)
     return [f"{k}: {saved_config.get(k, default[k])} -> {now[k]}" for k in now

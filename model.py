@@ -5,10 +5,8 @@
   predictor:        context tokens + mask tokens at the target positions -> predictions [B,Nt,E]
   target encoder:   EMA copy of the context encoder over ALL tokens, no gradients,
                     layer-normed features gathered at target_idx -> [B,Nt,E]
-  loss:             l1 (or mse) between prediction and target, on target tokens only; optionally (V-JEPA 2.1)
-                    + context_loss_weight x the same error of a second head at the context positions, and targets
-                    from target_levels encoder depths, each layer-normed on its own and concatenated [.., K*E];
-                    and (DINOv3's Gram anchoring) + gram_loss_weight x the squared difference between the context
+  loss:             l1 (or mse) between prediction and target, on target tokens only; optionally
+                    (DINOv3's Gram anchoring) + gram_loss_weight x the squared difference between the context
                     tokens' patch-to-patch cosine similarities and those of a frozen copy of the initial encoder;
                     and + local_loss_weight x a linear head's error on each visible token's own voxel statistics
                     (or those of its local_loss_split sub-blocks)
@@ -21,15 +19,14 @@ exported encoder (its format, loader and the MONAI adapter) is pretrained.py's.
 import copy
 import math
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from objectives import (LOCAL_FEATURES, LOSSES, context_distance_weights, context_loss, elementwise_error, gram_loss,
-                        jepa_loss, token_voxel_statistics)
+from objectives import LOCAL_FEATURES, LOSSES, elementwise_error, gram_loss, jepa_loss, token_voxel_statistics
 
 
 @dataclass
@@ -171,23 +168,14 @@ class Encoder(nn.Module):
             return self.pos_embed
         return sincos_pos_embed_3d(self.pos_embed.shape[1], grid).to(self.pos_embed)
 
-    def forward(self, volume: torch.Tensor, keep_idx: Optional[torch.Tensor] = None,
-                levels: Sequence[int] = ()) -> torch.Tensor:
+    def forward(self, volume: torch.Tensor, keep_idx: Optional[torch.Tensor] = None) -> torch.Tensor:
         """volume [B,1,D,H,W] -> features [B,N,E], or [B*M,K,E] for only the tokens in keep_idx [B*M,K]
-        (M mask sets per volume, volume-major). levels (block indices, the last one the last block): the outputs of
-        those blocks concatenated [.., L*E], the last one through the final norm (deep self-supervision)."""
+        (M mask sets per volume, volume-major)."""
         x = self.patch_embed(volume)  # [B, E, gd, gh, gw]
         x = x.flatten(2).transpose(1, 2) + self.positions(x.shape[2:])  # [B, N, E]
         if keep_idx is not None:
             x = gather_tokens(x.repeat_interleave(keep_idx.shape[0] // x.shape[0], dim=0), keep_idx)
-        if not levels:
-            return self.norm(run_blocks(self.blocks, x, self.checkpoint_fn))
-        outputs = []
-        for i, block in enumerate(self.blocks):
-            x = run_blocks(self.blocks[i:i + 1], x, self.checkpoint_fn)
-            if i in levels:
-                outputs.append(x)
-        return torch.cat([*outputs[:-1], self.norm(outputs[-1])], dim=-1)  # [.., L*E]
+        return self.norm(run_blocks(self.blocks, x, self.checkpoint_fn))
 
 
 POOLS = ("mean_pool", "depth_rows")  # pool_tokens: export's embed, encoder.py embed --pool and probe.py's read-outs
@@ -209,55 +197,33 @@ def pool_tokens(tokens: torch.Tensor, grid: Sequence[int], pool: str = "mean_poo
     return tokens.unflatten(1, tuple(grid)).mean(dim=(1, 3)).flatten(1)  # [B,gd,gh,gw,E] -> [B,gh,E] -> [B,gh*E]
 
 
-def target_level_blocks(depth: int, levels: int) -> List[int]:
-    """The encoder blocks whose outputs are the targets with `levels` levels: evenly spaced, ending at the last block
-    (V-JEPA 2.1 takes blocks 2, 5, 8, 11 of 12)."""
-    return [round((i + 1) * depth / levels) - 1 for i in range(levels)]
-
-
-def layer_norm_levels(x: torch.Tensor, levels: int) -> torch.Tensor:
-    """Each of the `levels` equal feature groups of x [.., L*E] layer-normed on its own (no affine)."""
-    x = x.unflatten(-1, (levels, x.shape[-1] // levels))  # [.., L, E]
-    return F.layer_norm(x, x.shape[-1:]).flatten(-2)
-
-
 class Predictor(nn.Module):
-    """Narrow transformer: context features + mask tokens at target positions -> target predictions. With
-    `levels` > 1 it reads and predicts the concatenated levels [.., L*E]; with `context_head` it also predicts the
-    targets at the context positions from its own outputs there (a second head, V-JEPA 2.1)."""
+    """Narrow transformer: context features + mask tokens at target positions -> target predictions."""
 
-    def __init__(self, grid, enc_dim, dim, depth, num_heads, mlp_ratio, levels: int = 1, context_head: bool = False):
+    def __init__(self, grid, enc_dim, dim, depth, num_heads, mlp_ratio):
         super().__init__()
-        self.levels = levels
-        self.embed = nn.Linear(enc_dim, dim) if levels == 1 else nn.Sequential(
-            nn.Linear(levels * enc_dim, enc_dim), nn.GELU(), nn.Linear(enc_dim, dim))
+        self.embed = nn.Linear(enc_dim, dim)
         self.mask_token = nn.Parameter(torch.zeros(1, 1, dim))
         self.register_buffer("pos_embed", sincos_pos_embed_3d(dim, grid), persistent=False)
         self.blocks = nn.ModuleList([Block(dim, num_heads, mlp_ratio) for _ in range(depth)])
         self.norm = nn.LayerNorm(dim)
-        self.proj = nn.Linear(dim, levels * enc_dim)
-        self.proj_context = nn.Linear(dim, levels * enc_dim) if context_head else None
+        self.proj = nn.Linear(dim, enc_dim)
         self.checkpoint_fn: Optional[Callable] = None  # set_grad_checkpointing
 
-    def forward(self, context: torch.Tensor, context_idx: torch.Tensor,
-                target_idx: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """context [B,Nc,L*E], context_idx [B,Nc], target_idx [B,Nt] -> (predictions [B,Nt,L*E], the context head's
-        predictions [B,Nc,L*E] or None without it)."""
+    def forward(self, context: torch.Tensor, context_idx: torch.Tensor, target_idx: torch.Tensor) -> torch.Tensor:
+        """context [B,Nc,E], context_idx [B,Nc], target_idx [B,Nt] -> predictions [B,Nt,E]."""
         B, n_target = target_idx.shape
-        if self.levels > 1:
-            context = layer_norm_levels(context, self.levels)
         pos = self.pos_embed.unsqueeze(0).expand(B, -1, -1)  # [B, N, P]
         x = self.embed(context) + gather_tokens(pos, context_idx)  # [B, Nc, P]
         masks = self.mask_token.expand(B, n_target, -1) + gather_tokens(pos, target_idx)  # [B, Nt, P]
         x = self.norm(run_blocks(self.blocks, torch.cat([x, masks], dim=1), self.checkpoint_fn))
-        context_pred = self.proj_context(x[:, :-n_target]) if self.proj_context is not None else None
-        return self.proj(x[:, -n_target:]), context_pred
+        return self.proj(x[:, -n_target:])
 
 
 # The Config fields VJEPA3D is built from, each a keyword argument of the same name (from_config passes them by name)
 MODEL_FIELDS = ("image_size", "patch_size", "patch_stem", "embed_dim", "depth", "num_heads", "pred_embed_dim",
-                "pred_depth", "pred_num_heads", "mlp_ratio", "loss", "context_loss_weight", "context_loss_distance",
-                "target_levels", "gram_loss_weight", "local_loss_weight", "local_loss_split")
+                "pred_depth", "pred_num_heads", "mlp_ratio", "loss", "gram_loss_weight", "local_loss_weight",
+                "local_loss_split")
 
 
 class VJEPA3D(nn.Module):
@@ -267,25 +233,19 @@ class VJEPA3D(nn.Module):
     def __init__(self, *, image_size: List[int], patch_size: List[int], patch_stem: str = "linear",
                  embed_dim: int = 384, depth: int = 12, num_heads: int = 6, pred_embed_dim: int = 192,
                  pred_depth: int = 6, pred_num_heads: int = 6, mlp_ratio: float = 4.0, loss: str = "l1",
-                 context_loss_weight: float = 0.0, context_loss_distance: bool = False, target_levels: int = 1,
                  gram_loss_weight: float = 0.0, local_loss_weight: float = 0.0,
                  local_loss_split: Sequence[int] = (1, 1, 1)):
         super().__init__()
         if loss not in LOSSES:
             raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {loss!r}")
-        if not 1 <= target_levels <= depth:
-            raise ValueError(f"target_levels must be between 1 and depth ({depth}), got {target_levels}")
         self.image_size = list(image_size)
         self.grid = [s // p for s, p in zip(image_size, patch_size)]
         self.num_tokens = math.prod(self.grid)
         self.loss_type = loss
-        self.context_loss_weight, self.context_loss_distance = context_loss_weight, context_loss_distance
-        self.levels = target_level_blocks(depth, target_levels) if target_levels > 1 else []
         self.encoder = Encoder(image_size=image_size, patch_size=patch_size, dim=embed_dim, depth=depth,
                                num_heads=num_heads, mlp_ratio=mlp_ratio, patch_stem=patch_stem)
         self.predictor = Predictor(grid=self.grid, enc_dim=embed_dim, dim=pred_embed_dim, depth=pred_depth,
-                                   num_heads=pred_num_heads, mlp_ratio=mlp_ratio, levels=target_levels,
-                                   context_head=context_loss_weight > 0)
+                                   num_heads=pred_num_heads, mlp_ratio=mlp_ratio)
         self.apply(_init_weights)
         for blocks in (self.encoder.blocks, self.predictor.blocks):
             for i, block in enumerate(blocks):  # residual projections scaled down with depth (as in I-JEPA)
@@ -360,8 +320,9 @@ class VJEPA3D(nn.Module):
     @torch.no_grad()
     def all_target_features(self, volume: torch.Tensor, rows: int) -> torch.Tensor:
         """The layer-normed EMA-encoder features of every token, repeated to `rows` = B*M rows (M mask sets per
-        volume): [B*M, N, E], or [B*M, N, L*E] with L target levels (each level layer-normed on its own)."""
-        h = layer_norm_levels(self.target_encoder(volume, levels=self.levels), max(1, len(self.levels)))
+        volume): [B*M, N, E]."""
+        h = self.target_encoder(volume)
+        h = F.layer_norm(h, h.shape[-1:])
         return h.repeat_interleave(rows // h.shape[0], dim=0)
 
     def forward(self, volume: torch.Tensor, context_idx: torch.Tensor, target_idx: torch.Tensor) -> JEPAOutput:
@@ -371,26 +332,19 @@ class VJEPA3D(nn.Module):
         self.check_inputs(volume, context_idx, target_idx)
         context_idx = context_idx.reshape(-1, context_idx.shape[-1])  # [B*M, Nc]
         target_idx = target_idx.reshape(-1, target_idx.shape[-1])  # [B*M, Nt]
-        h = self.all_target_features(volume, target_idx.shape[0])  # [B*M, N, L*E]
-        target = gather_tokens(h, target_idx)
-        context = self.encoder(volume, keep_idx=context_idx, levels=self.levels)  # [B*M, Nc, L*E]: targets unseen
-        pred, context_pred = self.predictor(context, context_idx, target_idx)  # [B*M, Nt, L*E], [B*M, Nc, L*E]
+        target = gather_tokens(self.all_target_features(volume, target_idx.shape[0]), target_idx)  # [B*M, Nt, E]
+        context = self.encoder(volume, keep_idx=context_idx)  # [B*M, Nc, E]: the target tokens unseen
+        pred = self.predictor(context, context_idx, target_idx)  # [B*M, Nt, E]
         loss, target_std = self.loss_fn(pred, target, self.loss_type)
-        if context_pred is not None:
-            weights = (context_distance_weights(context_idx, target_idx, self.grid) if self.context_loss_distance
-                       else None)
-            loss = loss + self.context_loss_weight * context_loss(context_pred, gather_tokens(h, context_idx),
-                                                                  self.loss_type, weights)
         if self.gram_teacher is not None:
             with torch.no_grad():
                 teacher = self.gram_teacher(volume).repeat_interleave(context_idx.shape[0] // volume.shape[0], dim=0)
-            student = context[..., -teacher.shape[-1]:]  # the last level: the encoder's output [B*M, Nc, E]
-            loss = loss + self.gram_loss_weight * gram_loss(student, gather_tokens(teacher, context_idx))
+            loss = loss + self.gram_loss_weight * gram_loss(context, gather_tokens(teacher, context_idx))
         if self.local_head is not None:
             stats = token_voxel_statistics(volume, self.patch_size, self.local_loss_split)  # [B, N, S * LOCAL_FEATURES]
             stats = gather_tokens(stats.repeat_interleave(context_idx.shape[0] // volume.shape[0], dim=0), context_idx)
-            visible = self.local_head(context[..., -self.local_head.in_features:])  # from the last level
-            loss = loss + self.local_loss_weight * elementwise_error(visible, stats, self.loss_type).mean()
+            error = elementwise_error(self.local_head(context), stats, self.loss_type)  # from each visible token
+            loss = loss + self.local_loss_weight * error.mean()
         return JEPAOutput(loss=loss, pred=pred, target=target, target_std=target_std)
 
     @torch.no_grad()
@@ -468,7 +422,7 @@ def training_flops_per_sample(cfg) -> dict:
     embed = first + (n * patch_voxels * cfg.embed_dim ** 2 * 5 / 32 if hmlp else 0)  # its 2x2x2 and last convolutions
     context = transformer_flops(n_context, cfg.embed_dim, cfg.depth, cfg.mlp_ratio)
     predictor = (transformer_flops(n, cfg.pred_embed_dim, cfg.pred_depth, cfg.mlp_ratio)
-                 + 2 * n * cfg.embed_dim * cfg.pred_embed_dim)  # its embedding (context tokens) and projection (targets)
+                 + 2 * n * cfg.embed_dim * cfg.pred_embed_dim)  # its embedding (of Nc) and projection (to Nt tokens)
     target = embed + transformer_flops(n, cfg.embed_dim, cfg.depth, cfg.mlp_ratio)
     teacher = target if cfg.gram_loss_weight > 0 else 0
     total = 3 * embed - first + 3 * (context + predictor) + target + teacher
