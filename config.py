@@ -109,7 +109,6 @@ class Config:
     pred_num_heads: int = 4  # predictor attention heads
     mlp_ratio: float = 4.0  # MLP hidden width / block width
     loss: str = "l1"  # l1 | mse
-    gram_loss_weight: float = 0.0  # DINOv3 Gram anchoring: + this x the error of the context tokens' cosine similarities against the frozen initial encoder's
     local_loss_weight: float = 0.0  # MaskFeat-style: + this x the error of a linear head reading each visible token's own voxel statistics (mean, std, histogram) from the context encoder
     local_loss_split: List[int] = field(default_factory=lambda: [1, 1, 1])  # the local loss's statistics per sub-block: each token cut into this many per axis (1,2,1: its two depth halves)
     grad_checkpointing: bool = False  # recompute block activations in backward: less memory, ~1/3 more compute
@@ -219,6 +218,7 @@ REMOVED_FIELDS = {  # name: (its default, the patch that brings it back)
     "context_loss_weight": (0.0, "vjepa21_objectives.diff"),
     "context_loss_distance": (False, "vjepa21_objectives.diff"),
     "target_levels": (1, "vjepa21_objectives.diff"),
+    "gram_loss_weight": (0.0, "gram_anchoring.diff"),
 }
 
 
@@ -412,8 +412,6 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"clip_percentiles: {cfg.clip_percentiles} must satisfy 0 <= low < high <= 100.")
     if cfg.target_spacing is not None and any(s <= 0 for s in cfg.target_spacing):
         raise ConfigError(f"target_spacing: {cfg.target_spacing} must be positive mm values [dz, dy, dx].")
-    if cfg.gram_loss_weight < 0:
-        raise ConfigError(f"gram_loss_weight: {cfg.gram_loss_weight} must be >= 0 (0: no Gram anchoring).")
     if cfg.local_loss_weight < 0:
         raise ConfigError(f"local_loss_weight: {cfg.local_loss_weight} must be >= 0 (0: no local loss).")
     if any(n < 1 or p % n for n, p in zip(cfg.local_loss_split, cfg.patch_size)):

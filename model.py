@@ -6,11 +6,9 @@
   target encoder:   EMA copy of the context encoder over ALL tokens, no gradients,
                     layer-normed features gathered at target_idx -> [B,Nt,E]
   loss:             l1 (or mse) between prediction and target, on target tokens only; optionally
-                    (DINOv3's Gram anchoring) + gram_loss_weight x the squared difference between the context
-                    tokens' patch-to-patch cosine similarities and those of a frozen copy of the initial encoder;
-                    and + local_loss_weight x a linear head's error on each visible token's own voxel statistics
+                    + local_loss_weight x a linear head's error on each visible token's own voxel statistics
                     (or those of its local_loss_split sub-blocks)
-                    (the losses themselves: objectives.py)
+                    (the losses themselves: objectives.py; those measured and not kept: experiments/patches/)
 
 The context encoder never sees the target tokens and the target encoder moves only through
 update_target(momentum) (incident 12). pool_tokens turns tokens into a volume embedding (probes, exports). The
@@ -26,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from objectives import LOCAL_FEATURES, LOSSES, elementwise_error, gram_loss, jepa_loss, token_voxel_statistics
+from objectives import LOCAL_FEATURES, LOSSES, elementwise_error, jepa_loss, token_voxel_statistics
 
 
 @dataclass
@@ -222,8 +220,7 @@ class Predictor(nn.Module):
 
 # The Config fields VJEPA3D is built from, each a keyword argument of the same name (from_config passes them by name)
 MODEL_FIELDS = ("image_size", "patch_size", "patch_stem", "embed_dim", "depth", "num_heads", "pred_embed_dim",
-                "pred_depth", "pred_num_heads", "mlp_ratio", "loss", "gram_loss_weight", "local_loss_weight",
-                "local_loss_split")
+                "pred_depth", "pred_num_heads", "mlp_ratio", "loss", "local_loss_weight", "local_loss_split")
 
 
 class VJEPA3D(nn.Module):
@@ -233,8 +230,7 @@ class VJEPA3D(nn.Module):
     def __init__(self, *, image_size: List[int], patch_size: List[int], patch_stem: str = "linear",
                  embed_dim: int = 384, depth: int = 12, num_heads: int = 6, pred_embed_dim: int = 192,
                  pred_depth: int = 6, pred_num_heads: int = 6, mlp_ratio: float = 4.0, loss: str = "l1",
-                 gram_loss_weight: float = 0.0, local_loss_weight: float = 0.0,
-                 local_loss_split: Sequence[int] = (1, 1, 1)):
+                 local_loss_weight: float = 0.0, local_loss_split: Sequence[int] = (1, 1, 1)):
         super().__init__()
         if loss not in LOSSES:
             raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {loss!r}")
@@ -255,8 +251,6 @@ class VJEPA3D(nn.Module):
             nn.init.kaiming_normal_(conv.weight, nonlinearity="relu")  # the hmlp stem's inner convolutions feed a GELU
         self.target_encoder = copy.deepcopy(self.encoder)
         self.target_encoder.requires_grad_(False)
-        self.gram_loss_weight = gram_loss_weight
-        self.gram_teacher = copy.deepcopy(self.encoder).requires_grad_(False) if gram_loss_weight > 0 else None
         self.patch_size, self.local_loss_weight = list(patch_size), local_loss_weight
         self.local_loss_split = list(local_loss_split)
         with torch.random.fork_rng(devices=[]):  # the rest of the model starts as it would without the local head
@@ -285,9 +279,8 @@ class VJEPA3D(nn.Module):
         """torch.compile the encoders, the predictor and the loss in place. forward() itself stays eager, so its
         input checks (which read the host) run outside the compiled code, and state_dict keys do not change.
         Shapes are static (dynamic=False): one graph per part for the training update's shapes."""
-        for part in (self.encoder, self.target_encoder, self.predictor, self.gram_teacher):
-            if part is not None:
-                part.compile(dynamic=False)
+        for part in (self.encoder, self.target_encoder, self.predictor):
+            part.compile(dynamic=False)
         self.loss_fn = torch.compile(jepa_loss, dynamic=False)
 
     def num_trainable_params(self) -> int:
@@ -336,10 +329,6 @@ class VJEPA3D(nn.Module):
         context = self.encoder(volume, keep_idx=context_idx)  # [B*M, Nc, E]: the target tokens unseen
         pred = self.predictor(context, context_idx, target_idx)  # [B*M, Nt, E]
         loss, target_std = self.loss_fn(pred, target, self.loss_type)
-        if self.gram_teacher is not None:
-            with torch.no_grad():
-                teacher = self.gram_teacher(volume).repeat_interleave(context_idx.shape[0] // volume.shape[0], dim=0)
-            loss = loss + self.gram_loss_weight * gram_loss(context, gather_tokens(teacher, context_idx))
         if self.local_head is not None:
             stats = token_voxel_statistics(volume, self.patch_size, self.local_loss_split)  # [B, N, S * LOCAL_FEATURES]
             stats = gather_tokens(stats.repeat_interleave(context_idx.shape[0] // volume.shape[0], dim=0), context_idx)
@@ -377,8 +366,7 @@ class VJEPA3D(nn.Module):
         encoder (its patch embedding and norm; as a unit of its own it is resharded after its no-grad forward, so
         the EMA update meets shards on both sides). The rest (the context encoder's patch embedding and norm, the
         predictor's embedding, mask token, norm and projection) is gathered with the model itself."""
-        teacher = [*self.gram_teacher.blocks, self.gram_teacher] if self.gram_teacher is not None else []
-        return [*self.encoder.blocks, *self.predictor.blocks, *self.target_encoder.blocks, self.target_encoder, *teacher]
+        return [*self.encoder.blocks, *self.predictor.blocks, *self.target_encoder.blocks, self.target_encoder]
 
     def param_groups(self) -> List[dict]:
         """AdamW groups of the trained parameters, `apply_wd` marking those weight decay applies to (weight
@@ -411,9 +399,9 @@ def transformer_flops(tokens: int, dim: int, depth: int, mlp_ratio: float) -> fl
 def training_flops_per_sample(cfg) -> dict:
     """Model FLOPs of one training sample, counted from the architecture (multiply-add = 2 FLOPs).
 
-    Trained parts cost forward + backward (3x forward); the target encoder (and the Gram teacher, with Gram
-    anchoring) runs forward only; the first convolution of the tubelet embedding needs no input gradient (2x
-    forward). The embedding reads every token's voxels, masked or not."""
+    Trained parts cost forward + backward (3x forward); the target encoder runs forward only; the first convolution
+    of the tubelet embedding needs no input gradient (2x forward). The embedding reads every token's voxels, masked
+    or not."""
     n_context, n_target = cfg.token_counts()
     n = n_context + n_target
     patch_voxels = math.prod(cfg.patch_size)
@@ -424,10 +412,9 @@ def training_flops_per_sample(cfg) -> dict:
     predictor = (transformer_flops(n, cfg.pred_embed_dim, cfg.pred_depth, cfg.mlp_ratio)
                  + 2 * n * cfg.embed_dim * cfg.pred_embed_dim)  # its embedding (of Nc) and projection (to Nt tokens)
     target = embed + transformer_flops(n, cfg.embed_dim, cfg.depth, cfg.mlp_ratio)
-    teacher = target if cfg.gram_loss_weight > 0 else 0
-    total = 3 * embed - first + 3 * (context + predictor) + target + teacher
+    total = 3 * embed - first + 3 * (context + predictor) + target
     return {"context_encoder": 3 * embed - first + 3 * context, "predictor": 3 * predictor, "target_encoder": target,
-            "gram_teacher": teacher, "total": total}
+            "total": total}
 
 
 def activation_bytes_per_sample(cfg) -> float:

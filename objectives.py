@@ -1,6 +1,6 @@
-"""The pretraining losses VJEPA3D.forward adds up (model.py): the JEPA loss on the masked tokens, DINOv3's Gram
-anchoring, and the local loss's targets (each token's own voxel statistics); feature_std, the collapse figure logged
-beside them. Objectives measured and not kept are patches: experiments/patches/."""
+"""The pretraining losses VJEPA3D.forward adds up (model.py): the JEPA loss on the masked tokens and the local loss's
+targets (each token's own voxel statistics); feature_std, the collapse figure logged beside them. Objectives measured
+and not kept are patches: experiments/patches/."""
 from typing import Sequence, Tuple
 
 import torch
@@ -21,15 +21,6 @@ def elementwise_error(pred: torch.Tensor, target: torch.Tensor, loss_type: str) 
 def jepa_loss(pred: torch.Tensor, target: torch.Tensor, loss_type: str) -> Tuple[torch.Tensor, torch.Tensor]:
     """(loss, target_std) of predictions and targets [B, Nt, E]: mean l1 or mse error, and feature_std(target)."""
     return elementwise_error(pred, target, loss_type).mean(), feature_std(target)
-
-
-def gram_loss(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
-    """DINOv3's Gram anchoring: the mean squared difference between the token-to-token cosine-similarity matrices
-    [B, K, K] of the student's and the teacher's tokens [B, K, E] (only their similarity structure is matched)."""
-    def gram(x):
-        x = F.normalize(x.float(), dim=-1)
-        return x @ x.transpose(1, 2)
-    return (gram(student) - gram(teacher)).square().mean()
 
 
 LOCAL_BINS = 16  # the local loss's histogram: bins over [-3, 3] standard deviations of the normalized volume
