@@ -94,11 +94,10 @@ class Config:
     workers: int = 2  # DataLoader worker processes
     max_bad_fraction: float = 0.2  # stop (exit 3) when more than this share of files is unusable
     # --- masking ---
-    mask_type: str = "random"  # multiblock (blocks clipped at the borders) | multiblock_inside (blocks fully inside: nominal size) | random
+    mask_type: str = "random"  # multiblock (blocks clipped at the borders) | random
     mask_ratio: float = 0.6  # share of tokens that are prediction targets (in each mask set)
     mask_block_scale: List[float] = field(default_factory=lambda: [0.1, 0.3])  # block size as share of tokens: [min, max] per mask set; more pairs = more mask sets per sample (V-JEPA short/long range)
     mask_block_aspect: float = 1.5  # max aspect ratio distortion of a block per axis pair
-    mask_tube_axis: Optional[int] = None  # 0 | 1 | 2: blocks span the whole grid along this axis (0 = across B-scans); None = 3D blocks
     # --- model ---
     patch_stem: str = "linear"  # linear (ViT's: one linear map of each tubelet) | hmlp (three non-overlapping convolutions with GELU: a nonlinear map of the tubelet's own voxels; patch_size [even, 4k, 4k])
     embed_dim: int = 96  # context/target encoder width
@@ -183,7 +182,7 @@ class Config:
 CHOICES = {
     "sop_classes": ("oct", "any"),
     "missing_spacing": ("resize", "skip"),
-    "mask_type": ("multiblock", "multiblock_inside", "random"),
+    "mask_type": ("multiblock", "random"),
     "loss": ("l1", "mse"),
     "patch_stem": ("linear", "hmlp"),
     "schedule": ("cosine", "constant"),
@@ -219,6 +218,7 @@ REMOVED_FIELDS = {  # name: (its default, the patch that brings it back)
     "context_loss_distance": (False, "vjepa21_objectives.diff"),
     "target_levels": (1, "vjepa21_objectives.diff"),
     "gram_loss_weight": (0.0, "gram_anchoring.diff"),
+    "mask_tube_axis": (None, "mask_options.diff"),
 }
 
 
@@ -403,8 +403,6 @@ def validate(cfg: Config) -> None:
     for lo, hi in zip(scales[::2], scales[1::2]):
         if not 0.0 < lo <= hi <= 1.0:
             raise ConfigError(f"mask_block_scale: the pair [{lo}, {hi}] of {scales} must satisfy 0 < min <= max <= 1.")
-    if cfg.mask_tube_axis not in (None, 0, 1, 2):
-        raise ConfigError(f"mask_tube_axis: {cfg.mask_tube_axis} must be 0, 1, 2 or none.")
     if cfg.mask_block_aspect < 1.0:
         raise ConfigError(f"mask_block_aspect: {cfg.mask_block_aspect} must be >= 1.")
     p_lo, p_hi = cfg.clip_percentiles

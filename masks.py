@@ -7,11 +7,11 @@ with each sample's own generator, so a resumed run draws the same masks); mask_s
 design realises (the dry run prints it).
 """
 import math
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import numpy as np
 
-MASK_TYPES = ("multiblock", "multiblock_inside", "random")  # config.CHOICES["mask_type"] lists the same
+MASK_TYPES = ("multiblock", "random")  # config.CHOICES["mask_type"] lists the same
 
 
 class MaskGenerator:
@@ -24,15 +24,12 @@ class MaskGenerator:
     the union holds exactly n_target tokens; the last block is added from its center outwards and stops at
     the exact count. Block starts range over [-(extent-1), grid-1] and are clipped, so every position is
     covered equally often (no border bias), but a block near a border is smaller than its nominal scale.
-    multiblock_inside: the same, with every block placed fully inside the grid: its size is its nominal scale.
     random: n_target tokens drawn uniformly without replacement.
-    tube_axis: blocks span the whole grid along this axis (0 = across B-scans); the scale sets their volume.
     The arguments are a Config's (mask_generator_from_config): config.validate checks their rules.
     """
 
     def __init__(self, grid: Sequence[int], mask_ratio: float, mask_type: str = "multiblock",
-                 block_scale: Sequence[float] = (0.1, 0.3), block_aspect: float = 1.5,
-                 tube_axis: Optional[int] = None):
+                 block_scale: Sequence[float] = (0.1, 0.3), block_aspect: float = 1.5):
         self.grid = tuple(int(g) for g in grid)
         self.num_tokens = math.prod(self.grid)
         self.n_target = round(mask_ratio * self.num_tokens)
@@ -42,7 +39,6 @@ class MaskGenerator:
         self.mask_type = mask_type
         self.set_scales = [tuple(block_scale[i:i + 2]) for i in range(0, len(block_scale), 2)]
         self.block_aspect = block_aspect
-        self.tube_axis = tube_axis
         self._coords = np.stack(np.meshgrid(*[np.arange(g) for g in self.grid], indexing="ij"), -1)  # [gd,gh,gw,3]
 
     @property
@@ -68,15 +64,12 @@ class MaskGenerator:
         """(nominal tokens, extent per axis) of one block: scale * N tokens, shape distorted by a random aspect."""
         nominal = rng.uniform(*scale) * self.num_tokens
         grid = np.array(self.grid, dtype=float)
-        free = [a for a in range(3) if a != self.tube_axis]
-        log_aspect = rng.uniform(-math.log(self.block_aspect), math.log(self.block_aspect), size=len(free))
+        log_aspect = rng.uniform(-math.log(self.block_aspect), math.log(self.block_aspect), size=3)
         log_aspect -= log_aspect.mean()  # product of the factors is 1: the volume is kept
-        extent = grid.copy()  # a tube axis keeps the whole grid
         share = nominal / grid.prod()
-        extent[free] = grid[free] * share ** (1 / len(free)) * np.exp(log_aspect)
-        extent = np.clip(np.round(extent), 1, grid)
-        # The longest free axis absorbs the rounding of the others, so the block volume stays near nominal.
-        last = max(free, key=lambda a: extent[a])
+        extent = np.clip(np.round(grid * share ** (1 / 3) * np.exp(log_aspect)), 1, grid)
+        # The longest axis absorbs the rounding of the others, so the block volume stays near nominal.
+        last = max(range(3), key=lambda a: extent[a])
         rest = np.prod([extent[a] for a in range(3) if a != last])
         extent[last] = np.clip(round(nominal / rest), 1, grid[last])
         return nominal, extent.astype(int)
@@ -87,10 +80,7 @@ class MaskGenerator:
         count = 0
         while count < self.n_target:
             nominal, extent = self._block_extent(rng, scale)
-            if self.mask_type == "multiblock_inside":
-                start = np.array([rng.integers(0, g - e + 1) for e, g in zip(extent, self.grid)])
-            else:
-                start = np.array([rng.integers(-(e - 1), g) for e, g in zip(extent, self.grid)])
+            start = np.array([rng.integers(-(e - 1), g) for e, g in zip(extent, self.grid)])
             lo, hi = np.maximum(start, 0), np.minimum(start + extent, self.grid)
             blocks.append((nominal, int(np.prod(hi - lo)), tuple(hi - lo)))
             block = tuple(slice(a, b) for a, b in zip(lo, hi))
@@ -113,7 +103,7 @@ class MaskGenerator:
 def mask_generator_from_config(cfg) -> MaskGenerator:
     """The MaskGenerator described by a Config."""
     return MaskGenerator(cfg.grid_size(), cfg.mask_ratio, cfg.mask_type, tuple(cfg.mask_block_scale),
-                         cfg.mask_block_aspect, cfg.mask_tube_axis)
+                         cfg.mask_block_aspect)
 
 
 def context_neighbour_share(is_target: np.ndarray) -> List[float]:
@@ -153,8 +143,7 @@ def describe_masks(gen: MaskGenerator) -> str:
     """Lines for the dry run: the mask design and what it realises (mask_stats)."""
     stats = mask_stats(gen)
     sets = ", ".join(f"[{lo:g}, {hi:g}]" for lo, hi in gen.set_scales)
-    tube = "" if gen.tube_axis is None else f", tubes along axis {gen.tube_axis}"
-    lines = [f"masks             {gen.mask_type}, {gen.num_sets} set(s) per sample, block scale {sets}{tube}: "
+    lines = [f"masks             {gen.mask_type}, {gen.num_sets} set(s) per sample, block scale {sets}: "
              f"{gen.n_target} target / {gen.n_context} context tokens per set"]
     if stats["block_size_ratio"] is not None:
         lines.append(f"                  realised block size {stats['block_size_ratio']:.2f} x nominal; "

@@ -75,7 +75,7 @@ def test_an_unknown_loss_or_mask_type_is_an_error_naming_the_known_ones():
         jepa_loss(torch.zeros(1, 2, 3), torch.zeros(1, 2, 3), "huber")
     with pytest.raises(ValueError, match="l1, mse"):
         tiny_model(loss="huber")
-    with pytest.raises(ValueError, match="multiblock, multiblock_inside, random"):
+    with pytest.raises(ValueError, match="multiblock, random"):
         MaskGenerator([2, 4, 4], 0.5, "blocks")
     with pytest.raises(ConfigError, match="local_loss_weight"):
         load_config([], local_loss_weight=-0.5)
