@@ -187,11 +187,22 @@ def test_an_hmlp_export_loads_with_both_loaders_and_is_refused_by_monai_saying_w
         pretrained.monai_vit(load_encoder(hmlp_export))
 
 
-def test_an_export_of_format_version_1_loads_with_the_linear_stem_it_had(export_dir, trained_checkpoint, tmp_path):
+@pytest.mark.parametrize("written", ["encoder.safetensors without a contract", "model.safetensors with its contract"])
+def test_an_export_of_format_version_1_loads_with_the_linear_stem_it_had(export_dir, trained_checkpoint, tmp_path,
+                                                                         written):
+    """Exports are shared and kept: those of format_version 1 (no architecture.patch_stem) load as octjepa wrote
+    them, at first with the weights in encoder.safetensors and no contract in their metadata."""
     config = json.loads(Path(export_dir, "config.json").read_text())
     config["format_version"] = 1
     del config["architecture"]["patch_stem"], config["weights"]
-    save_encoder(safetensors.torch.load_file(Path(export_dir, "model.safetensors")), config, str(tmp_path))
+    tensors = safetensors.torch.load_file(Path(export_dir, "model.safetensors"))
+    if written == "model.safetensors with its contract":
+        save_encoder(tensors, config, str(tmp_path))
+    else:
+        payload = safetensors.torch.save(tensors)  # no metadata
+        tmp_path.joinpath("encoder.safetensors").write_bytes(payload)
+        config["weights"] = {"file": "encoder.safetensors", "sha256": hashlib.sha256(payload).hexdigest()}
+        tmp_path.joinpath("config.json").write_text(json.dumps(config))
     trained, cfg, _ = read_model_checkpoint(trained_checkpoint)
     volume = torch.randn(2, 1, *cfg.image_size, generator=torch.Generator().manual_seed(9))
     encoder = load_encoder(str(tmp_path))
@@ -209,7 +220,7 @@ def rewrite_weights(directory: Path, edit) -> None:
 
 def resign(directory: Path, payload: bytes) -> None:
     """Replace an export's weights file and record its sha256 in config.json, as a careless user would."""
-    directory.joinpath(model.WEIGHTS_FILE).write_bytes(payload)
+    directory.joinpath(pretrained.WEIGHTS_FILE).write_bytes(payload)
     edit_config(directory, lambda c: c["weights"].update(sha256=hashlib.sha256(payload).hexdigest()))
 
 
@@ -240,7 +251,7 @@ TAMPERINGS = {
         "architecture.depth: 2 -> 64; architecture.embed_dim: 48 -> 8192; architecture.num_heads: 4 -> 64"),
     "a JSON list": (lambda d: d.joinpath("config.json").write_text("[1, 2]"), "holds a JSON list"),
     "not UTF-8": (lambda d: d.joinpath("config.json").write_bytes(b'{"format": "\xff\xfe"}'), "is not valid JSON"),
-    "weights cut short and re-signed": (lambda d: resign(d, d.joinpath(model.WEIGHTS_FILE).read_bytes()[:-64]),
+    "weights cut short and re-signed": (lambda d: resign(d, d.joinpath(pretrained.WEIGHTS_FILE).read_bytes()[:-64]),
                                         "cut short or padded"),
     "a field missing": (lambda d: edit_config(d, lambda c: c["architecture"].pop("embed_dim")),
                         "architecture.embed_dim is missing"),
