@@ -228,8 +228,8 @@ def without_removed_fields(values: dict, where: str = "") -> dict:
     for name in sorted(set(values) & set(REMOVED_FIELDS)):
         default, patch = REMOVED_FIELDS[name]
         if values[name] != default:
-            raise ConfigError(f"{where}{name}: {values[name]!r} needs an option measured and not kept, which moved to "
-                              f"experiments/patches/{patch}: apply it (git apply) to train or read this.")
+            raise ConfigError(f"{where}{name}: {values[name]!r} is an option measured and not kept: it moved to "
+                              f"experiments/patches/{patch} (git apply it to train with it or read this).")
     return {k: v for k, v in values.items() if k not in REMOVED_FIELDS}
 
 
@@ -243,7 +243,7 @@ def _unwrap_optional(tp):
 
 def _unknown_key_error(key: str, where: str, script_options: Iterable[str] = ()) -> ConfigError:
     if key in REMOVED_FIELDS:
-        return ConfigError(f"unknown {where} '{key}': an option measured and not kept, it moved to "
+        return ConfigError(f"{key}: an option measured and not kept: it moved to "
                            f"experiments/patches/{REMOVED_FIELDS[key][1]} (git apply it to use it).")
     close = difflib.get_close_matches(key, FIELD_NAMES + list(script_options), n=1, cutoff=0.5)
     hint = f" Did you mean '{close[0]}'?" if close else " See docs/config.md for the fields."
