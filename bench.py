@@ -44,7 +44,8 @@ import runtime
 import schedules
 import train
 from config import ScriptParser, given_flags, load_config, script_main
-from data import OCTDataset, load_prepared, make_loader, mask_generator_from_config
+from data import OCTDataset, load_prepared, make_loader
+from masks import mask_generator_from_config
 from model import VJEPA3D, activation_bytes_per_sample, training_flops_per_sample, transformer_flops
 from runlog import size_text
 from phantom import STYLES, quantize, spacing_for, synth_reflectivity, write_oct

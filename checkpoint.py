@@ -24,7 +24,8 @@ from typing import Callable, List, Optional, Tuple
 import numpy as np
 import torch
 
-from config import Config, ConfigError, ExitError, RunPlan, StorageFailed, load_config, plan_run
+from config import Config, ConfigError, ExitError, RunPlan, StorageFailed, load_config, plan_run, \
+    without_removed_fields
 from model import VJEPA3D
 from runtime import (Runtime, broadcast_from_master, gather_objects, master_decides, place_model_state,
                      place_optimizer_state, state_to_host)
@@ -263,6 +264,7 @@ RESUME_FREE_FIELDS = (
 def changed_settings(saved_config: dict, cfg: Config) -> List[str]:
     """'field: saved -> now' for each model, preprocessing, mask, loss or optimizer setting that differs from the
     checkpoint's config (a field the checkpoint does not know counts as changed only from a non-default value)."""
+    saved_config = without_removed_fields(saved_config, "resume: the checkpoint's ")  # active ones: their patch
     now, default = asdict(cfg), asdict(Config())
     skip = set(RESUME_FREE_FIELDS) | set(PLAN_FIELDS) | set(SCHEDULE_FIELDS)
     return [f"{k}: {saved_config.get(k, default[k])} -> {now[k]}" for k in now

@@ -94,11 +94,10 @@ class Config:
     workers: int = 2  # DataLoader worker processes
     max_bad_fraction: float = 0.2  # stop (exit 3) when more than this share of files is unusable
     # --- masking ---
-    mask_type: str = "random"  # multiblock (blocks clipped at the borders) | multiblock_inside (blocks fully inside: nominal size) | random
+    mask_type: str = "random"  # multiblock (blocks clipped at the borders) | random
     mask_ratio: float = 0.6  # share of tokens that are prediction targets (in each mask set)
     mask_block_scale: List[float] = field(default_factory=lambda: [0.1, 0.3])  # block size as share of tokens: [min, max] per mask set; more pairs = more mask sets per sample (V-JEPA short/long range)
     mask_block_aspect: float = 1.5  # max aspect ratio distortion of a block per axis pair
-    mask_tube_axis: Optional[int] = None  # 0 | 1 | 2: blocks span the whole grid along this axis (0 = across B-scans); None = 3D blocks
     # --- model ---
     patch_stem: str = "linear"  # linear (ViT's: one linear map of each tubelet) | hmlp (three non-overlapping convolutions with GELU: a nonlinear map of the tubelet's own voxels; patch_size [even, 4k, 4k])
     embed_dim: int = 96  # context/target encoder width
@@ -109,10 +108,6 @@ class Config:
     pred_num_heads: int = 4  # predictor attention heads
     mlp_ratio: float = 4.0  # MLP hidden width / block width
     loss: str = "l1"  # l1 | mse
-    context_loss_weight: float = 0.0  # V-JEPA 2.1: + this x the loss of a second predictor head at the visible tokens
-    context_loss_distance: bool = False  # weight each visible token's loss by 1/sqrt(distance to the nearest masked one)
-    target_levels: int = 1  # targets from this many encoder depths (evenly spaced, last block included), each layer-normed
-    gram_loss_weight: float = 0.0  # DINOv3 Gram anchoring: + this x the error of the context tokens' cosine similarities against the frozen initial encoder's
     local_loss_weight: float = 0.0  # MaskFeat-style: + this x the error of a linear head reading each visible token's own voxel statistics (mean, std, histogram) from the context encoder
     local_loss_split: List[int] = field(default_factory=lambda: [1, 1, 1])  # the local loss's statistics per sub-block: each token cut into this many per axis (1,2,1: its two depth halves)
     grad_checkpointing: bool = False  # recompute block activations in backward: less memory, ~1/3 more compute
@@ -187,7 +182,7 @@ class Config:
 CHOICES = {
     "sop_classes": ("oct", "any"),
     "missing_spacing": ("resize", "skip"),
-    "mask_type": ("multiblock", "multiblock_inside", "random"),
+    "mask_type": ("multiblock", "random"),
     "loss": ("l1", "mse"),
     "patch_stem": ("linear", "hmlp"),
     "schedule": ("cosine", "constant"),
@@ -215,6 +210,28 @@ def phantom_labels_path(cfg: "Config", varied: bool = False) -> str:
 FIELD_TYPES = typing.get_type_hints(Config)
 FIELD_NAMES = [f.name for f in dataclasses.fields(Config)]
 
+# Fields that left for a patch of experiments/patches/ (objectives and options measured and not kept), each with its
+# default then. A saved config (a checkpoint's, a run's config.yaml, an export's training config) holds them at that
+# default: dropped, it reads as before. Any other value, or the field as a flag, is a ConfigError naming the patch.
+REMOVED_FIELDS = {  # name: (its default, the patch that brings it back)
+    "context_loss_weight": (0.0, "vjepa21_objectives.diff"),
+    "context_loss_distance": (False, "vjepa21_objectives.diff"),
+    "target_levels": (1, "vjepa21_objectives.diff"),
+    "gram_loss_weight": (0.0, "gram_anchoring.diff"),
+    "mask_tube_axis": (None, "mask_options.diff"),
+}
+
+
+def without_removed_fields(values: dict, where: str = "") -> dict:
+    """values less the REMOVED_FIELDS that hold their old default; a ConfigError naming the patch for one that does
+    not (`where` starts the message: whose values they are)."""
+    for name in sorted(set(values) & set(REMOVED_FIELDS)):
+        default, patch = REMOVED_FIELDS[name]
+        if values[name] != default:
+            raise ConfigError(f"{where}{name}: {values[name]!r} is an option measured and not kept: it moved to "
+                              f"experiments/patches/{patch} (git apply it to train with it or read this).")
+    return {k: v for k, v in values.items() if k not in REMOVED_FIELDS}
+
 
 def _unwrap_optional(tp):
     """(inner type, is_optional) for Optional[X] / X."""
@@ -225,6 +242,9 @@ def _unwrap_optional(tp):
 
 
 def _unknown_key_error(key: str, where: str, script_options: Iterable[str] = ()) -> ConfigError:
+    if key in REMOVED_FIELDS:
+        return ConfigError(f"{key}: an option measured and not kept: it moved to "
+                           f"experiments/patches/{REMOVED_FIELDS[key][1]} (git apply it to use it).")
     close = difflib.get_close_matches(key, FIELD_NAMES + list(script_options), n=1, cutoff=0.5)
     hint = f" Did you mean '{close[0]}'?" if close else " See docs/config.md for the fields."
     return ConfigError(f"unknown {where} '{key}'.{hint}")
@@ -327,6 +347,7 @@ def load_yaml(path: str) -> dict:
         raw = yaml.safe_load(f) or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"config: {path} must be a mapping of field: value.")
+    raw = without_removed_fields(raw, f"config: {path}: ")  # a run's config.yaml of an older octjepa holds them
     for key in raw:
         if key not in FIELD_TYPES:
             raise _unknown_key_error(str(key), f"key in {path}:")
@@ -335,11 +356,13 @@ def load_yaml(path: str) -> dict:
 
 def load_config(argv: Optional[List[str]] = None, defaults: Optional[dict] = None, **overrides) -> "Config":
     """Build a validated Config. Precedence: dataclass defaults < `defaults` (a script's own) < the YAML file of
-    `--config FILE` < the other flags in argv (default sys.argv[1:]) < keyword overrides."""
+    `--config FILE` < the other flags in argv (default sys.argv[1:]) < keyword overrides. REMOVED_FIELDS at their old
+    default, in the YAML file or the overrides (a saved config), are dropped."""
     flags = parse_flags(sys.argv[1:] if argv is None else list(argv))
     from_yaml = load_yaml(flags.pop("config")) if "config" in flags else {}
     values = {}
-    for layer, from_cli in ((defaults or {}, False), (from_yaml, False), (flags, True), (overrides, False)):
+    saved = without_removed_fields(overrides)  # a checkpoint's or an export's config of an older octjepa holds them
+    for layer, from_cli in ((defaults or {}, False), (from_yaml, False), (flags, True), (saved, False)):
         for key, value in layer.items():
             if key not in FIELD_TYPES:
                 raise _unknown_key_error(key, "field")
@@ -380,8 +403,6 @@ def validate(cfg: Config) -> None:
     for lo, hi in zip(scales[::2], scales[1::2]):
         if not 0.0 < lo <= hi <= 1.0:
             raise ConfigError(f"mask_block_scale: the pair [{lo}, {hi}] of {scales} must satisfy 0 < min <= max <= 1.")
-    if cfg.mask_tube_axis not in (None, 0, 1, 2):
-        raise ConfigError(f"mask_tube_axis: {cfg.mask_tube_axis} must be 0, 1, 2 or none.")
     if cfg.mask_block_aspect < 1.0:
         raise ConfigError(f"mask_block_aspect: {cfg.mask_block_aspect} must be >= 1.")
     p_lo, p_hi = cfg.clip_percentiles
@@ -389,10 +410,6 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"clip_percentiles: {cfg.clip_percentiles} must satisfy 0 <= low < high <= 100.")
     if cfg.target_spacing is not None and any(s <= 0 for s in cfg.target_spacing):
         raise ConfigError(f"target_spacing: {cfg.target_spacing} must be positive mm values [dz, dy, dx].")
-    if cfg.context_loss_weight < 0:
-        raise ConfigError(f"context_loss_weight: {cfg.context_loss_weight} must be >= 0 (0: no context loss).")
-    if cfg.gram_loss_weight < 0:
-        raise ConfigError(f"gram_loss_weight: {cfg.gram_loss_weight} must be >= 0 (0: no Gram anchoring).")
     if cfg.local_loss_weight < 0:
         raise ConfigError(f"local_loss_weight: {cfg.local_loss_weight} must be >= 0 (0: no local loss).")
     if any(n < 1 or p % n for n, p in zip(cfg.local_loss_split, cfg.patch_size)):
@@ -403,8 +420,6 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"patch_stem: hmlp cuts each tubelet into 1x2x2 cells, then 2x2x2 of those, then the rest: "
                           f"it needs an even pd, ph and pw multiples of 4 and an even embed_dim, got patch_size "
                           f"{cfg.patch_size} and embed_dim {cfg.embed_dim}; use e.g. 4,8,8, or patch_stem linear.")
-    if not 1 <= cfg.target_levels <= cfg.depth:
-        raise ConfigError(f"target_levels: {cfg.target_levels} must be between 1 (the last block) and depth ({cfg.depth}).")
     if cfg.embed_dim % cfg.num_heads or cfg.pred_embed_dim % cfg.pred_num_heads:
         raise ConfigError("embed_dim/pred_embed_dim: must be divisible by num_heads/pred_num_heads.")
     for name in ("embed_dim", "depth", "num_heads", "pred_embed_dim", "pred_depth", "pred_num_heads", "epochs",

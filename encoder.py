@@ -9,10 +9,11 @@ After the demo (`python train.py`, which writes runs/demo/ and its labelled phan
 Fine-tuning on labelled volumes is finetune.py. An export is a folder that loads anywhere (torch, safetensors and
 numpy; no octjepa checkout): model.safetensors (the EMA target encoder, keys as model.Encoder), config.json (format
 version, architecture, the preprocessing contract, the training-time augmentation, the input sizes, the weights'
-sha256, and where they came from), octjepa_encoder.py (model.py's encoder code and a loader: load(DIR),
-OCTJEPAEncoder.from_pretrained(DIR) with huggingface_hub, monai_vit(encoder)), hubconf.py (torch.hub.load(DIR,
-"encoder", source="local")) and README.md (the model card). In this checkout: model.load_encoder(DIR), and
-data.load_val_sample(path, encoder.settings) preprocesses a DICOM file or series as the contract says.
+sha256, and where they came from), octjepa_encoder.py (the encoder code of model.py and pretrained.py, and a
+loader: load(DIR), OCTJEPAEncoder.from_pretrained(DIR) with huggingface_hub, monai_vit(encoder)), hubconf.py
+(torch.hub.load(DIR, "encoder", source="local")) and README.md (the model card). In this checkout:
+pretrained.load_encoder(DIR), and data.load_val_sample(path, encoder.settings) preprocesses a DICOM file or series as
+the contract says.
 
 embed writes one row per usable volume to an .npz (numpy only), safe to share (docs/privacy.md): volume (a keyed id
 of its path below data_root: privacy.volume_key), files, patient (the index's keyed hash of PatientID), laterality,
@@ -60,8 +61,9 @@ from dicom import UnusableFile
 from health import position_share, position_share_of_sums, position_sums
 from export import HUBCONF, MODEL_CARD, STANDALONE_MODULE, export
 from index import format_reason_table, index_records
-from model import (CONFIG_FILE, POOL_ALIASES, POOLS, WEIGHTS_FILE, ExportError, PretrainedEncoder, export_contract,
-                   load_encoder, pool_name, pool_tokens, random_encoder)
+from model import POOLS, pool_name, pool_tokens
+from pretrained import (CONFIG_FILE, WEIGHTS_FILE, ExportError, PretrainedEncoder, export_contract, load_encoder,
+                        random_encoder)
 from privacy import share_safe_source, volume_key
 from labels import encode_volumes, read_labels, task_targets
 from readouts import fit_attentive, stratified_split
@@ -119,7 +121,7 @@ def read_chunk(path: str, keys: List[str], settings: dict):
     except (OSError, ValueError, EOFError, zipfile.BadZipFile):
         return None
     saved = json.loads(str(chunk["settings"]))
-    if {**saved, "pool": POOL_ALIASES.get(saved.get("pool"), saved.get("pool"))} != settings:  # old pool names too
+    if saved != settings:
         raise ConfigError(f"out: {os.path.dirname(path)} holds rows embedded with other settings "
                           f"({str(chunk['settings'])}, now {json.dumps(settings)}); rerun with those, or delete that "
                           f"folder to start over.")
@@ -512,8 +514,8 @@ def main(argv: List[str]) -> int:
     em = command("embed", "one embedding per volume of a folder, manifest or gs:// prefix")
     em.add_argument("--encoder", required=True, help="an export folder")
     em.add_argument("--out", required=True, help="the .npz to write (OUT.partial/ holds the rows done so far)")
-    em.add_argument("--pool", default="mean_pool", choices=POOLS + tuple(POOL_ALIASES),
-                    help="mean_pool: [E]; depth_rows: each depth row's mean [gh*E] (mean, axial: their old names)")
+    em.add_argument("--pool", default="mean_pool", choices=POOLS,
+                    help="mean_pool: [E]; depth_rows: each depth row's mean [gh*E]")
     em.add_argument("--batch_size", type=int, default=8, help="volumes per forward pass (default 8)")
     em.add_argument("--save_every", type=int, default=256, help="save the rows done every N volumes (default 256)")
     em.add_argument("--standardize", action="store_true",

@@ -1,9 +1,10 @@
 """An encoder export: the folder `python encoder.py export` writes, which loads in any project (docs/encoder.md).
 
-    model.safetensors   the EMA target encoder's weights (model.save_encoder)
+    model.safetensors   the EMA target encoder's weights (pretrained.save_encoder)
     config.json         architecture, preprocessing contract, augmentation, input sizes, sha256, provenance
-    octjepa_encoder.py  model.py's ExportedEncoder and monai_vit with what they need, copied from model.py's source
-                        (never a hand-kept copy), and a loader; torch, safetensors and numpy only
+    octjepa_encoder.py  pretrained.py's ExportedEncoder and monai_vit with what they need, copied from the source of
+                        model.py and pretrained.py (never a hand-kept copy), and a loader; torch, safetensors and
+                        numpy only
     hubconf.py          torch.hub.load(FOLDER, "encoder", source="local")
     README.md           the model card (no paths)
 
@@ -12,6 +13,7 @@ checkpoint's target encoder before anything reaches `out` (nothing is written wh
 weights hold NaN).
 """
 import ast
+import importlib
 import importlib.util
 import inspect
 import json
@@ -24,8 +26,9 @@ import torch
 
 from checkpoint import read_model_checkpoint, resolve_checkpoint
 from config import Config, ConfigError
-from model import (CONFIG_FILE, EXPORT_FORMAT, EXPORT_VERSION, VJEPA3D, WEIGHTS_FILE, ExportedEncoder, ExportError,
-                   export_config, load_encoder, save_encoder)
+from model import VJEPA3D
+from pretrained import (CONFIG_FILE, EXPORT_FORMAT, EXPORT_VERSION, WEIGHTS_FILE, ExportedEncoder, ExportError,
+                        export_config, load_encoder, save_encoder)
 from privacy import share_safe_source
 from storage import exists, write_atomic
 
@@ -76,7 +79,7 @@ STANDALONE_MODULE, HUBCONF, MODEL_CARD = "octjepa_encoder.py", "hubconf.py", "RE
 
 STANDALONE_HEADER = '''"""An octjepa encoder, standalone: its architecture and its loader in one file that needs torch,
 safetensors and numpy (huggingface_hub optional). Written by octjepa's `encoder.py export` (code {commit}); the
-classes and functions below are copied unchanged from octjepa's model.py.
+classes and functions below are copied unchanged from octjepa's model.py and pretrained.py.
 
     import torch
     encoder = torch.hub.load("path/to/this/folder", "encoder", source="local")  # or, with this folder on sys.path:
@@ -226,7 +229,7 @@ Self-supervised (V-JEPA: predict the target encoder's features of masked tubelet
 Set by whoever shares these weights (`license` above); the terms of the training data apply.
 
 ## Code
-octjepa, {code_commit()}; `octjepa_encoder.py` holds the architecture copied from its model.py.
+octjepa, {code_commit()}; `octjepa_encoder.py` holds the architecture copied from its model.py and pretrained.py.
 """
 
 
@@ -244,28 +247,30 @@ def code_commit() -> str:
     return f"commit {commit.stdout.strip()}" + (" + local changes" if changed.stdout.strip() else "")
 
 
+SOURCE_MODULES = ("model", "pretrained")  # what octjepa_encoder.py copies definitions from, in this order
+
+
 def model_definitions(roots: Sequence[str]) -> Tuple[str, str]:
-    """(import lines, source) of model.py's top-level definitions that `roots` need, found by name and kept in
-    model.py's order: what the standalone module copies. RuntimeError when one of them needs another project module
-    (the standalone module could not be loaded elsewhere)."""
-    import model
-    source = inspect.getsource(model)
-    tree = ast.parse(source)
-    lines = source.splitlines()
-    defined, imported, project = {}, [], set()
-    local = {os.path.splitext(f)[0] for f in os.listdir(os.path.dirname(os.path.abspath(model.__file__)))
-             if f.endswith(".py")}
-    for node in tree.body:
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-            defined[node.name] = node
-        elif isinstance(node, ast.Assign):
-            defined.update({t.id: node for t in node.targets if isinstance(t, ast.Name)})
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            module = node.module if isinstance(node, ast.ImportFrom) else node.names[0].name
-            if module.split(".")[0] in local:
-                project |= {a.asname or a.name for a in node.names}
-            else:
-                imported.append(ast.get_source_segment(source, node))
+    """(import lines, source) of the top-level definitions of SOURCE_MODULES that `roots` need, found by name and
+    kept in their modules' order: what the standalone module copies. RuntimeError when one of them needs another
+    project module (the standalone module could not be loaded elsewhere)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    local = {os.path.splitext(f)[0] for f in os.listdir(here) if f.endswith(".py")}
+    defined, imported, project, segments = {}, [], set(), {}
+    for order, name in enumerate(SOURCE_MODULES):
+        source = inspect.getsource(importlib.import_module(name))
+        for node in ast.parse(source).body:
+            segments[id(node)] = (order, node.lineno, source)
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                defined[node.name] = node
+            elif isinstance(node, ast.Assign):
+                defined.update({t.id: node for t in node.targets if isinstance(t, ast.Name)})
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                module = (node.module if isinstance(node, ast.ImportFrom) else node.names[0].name).split(".")[0]
+                if module in local and module not in SOURCE_MODULES:
+                    project |= {a.asname or a.name for a in node.names}
+                elif module not in local and ast.get_source_segment(source, node) not in imported:
+                    imported.append(ast.get_source_segment(source, node))
     needed, todo = set(), list(roots)
     while todo:
         name = todo.pop()
@@ -273,18 +278,21 @@ def model_definitions(roots: Sequence[str]) -> Tuple[str, str]:
             needed.add(name)
             used = {n.id for n in ast.walk(defined[name]) if isinstance(n, ast.Name)}
             if used & project:
-                raise RuntimeError(f"model.py: {name} uses {sorted(used & project)} of another octjepa module; the "
+                raise RuntimeError(f"{name} uses {sorted(used & project)} of another octjepa module; the "
                                    f"standalone encoder module needs only torch, safetensors and numpy.")
             todo += sorted(used & set(defined))
-    nodes = sorted({id(defined[n]): defined[n] for n in needed}.values(), key=lambda n: n.lineno)
-    first_line = [min([n.lineno] + [d.lineno for d in getattr(n, "decorator_list", [])]) for n in nodes]
-    blocks = ["\n".join(lines[start - 1:n.end_lineno]) for start, n in zip(first_line, nodes)]
+    nodes = sorted({id(defined[n]): defined[n] for n in needed}.values(), key=lambda n: segments[id(n)][:2])
+    blocks = []
+    for node in nodes:
+        source = segments[id(node)][2]
+        first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+        blocks.append("\n".join(source.splitlines()[first - 1:node.end_lineno]))
     return "\n".join(imported), "\n\n\n".join(blocks)
 
 
 def standalone_module() -> str:
-    """The source of octjepa_encoder.py: model.py's ExportedEncoder, monai_vit and export_contract with what they
-    need, and a loader."""
+    """The source of octjepa_encoder.py: pretrained.py's ExportedEncoder, monai_vit and export_contract with what
+    they need, and a loader."""
     imports, definitions = model_definitions(["ExportedEncoder", "monai_vit", "export_contract"])
     needed = ("import hashlib", "import json", "import os", "import safetensors.torch")
     imports += "".join(f"\n{line}" for line in needed if line not in imports.splitlines())

@@ -29,7 +29,7 @@ architecture with the same splits, seeds and budget and adds the paired differen
 
 Writes each split's result to OUT/folds/ as it finishes (the same command after a kill computes only the rest; --out
 is checked writable before any work), then OUT/report.json and, per fold of the export's full fine-tuning,
-OUT/full/r{repeat}_f{fold}/: config.json and model.safetensors (model.load_encoder reads them), heads.safetensors
+OUT/full/r{repeat}_f{fold}/: config.json and model.safetensors (pretrained.load_encoder reads them), heads.safetensors
 (the heads of finetune.Classifier) and fold.json (classes, task, the keyed ids of each part's volumes, scores, the
 loss of every epoch); none of them holds a path (docs/privacy.md). The config flags that apply:
 device, seed (splits, probes, heads and the random init follow from it).
@@ -57,7 +57,7 @@ from data import resample_and_clip, to_sample
 from dicom import UnusableFile
 from index import format_reason_table
 from labels import TokenFile, encode_volumes, read_label_rows
-from model import PretrainedEncoder, load_encoder, random_encoder, save_encoder
+from pretrained import PretrainedEncoder, load_encoder, random_encoder, save_encoder
 from privacy import share_safe_source, volume_key
 from readouts import (TEST_FRACTION, AttentiveProbe, classification_scores, fit_attentive, interval,
                       paired_difference, split_scores, stratified_split)

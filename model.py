@@ -5,38 +5,26 @@
   predictor:        context tokens + mask tokens at the target positions -> predictions [B,Nt,E]
   target encoder:   EMA copy of the context encoder over ALL tokens, no gradients,
                     layer-normed features gathered at target_idx -> [B,Nt,E]
-  loss:             l1 (or mse) between prediction and target, on target tokens only; optionally (V-JEPA 2.1)
-                    + context_loss_weight x the same error of a second head at the context positions, and targets
-                    from target_levels encoder depths, each layer-normed on its own and concatenated [.., K*E];
-                    and (DINOv3's Gram anchoring) + gram_loss_weight x the squared difference between the context
-                    tokens' patch-to-patch cosine similarities and those of a frozen copy of the initial encoder;
-                    and + local_loss_weight x a linear head's error on each visible token's own voxel statistics
+  loss:             l1 (or mse) between prediction and target, on target tokens only; optionally
+                    + local_loss_weight x a linear head's error on each visible token's own voxel statistics
                     (or those of its local_loss_split sub-blocks)
-                    (the losses themselves: objectives.py)
+                    (the losses themselves: objectives.py; those measured and not kept: experiments/patches/)
 
 The context encoder never sees the target tokens and the target encoder moves only through
-update_target(momentum) (incident 12).
-
-An exported encoder (`python encoder.py export`: config.json + model.safetensors) loads without train.py or the
-checkpoint: load_encoder(DIR) -> PretrainedEncoder, volume [B,1,D,H,W] -> tokens [B,N,E] or a pooled embedding.
+update_target(momentum) (incident 12). pool_tokens turns tokens into a volume embedding (probes, exports). The
+exported encoder (its format, loader and the MONAI adapter) is pretrained.py's.
 """
 import copy
-import hashlib
-import json
 import math
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence
 
-import safetensors.torch
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from config import Config, ConfigError, load_config
-from objectives import (LOCAL_FEATURES, LOSSES, context_distance_weights, context_loss, elementwise_error, gram_loss,
-                        jepa_loss, token_voxel_statistics)
-from storage import read_bytes, write_atomic
+from objectives import LOCAL_FEATURES, LOSSES, elementwise_error, jepa_loss, token_voxel_statistics
 
 
 @dataclass
@@ -162,7 +150,7 @@ class Encoder(nn.Module):
     """Tubelet embedding + ViT. Key layout (export): patch_embed.weight/bias (the hmlp stem: patch_embed.{0,2,4}.*),
     blocks.{i}.*, norm.*"""
 
-    def __init__(self, image_size, patch_size, dim, depth, num_heads, mlp_ratio, patch_stem: str = "linear"):
+    def __init__(self, *, image_size, patch_size, dim, depth, num_heads, mlp_ratio, patch_stem: str = "linear"):
         super().__init__()
         self.grid = [s // p for s, p in zip(image_size, patch_size)]
         self.patch_embed = tubelet_embedding(patch_size, dim, patch_stem)
@@ -178,91 +166,82 @@ class Encoder(nn.Module):
             return self.pos_embed
         return sincos_pos_embed_3d(self.pos_embed.shape[1], grid).to(self.pos_embed)
 
-    def forward(self, volume: torch.Tensor, keep_idx: Optional[torch.Tensor] = None,
-                levels: Sequence[int] = ()) -> torch.Tensor:
+    def forward(self, volume: torch.Tensor, keep_idx: Optional[torch.Tensor] = None) -> torch.Tensor:
         """volume [B,1,D,H,W] -> features [B,N,E], or [B*M,K,E] for only the tokens in keep_idx [B*M,K]
-        (M mask sets per volume, volume-major). levels (block indices, the last one the last block): the outputs of
-        those blocks concatenated [.., L*E], the last one through the final norm (deep self-supervision)."""
+        (M mask sets per volume, volume-major)."""
         x = self.patch_embed(volume)  # [B, E, gd, gh, gw]
         x = x.flatten(2).transpose(1, 2) + self.positions(x.shape[2:])  # [B, N, E]
         if keep_idx is not None:
             x = gather_tokens(x.repeat_interleave(keep_idx.shape[0] // x.shape[0], dim=0), keep_idx)
-        if not levels:
-            return self.norm(run_blocks(self.blocks, x, self.checkpoint_fn))
-        outputs = []
-        for i, block in enumerate(self.blocks):
-            x = run_blocks(self.blocks[i:i + 1], x, self.checkpoint_fn)
-            if i in levels:
-                outputs.append(x)
-        return torch.cat([*outputs[:-1], self.norm(outputs[-1])], dim=-1)  # [.., L*E]
+        return self.norm(run_blocks(self.blocks, x, self.checkpoint_fn))
 
 
-def target_level_blocks(depth: int, levels: int) -> List[int]:
-    """The encoder blocks whose outputs are the targets with `levels` levels: evenly spaced, ending at the last block
-    (V-JEPA 2.1 takes blocks 2, 5, 8, 11 of 12)."""
-    return [round((i + 1) * depth / levels) - 1 for i in range(levels)]
+POOLS = ("mean_pool", "depth_rows")  # pool_tokens: export's embed, encoder.py embed --pool and probe.py's read-outs
 
 
-def layer_norm_levels(x: torch.Tensor, levels: int) -> torch.Tensor:
-    """Each of the `levels` equal feature groups of x [.., L*E] layer-normed on its own (no affine)."""
-    x = x.unflatten(-1, (levels, x.shape[-1] // levels))  # [.., L, E]
-    return F.layer_norm(x, x.shape[-1:]).flatten(-2)
+def pool_name(pool: str) -> str:
+    """pool, checked: ValueError naming the POOLS for any other name."""
+    if pool not in POOLS:
+        raise ValueError(f"pool: expected one of {', '.join(POOLS)}, got {pool!r}")
+    return pool
+
+
+def pool_tokens(tokens: torch.Tensor, grid: Sequence[int], pool: str = "mean_pool") -> torch.Tensor:
+    """A volume embedding of tokens [B,N,E] on a (gd,gh,gw) grid (pool: a POOLS name). 'mean_pool': the
+    mean token [B,E]. 'depth_rows': the mean of each axial (depth) row of tokens over B-scans and lateral positions,
+    concatenated [B, gh*E]: what lies at which depth survives the pooling."""
+    if pool_name(pool) == "mean_pool":
+        return tokens.mean(1)
+    return tokens.unflatten(1, tuple(grid)).mean(dim=(1, 3)).flatten(1)  # [B,gd,gh,gw,E] -> [B,gh,E] -> [B,gh*E]
 
 
 class Predictor(nn.Module):
-    """Narrow transformer: context features + mask tokens at target positions -> target predictions. With
-    `levels` > 1 it reads and predicts the concatenated levels [.., L*E]; with `context_head` it also predicts the
-    targets at the context positions from its own outputs there (a second head, V-JEPA 2.1)."""
+    """Narrow transformer: context features + mask tokens at target positions -> target predictions."""
 
-    def __init__(self, grid, enc_dim, dim, depth, num_heads, mlp_ratio, levels: int = 1, context_head: bool = False):
+    def __init__(self, grid, enc_dim, dim, depth, num_heads, mlp_ratio):
         super().__init__()
-        self.levels = levels
-        self.embed = nn.Linear(enc_dim, dim) if levels == 1 else nn.Sequential(
-            nn.Linear(levels * enc_dim, enc_dim), nn.GELU(), nn.Linear(enc_dim, dim))
+        self.embed = nn.Linear(enc_dim, dim)
         self.mask_token = nn.Parameter(torch.zeros(1, 1, dim))
         self.register_buffer("pos_embed", sincos_pos_embed_3d(dim, grid), persistent=False)
         self.blocks = nn.ModuleList([Block(dim, num_heads, mlp_ratio) for _ in range(depth)])
         self.norm = nn.LayerNorm(dim)
-        self.proj = nn.Linear(dim, levels * enc_dim)
-        self.proj_context = nn.Linear(dim, levels * enc_dim) if context_head else None
+        self.proj = nn.Linear(dim, enc_dim)
         self.checkpoint_fn: Optional[Callable] = None  # set_grad_checkpointing
 
-    def forward(self, context: torch.Tensor, context_idx: torch.Tensor,
-                target_idx: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """context [B,Nc,L*E], context_idx [B,Nc], target_idx [B,Nt] -> (predictions [B,Nt,L*E], the context head's
-        predictions [B,Nc,L*E] or None without it)."""
+    def forward(self, context: torch.Tensor, context_idx: torch.Tensor, target_idx: torch.Tensor) -> torch.Tensor:
+        """context [B,Nc,E], context_idx [B,Nc], target_idx [B,Nt] -> predictions [B,Nt,E]."""
         B, n_target = target_idx.shape
-        if self.levels > 1:
-            context = layer_norm_levels(context, self.levels)
         pos = self.pos_embed.unsqueeze(0).expand(B, -1, -1)  # [B, N, P]
         x = self.embed(context) + gather_tokens(pos, context_idx)  # [B, Nc, P]
         masks = self.mask_token.expand(B, n_target, -1) + gather_tokens(pos, target_idx)  # [B, Nt, P]
         x = self.norm(run_blocks(self.blocks, torch.cat([x, masks], dim=1), self.checkpoint_fn))
-        context_pred = self.proj_context(x[:, :-n_target]) if self.proj_context is not None else None
-        return self.proj(x[:, -n_target:]), context_pred
+        return self.proj(x[:, -n_target:])
+
+
+# The Config fields VJEPA3D is built from, each a keyword argument of the same name (from_config passes them by name)
+MODEL_FIELDS = ("image_size", "patch_size", "patch_stem", "embed_dim", "depth", "num_heads", "pred_embed_dim",
+                "pred_depth", "pred_num_heads", "mlp_ratio", "loss", "local_loss_weight", "local_loss_split")
 
 
 class VJEPA3D(nn.Module):
-    def __init__(self, image_size: List[int], patch_size: List[int], embed_dim: int = 384, depth: int = 12,
-                 num_heads: int = 6, pred_embed_dim: int = 192, pred_depth: int = 6, pred_num_heads: int = 6,
-                 mlp_ratio: float = 4.0, loss: str = "l1", context_loss_weight: float = 0.0,
-                 context_loss_distance: bool = False, target_levels: int = 1, gram_loss_weight: float = 0.0,
-                 local_loss_weight: float = 0.0, local_loss_split: Sequence[int] = (1, 1, 1),
-                 patch_stem: str = "linear"):
+    """The model trained: context encoder, predictor, EMA target encoder and the losses' heads. Its arguments are
+    keyword-only and named as the Config fields of MODEL_FIELDS (from_config)."""
+
+    def __init__(self, *, image_size: List[int], patch_size: List[int], patch_stem: str = "linear",
+                 embed_dim: int = 384, depth: int = 12, num_heads: int = 6, pred_embed_dim: int = 192,
+                 pred_depth: int = 6, pred_num_heads: int = 6, mlp_ratio: float = 4.0, loss: str = "l1",
+                 local_loss_weight: float = 0.0, local_loss_split: Sequence[int] = (1, 1, 1)):
         super().__init__()
         if loss not in LOSSES:
             raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {loss!r}")
-        if not 1 <= target_levels <= depth:
-            raise ValueError(f"target_levels must be between 1 and depth ({depth}), got {target_levels}")
         self.image_size = list(image_size)
         self.grid = [s // p for s, p in zip(image_size, patch_size)]
         self.num_tokens = math.prod(self.grid)
         self.loss_type = loss
-        self.context_loss_weight, self.context_loss_distance = context_loss_weight, context_loss_distance
-        self.levels = target_level_blocks(depth, target_levels) if target_levels > 1 else []
-        self.encoder = Encoder(image_size, patch_size, embed_dim, depth, num_heads, mlp_ratio, patch_stem)
-        self.predictor = Predictor(self.grid, embed_dim, pred_embed_dim, pred_depth, pred_num_heads, mlp_ratio,
-                                   target_levels, context_head=context_loss_weight > 0)
+        self.encoder = Encoder(image_size=image_size, patch_size=patch_size, dim=embed_dim, depth=depth,
+                               num_heads=num_heads, mlp_ratio=mlp_ratio, patch_stem=patch_stem)
+        self.predictor = Predictor(grid=self.grid, enc_dim=embed_dim, dim=pred_embed_dim, depth=pred_depth,
+                                   num_heads=pred_num_heads, mlp_ratio=mlp_ratio)
         self.apply(_init_weights)
         for blocks in (self.encoder.blocks, self.predictor.blocks):
             for i, block in enumerate(blocks):  # residual projections scaled down with depth (as in I-JEPA)
@@ -272,8 +251,6 @@ class VJEPA3D(nn.Module):
             nn.init.kaiming_normal_(conv.weight, nonlinearity="relu")  # the hmlp stem's inner convolutions feed a GELU
         self.target_encoder = copy.deepcopy(self.encoder)
         self.target_encoder.requires_grad_(False)
-        self.gram_loss_weight = gram_loss_weight
-        self.gram_teacher = copy.deepcopy(self.encoder).requires_grad_(False) if gram_loss_weight > 0 else None
         self.patch_size, self.local_loss_weight = list(patch_size), local_loss_weight
         self.local_loss_split = list(local_loss_split)
         with torch.random.fork_rng(devices=[]):  # the rest of the model starts as it would without the local head
@@ -283,10 +260,8 @@ class VJEPA3D(nn.Module):
 
     @classmethod
     def from_config(cls, cfg) -> "VJEPA3D":
-        model = cls(cfg.image_size, cfg.patch_size, cfg.embed_dim, cfg.depth, cfg.num_heads, cfg.pred_embed_dim,
-                    cfg.pred_depth, cfg.pred_num_heads, cfg.mlp_ratio, cfg.loss, cfg.context_loss_weight,
-                    cfg.context_loss_distance, cfg.target_levels, cfg.gram_loss_weight, cfg.local_loss_weight,
-                    cfg.local_loss_split, cfg.patch_stem)
+        """The model a Config describes (its MODEL_FIELDS), with its grad_checkpointing."""
+        model = cls(**{name: getattr(cfg, name) for name in MODEL_FIELDS})
         model.set_grad_checkpointing(cfg.grad_checkpointing)
         return model
 
@@ -304,9 +279,8 @@ class VJEPA3D(nn.Module):
         """torch.compile the encoders, the predictor and the loss in place. forward() itself stays eager, so its
         input checks (which read the host) run outside the compiled code, and state_dict keys do not change.
         Shapes are static (dynamic=False): one graph per part for the training update's shapes."""
-        for part in (self.encoder, self.target_encoder, self.predictor, self.gram_teacher):
-            if part is not None:
-                part.compile(dynamic=False)
+        for part in (self.encoder, self.target_encoder, self.predictor):
+            part.compile(dynamic=False)
         self.loss_fn = torch.compile(jepa_loss, dynamic=False)
 
     def num_trainable_params(self) -> int:
@@ -339,8 +313,9 @@ class VJEPA3D(nn.Module):
     @torch.no_grad()
     def all_target_features(self, volume: torch.Tensor, rows: int) -> torch.Tensor:
         """The layer-normed EMA-encoder features of every token, repeated to `rows` = B*M rows (M mask sets per
-        volume): [B*M, N, E], or [B*M, N, L*E] with L target levels (each level layer-normed on its own)."""
-        h = layer_norm_levels(self.target_encoder(volume, levels=self.levels), max(1, len(self.levels)))
+        volume): [B*M, N, E]."""
+        h = self.target_encoder(volume)
+        h = F.layer_norm(h, h.shape[-1:])
         return h.repeat_interleave(rows // h.shape[0], dim=0)
 
     def forward(self, volume: torch.Tensor, context_idx: torch.Tensor, target_idx: torch.Tensor) -> JEPAOutput:
@@ -350,26 +325,15 @@ class VJEPA3D(nn.Module):
         self.check_inputs(volume, context_idx, target_idx)
         context_idx = context_idx.reshape(-1, context_idx.shape[-1])  # [B*M, Nc]
         target_idx = target_idx.reshape(-1, target_idx.shape[-1])  # [B*M, Nt]
-        h = self.all_target_features(volume, target_idx.shape[0])  # [B*M, N, L*E]
-        target = gather_tokens(h, target_idx)
-        context = self.encoder(volume, keep_idx=context_idx, levels=self.levels)  # [B*M, Nc, L*E]: targets unseen
-        pred, context_pred = self.predictor(context, context_idx, target_idx)  # [B*M, Nt, L*E], [B*M, Nc, L*E]
+        target = gather_tokens(self.all_target_features(volume, target_idx.shape[0]), target_idx)  # [B*M, Nt, E]
+        context = self.encoder(volume, keep_idx=context_idx)  # [B*M, Nc, E]: the target tokens unseen
+        pred = self.predictor(context, context_idx, target_idx)  # [B*M, Nt, E]
         loss, target_std = self.loss_fn(pred, target, self.loss_type)
-        if context_pred is not None:
-            weights = (context_distance_weights(context_idx, target_idx, self.grid) if self.context_loss_distance
-                       else None)
-            loss = loss + self.context_loss_weight * context_loss(context_pred, gather_tokens(h, context_idx),
-                                                                  self.loss_type, weights)
-        if self.gram_teacher is not None:
-            with torch.no_grad():
-                teacher = self.gram_teacher(volume).repeat_interleave(context_idx.shape[0] // volume.shape[0], dim=0)
-            student = context[..., -teacher.shape[-1]:]  # the last level: the encoder's output [B*M, Nc, E]
-            loss = loss + self.gram_loss_weight * gram_loss(student, gather_tokens(teacher, context_idx))
         if self.local_head is not None:
             stats = token_voxel_statistics(volume, self.patch_size, self.local_loss_split)  # [B, N, S * LOCAL_FEATURES]
             stats = gather_tokens(stats.repeat_interleave(context_idx.shape[0] // volume.shape[0], dim=0), context_idx)
-            visible = self.local_head(context[..., -self.local_head.in_features:])  # from the last level
-            loss = loss + self.local_loss_weight * elementwise_error(visible, stats, self.loss_type).mean()
+            error = elementwise_error(self.local_head(context), stats, self.loss_type)  # from each visible token
+            loss = loss + self.local_loss_weight * error.mean()
         return JEPAOutput(loss=loss, pred=pred, target=target, target_std=target_std)
 
     @torch.no_grad()
@@ -402,8 +366,7 @@ class VJEPA3D(nn.Module):
         encoder (its patch embedding and norm; as a unit of its own it is resharded after its no-grad forward, so
         the EMA update meets shards on both sides). The rest (the context encoder's patch embedding and norm, the
         predictor's embedding, mask token, norm and projection) is gathered with the model itself."""
-        teacher = [*self.gram_teacher.blocks, self.gram_teacher] if self.gram_teacher is not None else []
-        return [*self.encoder.blocks, *self.predictor.blocks, *self.target_encoder.blocks, self.target_encoder, *teacher]
+        return [*self.encoder.blocks, *self.predictor.blocks, *self.target_encoder.blocks, self.target_encoder]
 
     def param_groups(self) -> List[dict]:
         """AdamW groups of the trained parameters, `apply_wd` marking those weight decay applies to (weight
@@ -436,9 +399,9 @@ def transformer_flops(tokens: int, dim: int, depth: int, mlp_ratio: float) -> fl
 def training_flops_per_sample(cfg) -> dict:
     """Model FLOPs of one training sample, counted from the architecture (multiply-add = 2 FLOPs).
 
-    Trained parts cost forward + backward (3x forward); the target encoder (and the Gram teacher, with Gram
-    anchoring) runs forward only; the first convolution of the tubelet embedding needs no input gradient (2x
-    forward). The embedding reads every token's voxels, masked or not."""
+    Trained parts cost forward + backward (3x forward); the target encoder runs forward only; the first convolution
+    of the tubelet embedding needs no input gradient (2x forward). The embedding reads every token's voxels, masked
+    or not."""
     n_context, n_target = cfg.token_counts()
     n = n_context + n_target
     patch_voxels = math.prod(cfg.patch_size)
@@ -447,12 +410,11 @@ def training_flops_per_sample(cfg) -> dict:
     embed = first + (n * patch_voxels * cfg.embed_dim ** 2 * 5 / 32 if hmlp else 0)  # its 2x2x2 and last convolutions
     context = transformer_flops(n_context, cfg.embed_dim, cfg.depth, cfg.mlp_ratio)
     predictor = (transformer_flops(n, cfg.pred_embed_dim, cfg.pred_depth, cfg.mlp_ratio)
-                 + 2 * n_context * cfg.embed_dim * cfg.pred_embed_dim + 2 * n_target * cfg.pred_embed_dim * cfg.embed_dim)
+                 + 2 * n * cfg.embed_dim * cfg.pred_embed_dim)  # its embedding (of Nc) and projection (to Nt tokens)
     target = embed + transformer_flops(n, cfg.embed_dim, cfg.depth, cfg.mlp_ratio)
-    teacher = target if cfg.gram_loss_weight > 0 else 0
-    total = 3 * embed - first + 3 * (context + predictor) + target + teacher
+    total = 3 * embed - first + 3 * (context + predictor) + target
     return {"context_encoder": 3 * embed - first + 3 * context, "predictor": 3 * predictor, "target_encoder": target,
-            "gram_teacher": teacher, "total": total}
+            "total": total}
 
 
 def activation_bytes_per_sample(cfg) -> float:
@@ -490,297 +452,3 @@ def memory_per_device(cfg, model: VJEPA3D, fsdp: int, batch: int) -> dict:
     return {"weights": 4 * trained / fsdp, "gradients": 4 * trained / fsdp, "adamw": 8 * trained / fsdp,
             "ema_target": 4 * target / fsdp, "gathered": 0 if fsdp == 1 else 4 * (3 * max(units) + 2 * rest),
             "activations": activation_bytes_per_sample(cfg) * batch}
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The exported encoder: config.json (architecture, preprocessing contract, provenance) + model.safetensors
-# ----------------------------------------------------------------------------------------------------------
-
-EXPORT_FORMAT = "octjepa-encoder"
-EXPORT_VERSION = 2  # bump when config.json or the weights' layout changes meaning; newer exports are refused
-# (2: architecture.patch_stem)
-CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"  # the names Hugging Face's hub tools read
-EARLIER_WEIGHTS_FILE = "encoder.safetensors"  # what exports before 2026-11-25 named their weights
-ARCHITECTURE_FIELDS = ("image_size", "patch_size", "patch_stem", "embed_dim", "depth", "num_heads", "mlp_ratio")
-VERSION_1_ARCHITECTURE = {"patch_stem": "linear"}  # the fields format_version 1 did not write, as they were then
-PREPROCESSING_FIELDS = ("image_size", "target_spacing", "missing_spacing", "clip_percentiles", "sop_classes")
-AUGMENTATION_FIELDS = ("flip_prob", "intensity_jitter")  # training-time only: fine-tuning uses them
-PREPROCESSING_STEPS = (  # what data.load_val_sample does with the fields above; documentation in config.json
-    "read the DICOM volume [D,H,W] (frames, rows = depth, columns)",
-    "resample to target_spacing mm (none: resize to image_size), anti-aliased",
-    "clip to the volume's own clip_percentiles and map onto the full range of its storage type",
-    "crop or zero-pad to image_size: centred, and axially centred on the retina (intensity-weighted mean row)",
-    "normalize: zero mean and unit standard deviation over the cropped volume",
-)
-POOLS = ("mean_pool", "depth_rows")  # pool_tokens: export's embed, encoder.py embed --pool and probe.py's read-outs
-POOL_ALIASES = {"mean": "mean_pool", "axial": "depth_rows"}  # the names embed --pool took before; still accepted
-
-
-class ExportError(ConfigError):
-    """An encoder export that cannot be loaded as it is: the message names the file, key or field."""
-    prefix = "encoder export error: "
-
-
-def export_config(cfg: Config, source: dict) -> dict:
-    """The config.json of an export of an encoder trained with cfg (save_encoder adds the weights' checksum):
-    architecture, the preprocessing contract, training-time augmentation and `source` (where the weights came from:
-    checkpoint, update, the run's plan and config)."""
-    return {"format": EXPORT_FORMAT, "format_version": EXPORT_VERSION,
-            "architecture": {k: getattr(cfg, k) for k in ARCHITECTURE_FIELDS},
-            "preprocessing": {**{k: getattr(cfg, k) for k in PREPROCESSING_FIELDS}, "steps": list(PREPROCESSING_STEPS)},
-            "augmentation": {k: getattr(cfg, k) for k in AUGMENTATION_FIELDS},
-            "input_sizes": {"trained": [list(cfg.image_size)], "accepted": "any [D, H, W] that is a multiple of "
-                            "patch_size: the sin-cos positions are built for its token grid"},
-            "source": source}
-
-
-def export_settings(config: dict, where: str = CONFIG_FILE) -> Config:
-    """A Config holding an export's architecture, preprocessing and augmentation (the rest at defaults), for
-    data.load_val_sample and fine-tuning. Raises ExportError naming the field that is missing or wrong."""
-    if config.get("format") != EXPORT_FORMAT:
-        raise ExportError(f"{where}: format is {config.get('format')!r}, expected {EXPORT_FORMAT!r}; export a "
-                          f"checkpoint with `python encoder.py export --ckpt CKPT --out DIR`.")
-    version = config.get("format_version")
-    if not isinstance(version, int) or not 1 <= version <= EXPORT_VERSION:
-        raise ExportError(f"{where}: format_version {version!r} is not one this octjepa reads (1 to {EXPORT_VERSION});"
-                          f" load it with the octjepa version that wrote it.")
-    fields = {}
-    for section, names in (("architecture", ARCHITECTURE_FIELDS), ("preprocessing", PREPROCESSING_FIELDS),
-                           ("augmentation", AUGMENTATION_FIELDS)):
-        values = config.get(section)
-        if not isinstance(values, dict):
-            raise ExportError(f"{where}: no '{section}' section.")
-        if section == "architecture" and version == 1:
-            values = {**VERSION_1_ARCHITECTURE, **values}
-        extra = set(values) - set(names) - ({"steps"} if section == "preprocessing" else set())
-        missing = [n for n in names if n not in values]
-        if missing or extra:
-            raise ExportError(f"{where}: {section}." + (f"{missing[0]} is missing" if missing else
-                                                        f"{sorted(extra)[0]} is not a field of this format"))
-        if "image_size" in names and "image_size" in fields and values["image_size"] != fields["image_size"]:
-            raise ExportError(f"{where}: {section}.image_size {values['image_size']} differs from "
-                              f"architecture.image_size {fields['image_size']}.")
-        fields.update({n: values[n] for n in names})
-    try:
-        return load_config([], **fields)
-    except ConfigError as e:
-        raise ExportError(f"{where}: {e}") from None
-
-
-def pool_name(pool: str) -> str:
-    """The POOLS name of a pool given by that name or an old one (POOL_ALIASES); ValueError for any other."""
-    name = POOL_ALIASES.get(pool, pool)
-    if name not in POOLS:
-        raise ValueError(f"pool: expected one of {', '.join(POOLS)} (or {', '.join(POOL_ALIASES)}), got {pool!r}")
-    return name
-
-
-def pool_tokens(tokens: torch.Tensor, grid: Sequence[int], pool: str = "mean_pool") -> torch.Tensor:
-    """A volume embedding of tokens [B,N,E] on a (gd,gh,gw) grid (pool: a POOLS name, or an old one). 'mean_pool': the
-    mean token [B,E]. 'depth_rows': the mean of each axial (depth) row of tokens over B-scans and lateral positions,
-    concatenated [B, gh*E]: what lies at which depth survives the pooling."""
-    if pool_name(pool) == "mean_pool":
-        return tokens.mean(1)
-    return tokens.unflatten(1, tuple(grid)).mean(dim=(1, 3)).flatten(1)  # [B,gd,gh,gw,E] -> [B,gh,E] -> [B,gh*E]
-
-
-class ExportedEncoder(Encoder):
-    """An encoder built from an export's config.json (a dict; nothing else of octjepa needed). forward: volume
-    [B,1,D,H,W] with D, H, W multiples of patch_size (the trained image_size, or any other: positions are built for
-    its grid) -> tokens [B,N,E]; embed: -> [B,E] (pool 'mean_pool') or [B, gh*E] ('depth_rows'). Its state_dict keys are those
-    of the export's weights file."""
-
-    def __init__(self, config: dict):
-        a = {**VERSION_1_ARCHITECTURE, **config["architecture"]}
-        super().__init__(a["image_size"], a["patch_size"], a["embed_dim"], a["depth"], a["num_heads"], a["mlp_ratio"],
-                         a["patch_stem"])
-        self.architecture = a  # config.json's, with the fields its format_version did not write
-        self.config = config
-        self.image_size, self.patch_size, self.embed_dim = list(a["image_size"]), list(a["patch_size"]), a["embed_dim"]
-
-    def forward(self, volume: torch.Tensor, keep_idx: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """volume [B,1,D,H,W] -> tokens [B,N,E] (or [B*M,K,E] for keep_idx, as Encoder.forward); the shape is
-        checked."""
-        check_encoder_input(volume, self.patch_size, self.image_size)
-        return super().forward(volume, keep_idx)
-
-    def token_grid(self, volume: torch.Tensor) -> List[int]:
-        """The (gd, gh, gw) token grid of a volume [B,1,D,H,W]."""
-        return [s // p for s, p in zip(volume.shape[2:], self.patch_size)]
-
-    def embed(self, volume: torch.Tensor, pool: str = "mean_pool") -> torch.Tensor:
-        """The pooled embedding of a volume [B,1,D,H,W] (pool_tokens)."""
-        return pool_tokens(self(volume), self.token_grid(volume), pool)
-
-    def embedding_size(self, pool: str = "mean_pool") -> int:
-        """The width of embed(volume, pool) at the trained image_size: E for 'mean_pool', gh*E for 'depth_rows'."""
-        return self.embed_dim * (self.grid[1] if pool_name(pool) == "depth_rows" else 1)
-
-    @torch.no_grad()
-    def encode(self, volume: torch.Tensor) -> torch.Tensor:
-        """Frozen tokens [B,N,E] without gradients, as VJEPA3D.encode gives them (labels.encode_volumes uses either)."""
-        return self(volume)
-
-
-MONAI_VIT_KEYS = (("patch_embed.", "patch_embedding.patch_embeddings."), (".attn.proj.", ".attn.out_proj."),
-                  (".mlp.fc1.", ".mlp.linear1."), (".mlp.fc2.", ".mlp.linear2."))  # Encoder key -> monai ViT key
-
-
-def monai_vit(encoder: ExportedEncoder, img_size: Optional[Sequence[int]] = None) -> nn.Module:
-    """The encoder as MONAI's 3D ViT (monai.networks.nets.ViT, the backbone of its UNETR) for inputs of img_size
-    (default: the trained size; any multiple of patch_size): the same weights, and the encoder's sin-cos positions
-    copied in (MONAI builds its own in another axis order). vit(volume)[0] equals encoder(volume). Needs monai.
-    ValueError for the hmlp stem: MONAI's ViT embeds each tubelet with one linear map."""
-    a = encoder.architecture
-    if a["patch_stem"] != "linear":
-        raise ValueError(f"monai_vit: this encoder's patch_stem is {a['patch_stem']!r}; MONAI's ViT embeds each "
-                         f"tubelet with one linear map (patch_stem 'linear'), so it cannot hold these weights. Use "
-                         f"the encoder itself as the backbone (tokens [B,N,E] = encoder(volume)).")
-    from monai.networks.nets import ViT
-    size = list(img_size or encoder.image_size)
-    vit = ViT(in_channels=1, img_size=size, patch_size=encoder.patch_size, hidden_size=a["embed_dim"],
-              mlp_dim=int(a["embed_dim"] * a["mlp_ratio"]), num_layers=a["depth"], num_heads=a["num_heads"],
-              proj_type="conv", pos_embed_type="sincos", classification=False, dropout_rate=0.0, spatial_dims=3,
-              qkv_bias=True)
-    state = vit.state_dict()  # its norm_cross_attn (unused without cross-attention) stays as built
-    for key, value in encoder.state_dict().items():
-        for ours, theirs in MONAI_VIT_KEYS:
-            key = key.replace(ours, theirs)
-        state[key] = value
-    grid = [s // p for s, p in zip(size, encoder.patch_size)]
-    state["patch_embedding.position_embeddings"] = encoder.positions(grid)[None].detach().clone()  # [1, N, E]
-    vit.load_state_dict(state, strict=True)
-    return vit.eval()
-
-
-class PretrainedEncoder(ExportedEncoder):
-    """An exported encoder with its export's settings checked: `settings` is a Config of its architecture,
-    preprocessing and augmentation (data.load_val_sample(path, encoder.settings) preprocesses a DICOM file)."""
-
-    def __init__(self, config: dict, where: str = CONFIG_FILE):
-        settings = export_settings(config, where)  # validated before anything is built from it
-        super().__init__(config)
-        self.settings = settings
-
-
-def random_encoder(config: dict, seed: int) -> PretrainedEncoder:
-    """A random init of an export's architecture: the target encoder of a VJEPA3D built after torch.manual_seed(seed),
-    as pretraining starts and as probe.load_model('random') builds it (the same weights, given the export's training
-    config: the predictor's size moves the random stream). The floor to beat; the global RNG is left as it was."""
-    source = config.get("source") or {}
-    config = {**{k: v for k, v in config.items() if k != "weights"}, "source": {"encoder": "random init", "seed": seed}}
-    encoder = PretrainedEncoder(config)
-    try:
-        cfg = load_config([], **source["training_config"])
-    except (KeyError, TypeError, ConfigError):  # no training config (e.g. a fine-tuned export): the predictor's default
-        cfg = encoder.settings
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        encoder.load_state_dict(VJEPA3D.from_config(cfg).encoder_state_dict())
-    return encoder.eval()
-
-
-def _sha256(payload: bytes) -> str:
-    return hashlib.sha256(payload).hexdigest()
-
-
-SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
-CONTRACT_SECTIONS = ("architecture", "preprocessing", "augmentation")  # config.json's parts bound to the weights
-
-
-def export_contract(config: dict) -> str:
-    """How to build and feed the encoder (config.json's architecture, preprocessing and augmentation) as canonical
-    JSON. save_encoder stores it in the weights' metadata, so that the weights' sha256 covers it too."""
-    return json.dumps({k: config.get(k) for k in CONTRACT_SECTIONS}, sort_keys=True)
-
-
-def save_encoder(state: dict, config: dict, directory: str) -> None:
-    """Write an export to a local or gs:// folder: model.safetensors (the Encoder state `state`, with the export's
-    contract in its metadata), then config.json with the weights' sha256, each atomically (config.json last: an
-    export without it is incomplete)."""
-    weights = safetensors.torch.save({k: v.detach().cpu().contiguous() for k, v in state.items()},
-                                     metadata={"format": EXPORT_FORMAT, "format_version": str(EXPORT_VERSION),
-                                               "contract": export_contract(config)})
-    config = {**config, "weights": {"file": WEIGHTS_FILE, "sha256": _sha256(weights)}}
-    write_atomic(f"{directory.rstrip('/')}/{WEIGHTS_FILE}", weights)
-    write_atomic(f"{directory.rstrip('/')}/{CONFIG_FILE}", (json.dumps(config, indent=2) + "\n").encode())
-
-
-def read_export_config(directory: str) -> dict:
-    """The config.json of an export; ExportError when it is missing or not JSON."""
-    path = f"{directory.rstrip('/')}/{CONFIG_FILE}"
-    try:
-        config = json.loads(read_bytes(path))
-    except FileNotFoundError:
-        raise ExportError(f"{path} not found; export a checkpoint with `python encoder.py export --ckpt CKPT --out "
-                          f"{directory}`.") from None
-    except ValueError as e:  # not JSON, or not UTF-8
-        raise ExportError(f"{path} is not valid JSON ({e}).") from None
-    if not isinstance(config, dict):
-        raise ExportError(f"{path} holds a JSON {type(config).__name__}, not the object an export writes; export the "
-                          f"checkpoint again.")
-    return config
-
-
-def weights_header(payload: bytes, path: str) -> dict:
-    """The header of a safetensors payload ({key: {dtype, shape, data_offsets}, '__metadata__': {...}}), read
-    without loading a tensor; ExportError when the file is cut short or not safetensors."""
-    try:
-        size = int.from_bytes(payload[:8], "little")
-        header = json.loads(payload[8:8 + size])
-        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
-    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
-        raise ExportError(f"{path} is not a safetensors file ({e!r}); export the checkpoint again.") from None
-    if len(payload) != 8 + size + end:
-        raise ExportError(f"{path} is {len(payload)} bytes, its header says {8 + size + end}: cut short or padded; "
-                          f"copy the whole export again.")
-    return header
-
-
-def load_encoder(directory: str) -> PretrainedEncoder:
-    """The encoder exported to `directory` (local or gs://), in eval mode on the CPU. The weights must match
-    config.json exactly: their sha256, the contract they were exported with (export_contract: architecture,
-    preprocessing, augmentation), every key, shape and dtype, all checked before the architecture is built (a
-    tampered config.json costs no memory). Raises ExportError naming the file, key or field otherwise."""
-    config = read_export_config(directory)
-    settings = export_settings(config, f"{directory.rstrip('/')}/{CONFIG_FILE}")  # every field, before any weight
-    weights = config.get("weights") if isinstance(config.get("weights"), dict) else {}
-    name = weights.get("file") if weights.get("file") in (WEIGHTS_FILE, EARLIER_WEIGHTS_FILE) else WEIGHTS_FILE
-    path = f"{directory.rstrip('/')}/{name}"
-    try:
-        payload = read_bytes(path)
-    except FileNotFoundError:
-        raise ExportError(f"{path} not found (config.json without its weights: copy the whole export folder).") \
-            from None
-    if _sha256(payload) != weights.get("sha256"):
-        raise ExportError(f"{path}: its sha256 {_sha256(payload)[:16]}... differs from {CONFIG_FILE} "
-                          f"weights.sha256 {str(weights.get('sha256'))[:16]}...: the weights were changed or belong to "
-                          f"another export.")
-    header = weights_header(payload, path)
-    bound = (header.get("__metadata__") or {}).get("contract")  # absent in exports of older versions
-    if bound is not None and bound != export_contract(config):
-        signed, given = ({s: v if isinstance(v, dict) else {} for s, v in json.loads(c).items()}
-                         for c in (bound, export_contract(config)))
-        changed = [f"{section}.{k}: {signed[section].get(k)} -> {given[section].get(k)}"
-                   for section in CONTRACT_SECTIONS for k in sorted({*signed[section], *given[section]})
-                   if signed[section].get(k) != given[section].get(k)]
-        raise ExportError(f"{directory.rstrip('/')}/{CONFIG_FILE} differs from what its weights were exported with "
-                          f"({'; '.join(changed)}): it was edited or belongs to another export; export the "
-                          f"checkpoint again.")
-    with torch.device("meta"):  # the architecture's shapes without its memory: checked before it is built
-        expected = {k: (v.shape, v.dtype) for k, v in
-                    PretrainedEncoder(config, f"{directory.rstrip('/')}/{CONFIG_FILE}").state_dict().items()}
-    found = {k: (torch.Size(t["shape"]), t["dtype"]) for k, t in header.items() if k != "__metadata__"}
-    missing, unexpected = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
-    if missing or unexpected:
-        problem = f"key {missing[0]} is missing" if missing else f"unexpected key {unexpected[0]}"
-        raise ExportError(f"{path}: {problem} for the architecture in {CONFIG_FILE} ({settings.depth} blocks "
-                          f"of width {settings.embed_dim}).")
-    for key, (shape, dtype) in found.items():
-        if shape != expected[key][0] or SAFETENSORS_DTYPES.get(dtype) != expected[key][1]:
-            raise ExportError(f"{path}: key {key} is {SAFETENSORS_DTYPES.get(dtype, dtype)} {list(shape)}, the "
-                              f"architecture in "
-                              f"{CONFIG_FILE} needs {expected[key][1]} {list(expected[key][0])}.")
-    encoder = PretrainedEncoder(config, f"{directory.rstrip('/')}/{CONFIG_FILE}")
-    encoder.load_state_dict(safetensors.torch.load(payload), strict=True)
-    return encoder.eval()

@@ -1,7 +1,7 @@
-"""The pretraining losses VJEPA3D.forward adds up (model.py): the JEPA loss on the masked tokens, V-JEPA 2.1's context
-loss and its distance weights, DINOv3's Gram anchoring, and the local loss's targets (each token's own voxel
-statistics); feature_std, the collapse figure logged beside them."""
-from typing import Optional, Sequence, Tuple
+"""The pretraining losses VJEPA3D.forward adds up (model.py): the JEPA loss on the masked tokens and the local loss's
+targets (each token's own voxel statistics); feature_std, the collapse figure logged beside them. Objectives measured
+and not kept are patches: experiments/patches/."""
+from typing import Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -21,23 +21,6 @@ def elementwise_error(pred: torch.Tensor, target: torch.Tensor, loss_type: str) 
 def jepa_loss(pred: torch.Tensor, target: torch.Tensor, loss_type: str) -> Tuple[torch.Tensor, torch.Tensor]:
     """(loss, target_std) of predictions and targets [B, Nt, E]: mean l1 or mse error, and feature_std(target)."""
     return elementwise_error(pred, target, loss_type).mean(), feature_std(target)
-
-
-def context_loss(pred: torch.Tensor, target: torch.Tensor, loss_type: str,
-                 weights: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The mean error of the context head's predictions against the targets at the context positions [B, Nc, E],
-    each token's error times its weight [B, Nc] when given (V-JEPA 2.1: the mean of the weighted errors)."""
-    error = elementwise_error(pred, target, loss_type)
-    return (error if weights is None else error * weights.unsqueeze(-1)).mean()
-
-
-def gram_loss(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
-    """DINOv3's Gram anchoring: the mean squared difference between the token-to-token cosine-similarity matrices
-    [B, K, K] of the student's and the teacher's tokens [B, K, E] (only their similarity structure is matched)."""
-    def gram(x):
-        x = F.normalize(x.float(), dim=-1)
-        return x @ x.transpose(1, 2)
-    return (gram(student) - gram(teacher)).square().mean()
 
 
 LOCAL_BINS = 16  # the local loss's histogram: bins over [-3, 3] standard deviations of the normalized volume
@@ -60,18 +43,6 @@ def token_voxel_statistics(volume: torch.Tensor, patch_size: Sequence[int],
     histogram = F.one_hot((x.unsqueeze(-1) >= edges).sum(-1), LOCAL_BINS).float().mean(3)  # [B, N, S, LOCAL_BINS]
     stats = torch.cat([x.mean(-1, keepdim=True), x.std(-1, keepdim=True), histogram], dim=-1)
     return F.layer_norm(stats, stats.shape[-1:]).flatten(2)
-
-
-def context_distance_weights(context_idx: torch.Tensor, target_idx: torch.Tensor, grid: Sequence[int]) -> torch.Tensor:
-    """V-JEPA 2.1's weight of each context token [B, Nc]: 1 / sqrt(grid distance to the nearest target token), so
-    context tokens far from what is masked count less (1 next to a target token)."""
-    strides = torch.tensor([grid[1] * grid[2], grid[2], 1], device=context_idx.device)
-
-    def coords(idx):  # [B, K] flat token indices -> [B, K, 3] grid coordinates
-        return (idx.unsqueeze(-1) // strides % torch.tensor(grid, device=idx.device)).float()
-
-    nearest = torch.cdist(coords(context_idx), coords(target_idx)).amin(dim=-1)  # [B, Nc]
-    return nearest.clamp_min(1.0).rsqrt()
 
 
 def feature_std(features: torch.Tensor) -> torch.Tensor:

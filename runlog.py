@@ -239,7 +239,7 @@ def start_wandb(cfg: Config, run_dir: str):
 
 
 def describe_run(cfg: Config, plan: RunPlan, train_ds, val_ds, rt, schedules: list, masks: str) -> str:
-    """The dry run's preflight report: sizes, tokens, FLOPs, memory, the masks (`masks`: data.describe_masks's
+    """The dry run's preflight report: sizes, tokens, FLOPs, memory, the masks (`masks`: masks.describe_masks's
     lines) and the schedules (schedules.Hyperparameters of every update) at milestones."""
     with torch.device("meta"):  # the model's shapes only: no memory for weights (a ViT-g's would fill a laptop)
         model = VJEPA3D.from_config(cfg)
@@ -373,7 +373,7 @@ def save_schedule_plot(schedules: Dict[str, List[float]], path: str) -> None:
 def save_mask_plot(sample: dict, cfg: Config, stats: dict, path: str) -> None:
     """PNG of one sample's masks: per mask set, the middle B-scan with its context (blue) and target (red) tokens
     overlaid and the en-face target map of every B-scan row, titled with the realised block size and the share
-    of target tokens with a context neighbour along each axis (`stats`: data.mask_stats over 100 masks)."""
+    of target tokens with a context neighbour along each axis (`stats`: masks.mask_stats over 100 masks)."""
     volume = sample["volume"][0].numpy()  # [D, H, W]
     gd, gh, gw = cfg.grid_size()
     pd, ph, pw = cfg.patch_size

@@ -31,9 +31,10 @@ import schedules
 import train
 from config import (EXIT_FAILED, EXIT_OK, Config, ConfigError, NoUsableData, ScriptParser, load_config, plan_run,
                     script_main)
-from data import OCTDataset, build_datasets, collate, mask_generator_from_config
+from data import OCTDataset, build_datasets, collate
 from dicom import BENIGN_REASONS
 from index import find_files, format_reason_table, reason_counts, scan_files
+from masks import mask_generator_from_config
 from model import JEPAOutput, VJEPA3D
 
 DEFAULT_SWEEP = [1e-5, 3e-5, 1e-4, 3e-4, 1e-3]

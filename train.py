@@ -26,8 +26,8 @@ from tqdm import tqdm
 
 from config import (DEMO_FLAGS, EXIT_OK, Config, Diverged, NoUsableData, Preempted, RunPlan, ScriptParser,
                     StorageFailed, load_config, plan_run, save_config, script_main)
-from data import (build_datasets, describe_masks, format_reason_table, make_loader, make_val_loader,
-                  mask_generator_from_config, mask_stats)
+from data import build_datasets, format_reason_table, make_loader, make_val_loader
+from masks import describe_masks, mask_generator_from_config, mask_stats
 from model import VJEPA3D
 from health import position_share_of_sums, position_sums, rankme
 from runprobe import compare_with_random, prepare_probe_set, probe_auroc

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Full fine-tuning of pretrained encoders against a random init with the same budget, on the valid task `lesion`
 # (experiments/README.md, "Fine-tuning"): pretrain configs/learn.yaml with seeds 0, 1, 2 on the varied phantoms and
-# export each encoder; export the random init of the same architecture (model.random_encoder, seed 0: the one
+# export each encoder; export the random init of the same architecture (pretrained.random_encoder, seed 0: the one
 # finetune.py --vs_random uses); run finetune.py on the suite's 300 labelled varied phantoms (probe.py's `lesion`
 # task; patient-level 5-fold CV, the same folds for all) for each; then the tables. The runs of 2026-11-26 ran these
 # steps two at a time (experiments/finetune/lesion.commands.log), with learn.yaml before its local loss (git show
@@ -19,7 +19,7 @@ for seed in 0 1 2; do
     --probe_every_steps none
   python encoder.py export --ckpt $runs/lf_s$seed/checkpoints --out $runs/lf_s$seed/encoder
 done
-python -c "from model import load_encoder, random_encoder, save_encoder
+python -c "from pretrained import load_encoder, random_encoder, save_encoder
 e = load_encoder('$runs/lf_s0/encoder'); r = random_encoder(e.config, 0)
 save_encoder(r.state_dict(), {k: v for k, v in e.config.items() if k != 'weights'}, '$runs/lf_random/encoder')"
 mkdir -p experiments/finetune/lesion

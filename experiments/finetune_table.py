@@ -1,6 +1,6 @@
 """Markdown tables of experiments/README.md's fine-tuning results from finetune.py reports (experiments/finetune.sh):
     python experiments/finetune_table.py RANDOM.json REPORT.json [REPORT.json ...]
-RANDOM.json is the report of finetune.py on an export of the random init (model.random_encoder), the others of the
+RANDOM.json is the report of finetune.py on an export of the random init (pretrained.random_encoder), the others of the
 pretrained encoders; all must have the same folds (the same labels, --seed, --folds and --repeats), so that each
 encoder is compared with the random init fold by fold."""
 import json

@@ -7,7 +7,8 @@ import warnings
 
 import pytest
 
-from config import Config, ConfigError, ScriptParser, load_config, plan_run, save_config, script_main
+from checkpoint import changed_settings
+from config import REMOVED_FIELDS, Config, ConfigError, ScriptParser, load_config, plan_run, save_config, script_main
 
 REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
 
@@ -200,6 +201,33 @@ def test_saved_config_loads_back_identically(tmp_path):
     cfg = load_config(["--ckpt_dir", "none", "--image_size", "32,64,64", "--target_spacing", "0.1,0.02,0.02"])
     save_config(cfg, tmp_path / "config.yaml")
     assert load_config(["--config", str(tmp_path / "config.yaml")]) == cfg
+
+
+def active_value(default):
+    """A value of a removed field other than its old default: what a run that used the option saved."""
+    return True if isinstance(default, bool) else 0 if default is None else default + 1
+
+
+@pytest.mark.parametrize("name", REMOVED_FIELDS)
+def test_a_config_saved_by_an_older_octjepa_reads_as_before_unless_it_used_a_field_that_moved_to_a_patch(
+        tmp_path, name):
+    """Checkpoints, a run's config.yaml and exports' training configs of the old main hold the fields that moved to
+    experiments/patches/ at their old default: they read as before. A run that used one is refused naming the
+    patch, as is the field given as a flag."""
+    default, patch = REMOVED_FIELDS[name]
+    old = {**dataclasses.asdict(Config()), name: default}  # what the old main saved
+    assert load_config([], **old) == Config()  # a checkpoint (probe, export, random init of an export)
+    path = write_yaml(tmp_path, "\n".join(f"{k}: {v if v is not None else 'null'}" for k, v in
+                                           [("epochs", 7), (name, default)]))
+    assert load_config(["--config", path]) == load_config([], epochs=7)  # a run's config.yaml
+    assert changed_settings(old, Config()) == []  # resume
+    moved = f"experiments/patches/{patch}"
+    for use in (lambda: load_config([], **{**old, name: active_value(default)}),
+                lambda: load_config(["--config", write_yaml(tmp_path, f"{name}: {active_value(default)}\n")]),
+                lambda: changed_settings({**old, name: active_value(default)}, Config()),
+                lambda: load_config([f"--{name}", str(default)])):
+        with pytest.raises(ConfigError, match=f"{name}.*{moved}"):
+            use()
 
 
 @pytest.mark.parametrize("name", ["demo", "smoke", "pretrain_single_domain", "pretrain_multi_domain", "pretrain_vitl",

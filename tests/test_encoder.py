@@ -1,4 +1,4 @@
-"""encoder.py and model.load_encoder: a researcher exports the encoder of a real training run, loads it from plain
+"""encoder.py and pretrained.load_encoder: a researcher exports the encoder of a real training run, loads it from plain
 Python, embeds a folder or bucket (killed and resumed), and looks at its features."""
 import inspect
 import itertools
@@ -25,13 +25,15 @@ import export
 import finetune
 import health
 import model
+import pretrained
 import train
 from config import DEMO_FLAGS, ConfigError, load_config
 from data import load_val_sample
 from helpers import one_thread  # noqa: F401 (autouse: tiny models, one thread)
 from index import find_files, scan_files
 from labels import read_labels
-from model import Encoder, ExportError, load_encoder, random_encoder, save_encoder
+from model import Encoder
+from pretrained import ExportError, load_encoder, random_encoder, save_encoder
 from checkpoint import read_model_checkpoint
 from volumes import read_volume
 
@@ -71,8 +73,9 @@ def test_a_volume_that_is_not_a_multiple_of_the_patch_size_is_refused_naming_the
 def test_another_input_size_gives_the_tokens_of_an_encoder_built_natively_at_that_size(export_dir):
     encoder = load_encoder(export_dir)
     size = [12, 48, 64]  # another multiple of the patch size on every axis
-    native = Encoder(size, encoder.patch_size, encoder.embed_dim, encoder.settings.depth, encoder.settings.num_heads,
-                     encoder.settings.mlp_ratio)
+    settings = encoder.settings
+    native = Encoder(image_size=size, patch_size=settings.patch_size, dim=settings.embed_dim, depth=settings.depth,
+                     num_heads=settings.num_heads, mlp_ratio=settings.mlp_ratio)
     native.load_state_dict(encoder.state_dict())
     volume = torch.randn(2, 1, *size, generator=torch.Generator().manual_seed(4))
     tokens = encoder.encode(volume)
@@ -88,7 +91,7 @@ LOAD_IN_ANOTHER_PROJECT = """
 import sys
 import numpy as np
 import torch
-sys.path.insert(0, PROJECT)  # its own config.py, data.py and model.py: importing any of them raises
+sys.path.insert(0, PROJECT)  # its own config.py, data.py, model.py and pretrained.py: importing any raises
 encoder = torch.hub.load(EXPORT, "encoder", source="local")
 sys.path.insert(0, EXPORT)
 import octjepa_encoder
@@ -97,7 +100,7 @@ volume = torch.from_numpy(np.load("volume.npy"))
 with torch.no_grad():
     np.save("tokens.npy", encoder(volume).numpy())
     np.save("again.npy", again.embed(volume).numpy())
-assert not {"config", "data", "model", "probe", "train"} & set(sys.modules), sorted(sys.modules)
+assert not {"config", "data", "model", "pretrained", "probe", "train"} & set(sys.modules), sorted(sys.modules)
 """
 
 
@@ -106,7 +109,7 @@ def test_an_export_loads_from_an_empty_folder_of_another_project_with_its_own_co
     project, elsewhere, copied = tmp_path / "their_project", tmp_path / "empty", tmp_path / "copied_export"
     project.mkdir()
     elsewhere.mkdir()
-    for name in ("config", "data", "model"):
+    for name in ("config", "data", "model", "pretrained"):
         (project / f"{name}.py").write_text(f"raise ImportError('their own {name}.py, not octjepa\\'s')\n")
     shutil.copytree(export_dir, copied)  # the folder alone: no octjepa checkout beside it
     trained, cfg, _ = read_model_checkpoint(trained_checkpoint)
@@ -122,10 +125,10 @@ def test_an_export_loads_from_an_empty_folder_of_another_project_with_its_own_co
     assert np.abs(np.load(elsewhere / "again.npy") - expected.mean(1)).max() <= 1e-6
 
 
-def test_the_exports_standalone_module_is_model_pys_code_not_a_copy_that_can_drift(export_dir):
+def test_the_exports_standalone_module_is_the_projects_code_not_a_copy_that_can_drift(export_dir):
     module = (Path(export_dir) / "octjepa_encoder.py").read_text()
-    for definition in (model.sincos_pos_embed_3d, model.Block, model.Encoder, model.ExportedEncoder,
-                       model.monai_vit):
+    for definition in (model.sincos_pos_embed_3d, model.Block, model.Encoder, model.pool_tokens,
+                       pretrained.ExportedEncoder, pretrained.monai_vit, pretrained.export_contract):
         assert inspect.getsource(definition) in module
     assert not re.search(r"^(import|from) (config|data|storage|dicom)\b", module, re.MULTILINE)
 
@@ -153,7 +156,7 @@ def test_monai_vit_holds_the_encoder_exactly_at_the_trained_and_another_size(exp
     pytest.importorskip("einops", reason="einops (monai's ViT needs it; requirements-dev.txt) is not installed")
     encoder = load_encoder(export_dir)
     for size in (encoder.image_size, [12, 48, 64]):
-        vit = model.monai_vit(encoder, size)
+        vit = pretrained.monai_vit(encoder, size)
         volume = torch.randn(2, 1, *size, generator=torch.Generator().manual_seed(7))
         with torch.no_grad():
             assert float((vit(volume)[0] - encoder(volume)).abs().max()) <= 1e-6
@@ -181,14 +184,25 @@ def test_an_hmlp_export_loads_with_both_loaders_and_is_refused_by_monai_saying_w
         assert "patch_embed.2.weight" in loaded.state_dict()
         assert float((loaded.encode(volume) - trained.encode(volume)).abs().max()) <= 1e-6
     with pytest.raises(ValueError, match="patch_stem is 'hmlp'; MONAI's ViT embeds each tubelet with one linear map"):
-        model.monai_vit(load_encoder(hmlp_export))
+        pretrained.monai_vit(load_encoder(hmlp_export))
 
 
-def test_an_export_of_format_version_1_loads_with_the_linear_stem_it_had(export_dir, trained_checkpoint, tmp_path):
+@pytest.mark.parametrize("written", ["encoder.safetensors without a contract", "model.safetensors with its contract"])
+def test_an_export_of_format_version_1_loads_with_the_linear_stem_it_had(export_dir, trained_checkpoint, tmp_path,
+                                                                         written):
+    """Exports are shared and kept: those of format_version 1 (no architecture.patch_stem) load as octjepa wrote
+    them, at first with the weights in encoder.safetensors and no contract in their metadata."""
     config = json.loads(Path(export_dir, "config.json").read_text())
     config["format_version"] = 1
     del config["architecture"]["patch_stem"], config["weights"]
-    save_encoder(safetensors.torch.load_file(Path(export_dir, "model.safetensors")), config, str(tmp_path))
+    tensors = safetensors.torch.load_file(Path(export_dir, "model.safetensors"))
+    if written == "model.safetensors with its contract":
+        save_encoder(tensors, config, str(tmp_path))
+    else:
+        payload = safetensors.torch.save(tensors)  # no metadata
+        tmp_path.joinpath("encoder.safetensors").write_bytes(payload)
+        config["weights"] = {"file": "encoder.safetensors", "sha256": hashlib.sha256(payload).hexdigest()}
+        tmp_path.joinpath("config.json").write_text(json.dumps(config))
     trained, cfg, _ = read_model_checkpoint(trained_checkpoint)
     volume = torch.randn(2, 1, *cfg.image_size, generator=torch.Generator().manual_seed(9))
     encoder = load_encoder(str(tmp_path))
@@ -206,7 +220,7 @@ def rewrite_weights(directory: Path, edit) -> None:
 
 def resign(directory: Path, payload: bytes) -> None:
     """Replace an export's weights file and record its sha256 in config.json, as a careless user would."""
-    directory.joinpath(model.WEIGHTS_FILE).write_bytes(payload)
+    directory.joinpath(pretrained.WEIGHTS_FILE).write_bytes(payload)
     edit_config(directory, lambda c: c["weights"].update(sha256=hashlib.sha256(payload).hexdigest()))
 
 
@@ -237,7 +251,7 @@ TAMPERINGS = {
         "architecture.depth: 2 -> 64; architecture.embed_dim: 48 -> 8192; architecture.num_heads: 4 -> 64"),
     "a JSON list": (lambda d: d.joinpath("config.json").write_text("[1, 2]"), "holds a JSON list"),
     "not UTF-8": (lambda d: d.joinpath("config.json").write_bytes(b'{"format": "\xff\xfe"}'), "is not valid JSON"),
-    "weights cut short and re-signed": (lambda d: resign(d, d.joinpath(model.WEIGHTS_FILE).read_bytes()[:-64]),
+    "weights cut short and re-signed": (lambda d: resign(d, d.joinpath(pretrained.WEIGHTS_FILE).read_bytes()[:-64]),
                                         "cut short or padded"),
     "a field missing": (lambda d: edit_config(d, lambda c: c["architecture"].pop("embed_dim")),
                         "architecture.embed_dim is missing"),
@@ -353,7 +367,7 @@ def test_embed_refuses_rows_saved_by_another_encoder_and_never_overwrites(export
     save_encoder(other.state_dict(), other.config, str(tmp_path / "other"))
     records = [r for r in scan_files(find_files(phantom_dir)) if r["ok"]]
     encoder_cli.embed_records(load_encoder(str(tmp_path / "other")), records[:2], other.settings,
-                              str(out) + ".partial", "mean", 2, 2, encoder_cli.setup_runtime(other.settings))
+                              str(out) + ".partial", "mean_pool", 2, 2, encoder_cli.setup_runtime(other.settings))
     flags = ["embed", "--encoder", export_dir, "--data_root", phantom_dir, "--out", str(out), "--workers", "0"]
     assert encoder_cli.main(flags + ["--batch_size", "2", "--save_every", "2"]) == 2
     assert "holds rows embedded with other settings" in capsys.readouterr().err

@@ -17,7 +17,7 @@ import torch
 import finetune
 import probe
 from helpers import REPO, one_thread  # noqa: F401 (one_thread: autouse, tiny models, one thread)
-from model import load_encoder, random_encoder
+from pretrained import load_encoder, random_encoder
 from privacy import volume_key
 from readouts import AttentiveProbe
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from config import load_config
-from data import MaskGenerator, sample_rng
+from data import sample_rng
+from masks import MaskGenerator
 from model import JEPAOutput, VJEPA3D, sincos_pos_embed_3d, training_flops_per_sample, tubelet_embedding
 
 IMAGE, PATCH = [8, 32, 32], [4, 8, 8]
@@ -14,7 +15,7 @@ def tiny_model(**kw):
     torch.manual_seed(0)
     args = dict(embed_dim=64, depth=2, num_heads=4, pred_embed_dim=48, pred_depth=2, pred_num_heads=4)
     args.update(kw)
-    return VJEPA3D(IMAGE, PATCH, **args)
+    return VJEPA3D(image_size=IMAGE, patch_size=PATCH, **args)
 
 
 def masks(model, batch, seed=0, ratio=0.6):

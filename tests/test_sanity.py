@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import data
+import masks
 import model
 import checkpoint
 import sanity
@@ -147,14 +148,14 @@ def test_sanity_fails_on_unnormalized_inputs(capsys, tmp_path, smoke_phantoms, m
 
 def test_sanity_fails_when_masks_are_dhw_grids_instead_of_index_lists(capsys, tmp_path, smoke_phantoms,
                                                                       monkeypatch):
-    sample = data.MaskGenerator.__call__
+    sample = masks.MaskGenerator.__call__
 
     def grid_masks(self, rng):  # incident 6: [D,H,W] masks instead of [num_tokens] index lists
         context, target = sample(self, rng)
         is_target = np.zeros(self.num_tokens, np.int64)
         is_target[target] = 1
         return (1 - is_target).reshape(self.grid), is_target.reshape(self.grid)
-    monkeypatch.setattr(data.MaskGenerator, "__call__", grid_masks)
+    monkeypatch.setattr(masks.MaskGenerator, "__call__", grid_masks)
     code, out = run_sanity(capsys, tmp_path, smoke_phantoms, "--checks", "masks,model")
     assert code == 1
     assert "loader batch: shapes [2, 2, 4, 4] / [2, 2, 4, 4], expected [2, 13] / [2, 19]" in out

@@ -1,0 +1,292 @@
+"""An exported encoder: its format (config.json + model.safetensors), save_encoder/load_encoder, the random-init twin,
+the MONAI adapter.
+
+An export (`python encoder.py export`, export.py) loads without train.py or the checkpoint: load_encoder(DIR) ->
+PretrainedEncoder, volume [B,1,D,H,W] -> tokens [B,N,E] or a pooled embedding (model.pool_tokens). config.json holds
+the architecture, the preprocessing contract, the training-time augmentation and where the weights came from;
+model.safetensors the Encoder's weights with that contract in their metadata, so the weights' sha256 covers both.
+ExportedEncoder, monai_vit and export_contract are copied from this source (and model.py's) into an export's
+standalone octjepa_encoder.py (export.model_definitions): they use nothing of octjepa but model.py.
+"""
+import hashlib
+import json
+from typing import List, Optional, Sequence
+
+import safetensors.torch
+import torch
+import torch.nn as nn
+
+from config import Config, ConfigError, load_config
+from model import VJEPA3D, Encoder, check_encoder_input, pool_name, pool_tokens
+from storage import read_bytes, write_atomic
+
+EXPORT_FORMAT = "octjepa-encoder"
+EXPORT_VERSION = 2  # bump when config.json or the weights' layout changes meaning; newer exports are refused
+# (2: architecture.patch_stem)
+CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"  # the names Hugging Face's hub tools read
+EARLIER_WEIGHTS_FILE = "encoder.safetensors"  # what exports before 2026-11-25 named their weights
+ARCHITECTURE_FIELDS = ("image_size", "patch_size", "patch_stem", "embed_dim", "depth", "num_heads", "mlp_ratio")
+VERSION_1_ARCHITECTURE = {"patch_stem": "linear"}  # the fields format_version 1 did not write, as they were then
+PREPROCESSING_FIELDS = ("image_size", "target_spacing", "missing_spacing", "clip_percentiles", "sop_classes")
+AUGMENTATION_FIELDS = ("flip_prob", "intensity_jitter")  # training-time only: fine-tuning uses them
+PREPROCESSING_STEPS = (  # what data.load_val_sample does with the fields above; documentation in config.json
+    "read the DICOM volume [D,H,W] (frames, rows = depth, columns)",
+    "resample to target_spacing mm (none: resize to image_size), anti-aliased",
+    "clip to the volume's own clip_percentiles and map onto the full range of its storage type",
+    "crop or zero-pad to image_size: centred, and axially centred on the retina (intensity-weighted mean row)",
+    "normalize: zero mean and unit standard deviation over the cropped volume",
+)
+
+
+class ExportError(ConfigError):
+    """An encoder export that cannot be loaded as it is: the message names the file, key or field."""
+    prefix = "encoder export error: "
+
+
+def export_config(cfg: Config, source: dict) -> dict:
+    """The config.json of an export of an encoder trained with cfg (save_encoder adds the weights' checksum):
+    architecture, the preprocessing contract, training-time augmentation and `source` (where the weights came from:
+    checkpoint, update, the run's plan and config)."""
+    return {"format": EXPORT_FORMAT, "format_version": EXPORT_VERSION,
+            "architecture": {k: getattr(cfg, k) for k in ARCHITECTURE_FIELDS},
+            "preprocessing": {**{k: getattr(cfg, k) for k in PREPROCESSING_FIELDS}, "steps": list(PREPROCESSING_STEPS)},
+            "augmentation": {k: getattr(cfg, k) for k in AUGMENTATION_FIELDS},
+            "input_sizes": {"trained": [list(cfg.image_size)], "accepted": "any [D, H, W] that is a multiple of "
+                            "patch_size: the sin-cos positions are built for its token grid"},
+            "source": source}
+
+
+def export_settings(config: dict, where: str = CONFIG_FILE) -> Config:
+    """A Config holding an export's architecture, preprocessing and augmentation (the rest at defaults), for
+    data.load_val_sample and fine-tuning. Raises ExportError naming the field that is missing or wrong."""
+    if config.get("format") != EXPORT_FORMAT:
+        raise ExportError(f"{where}: format is {config.get('format')!r}, expected {EXPORT_FORMAT!r}; export a "
+                          f"checkpoint with `python encoder.py export --ckpt CKPT --out DIR`.")
+    version = config.get("format_version")
+    if not isinstance(version, int) or not 1 <= version <= EXPORT_VERSION:
+        raise ExportError(f"{where}: format_version {version!r} is not one this octjepa reads (1 to {EXPORT_VERSION});"
+                          f" load it with the octjepa version that wrote it.")
+    fields = {}
+    for section, names in (("architecture", ARCHITECTURE_FIELDS), ("preprocessing", PREPROCESSING_FIELDS),
+                           ("augmentation", AUGMENTATION_FIELDS)):
+        values = config.get(section)
+        if not isinstance(values, dict):
+            raise ExportError(f"{where}: no '{section}' section.")
+        if section == "architecture" and version == 1:
+            values = {**VERSION_1_ARCHITECTURE, **values}
+        extra = set(values) - set(names) - ({"steps"} if section == "preprocessing" else set())
+        missing = [n for n in names if n not in values]
+        if missing or extra:
+            raise ExportError(f"{where}: {section}." + (f"{missing[0]} is missing" if missing else
+                                                        f"{sorted(extra)[0]} is not a field of this format"))
+        if "image_size" in names and "image_size" in fields and values["image_size"] != fields["image_size"]:
+            raise ExportError(f"{where}: {section}.image_size {values['image_size']} differs from "
+                              f"architecture.image_size {fields['image_size']}.")
+        fields.update({n: values[n] for n in names})
+    try:
+        return load_config([], **fields)
+    except ConfigError as e:
+        raise ExportError(f"{where}: {e}") from None
+
+
+
+class ExportedEncoder(Encoder):
+    """An encoder built from an export's config.json (a dict; nothing else of octjepa needed). forward: volume
+    [B,1,D,H,W] with D, H, W multiples of patch_size (the trained image_size, or any other: positions are built for
+    its grid) -> tokens [B,N,E]; embed: -> [B,E] (pool 'mean_pool') or [B, gh*E] ('depth_rows'). Its state_dict keys
+    are those of the export's weights file."""
+
+    def __init__(self, config: dict):
+        a = {**VERSION_1_ARCHITECTURE, **config["architecture"]}
+        super().__init__(image_size=a["image_size"], patch_size=a["patch_size"], dim=a["embed_dim"], depth=a["depth"],
+                         num_heads=a["num_heads"], mlp_ratio=a["mlp_ratio"], patch_stem=a["patch_stem"])
+        self.architecture = a  # config.json's, with the fields its format_version did not write
+        self.config = config
+        self.image_size, self.patch_size, self.embed_dim = list(a["image_size"]), list(a["patch_size"]), a["embed_dim"]
+
+    def forward(self, volume: torch.Tensor, keep_idx: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """volume [B,1,D,H,W] -> tokens [B,N,E] (or [B*M,K,E] for keep_idx, as Encoder.forward); the shape is
+        checked."""
+        check_encoder_input(volume, self.patch_size, self.image_size)
+        return super().forward(volume, keep_idx)
+
+    def token_grid(self, volume: torch.Tensor) -> List[int]:
+        """The (gd, gh, gw) token grid of a volume [B,1,D,H,W]."""
+        return [s // p for s, p in zip(volume.shape[2:], self.patch_size)]
+
+    def embed(self, volume: torch.Tensor, pool: str = "mean_pool") -> torch.Tensor:
+        """The pooled embedding of a volume [B,1,D,H,W] (pool_tokens)."""
+        return pool_tokens(self(volume), self.token_grid(volume), pool)
+
+    def embedding_size(self, pool: str = "mean_pool") -> int:
+        """The width of embed(volume, pool) at the trained image_size: E for 'mean_pool', gh*E for 'depth_rows'."""
+        return self.embed_dim * (self.grid[1] if pool_name(pool) == "depth_rows" else 1)
+
+    @torch.no_grad()
+    def encode(self, volume: torch.Tensor) -> torch.Tensor:
+        """Frozen tokens [B,N,E] without gradients, as VJEPA3D.encode gives them (labels.encode_volumes uses either)."""
+        return self(volume)
+
+
+MONAI_VIT_KEYS = (("patch_embed.", "patch_embedding.patch_embeddings."), (".attn.proj.", ".attn.out_proj."),
+                  (".mlp.fc1.", ".mlp.linear1."), (".mlp.fc2.", ".mlp.linear2."))  # Encoder key -> monai ViT key
+
+
+def monai_vit(encoder: ExportedEncoder, img_size: Optional[Sequence[int]] = None) -> nn.Module:
+    """The encoder as MONAI's 3D ViT (monai.networks.nets.ViT, the backbone of its UNETR) for inputs of img_size
+    (default: the trained size; any multiple of patch_size): the same weights, and the encoder's sin-cos positions
+    copied in (MONAI builds its own in another axis order). vit(volume)[0] equals encoder(volume). Needs monai.
+    ValueError for the hmlp stem: MONAI's ViT embeds each tubelet with one linear map."""
+    a = encoder.architecture
+    if a["patch_stem"] != "linear":
+        raise ValueError(f"monai_vit: this encoder's patch_stem is {a['patch_stem']!r}; MONAI's ViT embeds each "
+                         f"tubelet with one linear map (patch_stem 'linear'), so it cannot hold these weights. Use "
+                         f"the encoder itself as the backbone (tokens [B,N,E] = encoder(volume)).")
+    from monai.networks.nets import ViT
+    size = list(img_size or encoder.image_size)
+    vit = ViT(in_channels=1, img_size=size, patch_size=encoder.patch_size, hidden_size=a["embed_dim"],
+              mlp_dim=int(a["embed_dim"] * a["mlp_ratio"]), num_layers=a["depth"], num_heads=a["num_heads"],
+              proj_type="conv", pos_embed_type="sincos", classification=False, dropout_rate=0.0, spatial_dims=3,
+              qkv_bias=True)
+    state = vit.state_dict()  # its norm_cross_attn (unused without cross-attention) stays as built
+    for key, value in encoder.state_dict().items():
+        for ours, theirs in MONAI_VIT_KEYS:
+            key = key.replace(ours, theirs)
+        state[key] = value
+    grid = [s // p for s, p in zip(size, encoder.patch_size)]
+    state["patch_embedding.position_embeddings"] = encoder.positions(grid)[None].detach().clone()  # [1, N, E]
+    vit.load_state_dict(state, strict=True)
+    return vit.eval()
+
+
+class PretrainedEncoder(ExportedEncoder):
+    """An exported encoder with its export's settings checked: `settings` is a Config of its architecture,
+    preprocessing and augmentation (data.load_val_sample(path, encoder.settings) preprocesses a DICOM file)."""
+
+    def __init__(self, config: dict, where: str = CONFIG_FILE):
+        settings = export_settings(config, where)  # validated before anything is built from it
+        super().__init__(config)
+        self.settings = settings
+
+
+def random_encoder(config: dict, seed: int) -> PretrainedEncoder:
+    """A random init of an export's architecture: the target encoder of a VJEPA3D built after torch.manual_seed(seed),
+    as pretraining starts and as probe.load_model('random') builds it (the same weights, given the export's training
+    config: the predictor's size moves the random stream). The floor to beat; the global RNG is left as it was."""
+    source = config.get("source") or {}
+    config = {**{k: v for k, v in config.items() if k != "weights"}, "source": {"encoder": "random init", "seed": seed}}
+    encoder = PretrainedEncoder(config)
+    try:
+        cfg = load_config([], **source["training_config"])
+    except (KeyError, TypeError, ConfigError):  # no training config (e.g. a fine-tuned export): the predictor's default
+        cfg = encoder.settings
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        encoder.load_state_dict(VJEPA3D.from_config(cfg).encoder_state_dict())
+    return encoder.eval()
+
+
+def _sha256(payload: bytes) -> str:
+    return hashlib.sha256(payload).hexdigest()
+
+
+SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+CONTRACT_SECTIONS = ("architecture", "preprocessing", "augmentation")  # config.json's parts bound to the weights
+
+
+def export_contract(config: dict) -> str:
+    """How to build and feed the encoder (config.json's architecture, preprocessing and augmentation) as canonical
+    JSON. save_encoder stores it in the weights' metadata, so that the weights' sha256 covers it too."""
+    return json.dumps({k: config.get(k) for k in CONTRACT_SECTIONS}, sort_keys=True)
+
+
+def save_encoder(state: dict, config: dict, directory: str) -> None:
+    """Write an export to a local or gs:// folder: model.safetensors (the Encoder state `state`, with the export's
+    contract in its metadata), then config.json with the weights' sha256, each atomically (config.json last: an
+    export without it is incomplete)."""
+    weights = safetensors.torch.save({k: v.detach().cpu().contiguous() for k, v in state.items()},
+                                     metadata={"format": EXPORT_FORMAT, "format_version": str(EXPORT_VERSION),
+                                               "contract": export_contract(config)})
+    config = {**config, "weights": {"file": WEIGHTS_FILE, "sha256": _sha256(weights)}}
+    write_atomic(f"{directory.rstrip('/')}/{WEIGHTS_FILE}", weights)
+    write_atomic(f"{directory.rstrip('/')}/{CONFIG_FILE}", (json.dumps(config, indent=2) + "\n").encode())
+
+
+def read_export_config(directory: str) -> dict:
+    """The config.json of an export; ExportError when it is missing or not JSON."""
+    path = f"{directory.rstrip('/')}/{CONFIG_FILE}"
+    try:
+        config = json.loads(read_bytes(path))
+    except FileNotFoundError:
+        raise ExportError(f"{path} not found; export a checkpoint with `python encoder.py export --ckpt CKPT --out "
+                          f"{directory}`.") from None
+    except ValueError as e:  # not JSON, or not UTF-8
+        raise ExportError(f"{path} is not valid JSON ({e}).") from None
+    if not isinstance(config, dict):
+        raise ExportError(f"{path} holds a JSON {type(config).__name__}, not the object an export writes; export the "
+                          f"checkpoint again.")
+    return config
+
+
+def weights_header(payload: bytes, path: str) -> dict:
+    """The header of a safetensors payload ({key: {dtype, shape, data_offsets}, '__metadata__': {...}}), read
+    without loading a tensor; ExportError when the file is cut short or not safetensors."""
+    try:
+        size = int.from_bytes(payload[:8], "little")
+        header = json.loads(payload[8:8 + size])
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+        raise ExportError(f"{path} is not a safetensors file ({e!r}); export the checkpoint again.") from None
+    if len(payload) != 8 + size + end:
+        raise ExportError(f"{path} is {len(payload)} bytes, its header says {8 + size + end}: cut short or padded; "
+                          f"copy the whole export again.")
+    return header
+
+
+def load_encoder(directory: str) -> PretrainedEncoder:
+    """The encoder exported to `directory` (local or gs://), in eval mode on the CPU. The weights must match
+    config.json exactly: their sha256, the contract they were exported with (export_contract: architecture,
+    preprocessing, augmentation), every key, shape and dtype, all checked before the architecture is built (a
+    tampered config.json costs no memory). Raises ExportError naming the file, key or field otherwise."""
+    config = read_export_config(directory)
+    settings = export_settings(config, f"{directory.rstrip('/')}/{CONFIG_FILE}")  # every field, before any weight
+    weights = config.get("weights") if isinstance(config.get("weights"), dict) else {}
+    name = weights.get("file") if weights.get("file") in (WEIGHTS_FILE, EARLIER_WEIGHTS_FILE) else WEIGHTS_FILE
+    path = f"{directory.rstrip('/')}/{name}"
+    try:
+        payload = read_bytes(path)
+    except FileNotFoundError:
+        raise ExportError(f"{path} not found (config.json without its weights: copy the whole export folder).") \
+            from None
+    if _sha256(payload) != weights.get("sha256"):
+        raise ExportError(f"{path}: its sha256 {_sha256(payload)[:16]}... differs from {CONFIG_FILE} "
+                          f"weights.sha256 {str(weights.get('sha256'))[:16]}...: the weights were changed or belong to "
+                          f"another export.")
+    header = weights_header(payload, path)
+    bound = (header.get("__metadata__") or {}).get("contract")  # absent in exports of older versions
+    if bound is not None and bound != export_contract(config):
+        signed, given = ({s: v if isinstance(v, dict) else {} for s, v in json.loads(c).items()}
+                         for c in (bound, export_contract(config)))
+        changed = [f"{section}.{k}: {signed[section].get(k)} -> {given[section].get(k)}"
+                   for section in CONTRACT_SECTIONS for k in sorted({*signed[section], *given[section]})
+                   if signed[section].get(k) != given[section].get(k)]
+        raise ExportError(f"{directory.rstrip('/')}/{CONFIG_FILE} differs from what its weights were exported with "
+                          f"({'; '.join(changed)}): it was edited or belongs to another export; export the "
+                          f"checkpoint again.")
+    with torch.device("meta"):  # the architecture's shapes without its memory: checked before it is built
+        expected = {k: (v.shape, v.dtype) for k, v in
+                    PretrainedEncoder(config, f"{directory.rstrip('/')}/{CONFIG_FILE}").state_dict().items()}
+    found = {k: (torch.Size(t["shape"]), t["dtype"]) for k, t in header.items() if k != "__metadata__"}
+    missing, unexpected = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+    if missing or unexpected:
+        problem = f"key {missing[0]} is missing" if missing else f"unexpected key {unexpected[0]}"
+        raise ExportError(f"{path}: {problem} for the architecture in {CONFIG_FILE} ({settings.depth} blocks "
+                          f"of width {settings.embed_dim}).")
+    for key, (shape, dtype) in found.items():
+        if shape != expected[key][0] or SAFETENSORS_DTYPES.get(dtype) != expected[key][1]:
+            raise ExportError(f"{path}: key {key} is {SAFETENSORS_DTYPES.get(dtype, dtype)} {list(shape)}, the "
+                              f"architecture in "
+                              f"{CONFIG_FILE} needs {expected[key][1]} {list(expected[key][0])}.")
+    encoder = PretrainedEncoder(config, f"{directory.rstrip('/')}/{CONFIG_FILE}")
+    encoder.load_state_dict(safetensors.torch.load(payload), strict=True)
+    return encoder.eval()
