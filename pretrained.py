@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from config import Config, ConfigError, load_config
-from model import VJEPA3D, Encoder, check_encoder_input, pool_name, pool_tokens
+from model import VJEPA3D, Encoder, check_encoder_input, pool_name, pool_tokens, tubelet_embedding
 from storage import read_bytes, write_atomic
 
 EXPORT_FORMAT = "octjepa-encoder"
@@ -136,18 +136,17 @@ def monai_vit(encoder: ExportedEncoder, img_size: Optional[Sequence[int]] = None
     """The encoder as MONAI's 3D ViT (monai.networks.nets.ViT, the backbone of its UNETR) for inputs of img_size
     (default: the trained size; any multiple of patch_size): the same weights, and the encoder's sin-cos positions
     copied in (MONAI builds its own in another axis order). vit(volume)[0] equals encoder(volume). Needs monai.
-    ValueError for the hmlp stem: MONAI's ViT embeds each tubelet with one linear map."""
-    a = encoder.architecture
-    if a["patch_stem"] != "linear":
-        raise ValueError(f"monai_vit: this encoder's patch_stem is {a['patch_stem']!r}; MONAI's ViT embeds each "
-                         f"tubelet with one linear map (patch_stem 'linear'), so it cannot hold these weights. Use "
-                         f"the encoder itself as the backbone (tokens [B,N,E] = encoder(volume)).")
+    The hmlp stem replaces MONAI's one-convolution patch embedding (vit.patch_embedding.patch_embeddings): it is
+    called the same way, volume [B,1,D,H,W] -> [B,E,gd,gh,gw], so UNETR and MONAI's other users take it as it is."""
     from monai.networks.nets import ViT
+    a = encoder.architecture
     size = list(img_size or encoder.image_size)
     vit = ViT(in_channels=1, img_size=size, patch_size=encoder.patch_size, hidden_size=a["embed_dim"],
               mlp_dim=int(a["embed_dim"] * a["mlp_ratio"]), num_layers=a["depth"], num_heads=a["num_heads"],
               proj_type="conv", pos_embed_type="sincos", classification=False, dropout_rate=0.0, spatial_dims=3,
               qkv_bias=True)
+    if a["patch_stem"] != "linear":
+        vit.patch_embedding.patch_embeddings = tubelet_embedding(encoder.patch_size, a["embed_dim"], a["patch_stem"])
     state = vit.state_dict()  # its norm_cross_attn (unused without cross-attention) stays as built
     for key, value in encoder.state_dict().items():
         for ours, theirs in MONAI_VIT_KEYS:
