@@ -172,10 +172,11 @@ def run_evaluation(cfg: Config) -> str:
         return ("Not measured at export. Measure it on your labelled volumes: `python finetune.py --encoder DIR "
                 "--labels labels.csv --vs_random` (patient-level k-fold, beside a random init).")
     probe = probes[-1]
-    rows = [f"- {readout}: AUROC {p['mean']:.3f} [{p['low']:.3f}, {p['high']:.3f}], random init "
-            f"{probe['random'][readout]['mean']:.3f}" for readout, p in probe["pretrained"].items()]
-    return ("The end-of-run probe (linear read-outs of frozen tokens, 3-class labelled phantoms held out from "
-            "pretraining, 95% intervals over splits):\n" + "\n".join(rows))
+    rows = [f"- {readout}: AUROC {r['pretrained']['mean']:.3f} [{r['pretrained']['low']:.3f}, "
+            f"{r['pretrained']['high']:.3f}], random init {r['random']['mean']:.3f}, hand-made features "
+            f"{r['handmade']['mean']:.3f}" for readout, r in probe.get("readouts", {}).items()]
+    return (f"The end-of-run probe ({probe.get('task', '').split(' ', 1)[0]}: read-outs of frozen tokens of labelled "
+            f"volumes held out from pretraining, 95% intervals over splits):\n" + "\n".join(rows))
 
 
 def model_card(config: dict, cfg: Config) -> str:

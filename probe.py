@@ -10,7 +10,7 @@ and a ceiling (incident 12; the evidence: experiments/README.md).
 Every report puts the encoder (and with --vs_random a random init of its architecture: the floor) beside the best of
 a small set of hand-made features (the shortcut a label can be read from without learning anything) and a small 3D
 CNN trained on the same training split (the supervised ceiling), with the same volumes and splits (references.py).
-A task is valid when the best hand-made features are near chance and the CNN is well above it (VALID_*).
+A task is valid when the best hand-made features are near chance and the CNN is well above it (references.VALID_*).
 
 The built-in suite (SUITE), on labelled phantoms written once with other seeds than any pretraining set:
   plain_lesion   none / drusen / fluid on PROBE_PHANTOMS plain phantoms (PHANTOM_DIR_probe): the task of earlier
@@ -38,13 +38,11 @@ from config import Config, ConfigError, ScriptParser, given_flags, load_config, 
 from labels import encode_volumes, load_labelled_volumes, phantom_labels, task_targets
 from phantom import set_voxel_layers
 from readouts import READOUTS, TEST_FRACTION, Task, beats, intervals, paired_difference, probe_split, readout_scores
-from references import handmade_scores, supervised_scores
+from references import VALID_CEILING_MIN, VALID_SHORTCUT_MAX, handmade_scores, supervised_scores
 from runprobe import random_model
 from runtime import probe_device
 
 CKPT_FIELDS = ("phantom_dir", "cache_dir", "device")  # the config flags that apply to a checkpoint
-VALID_SHORTCUT_MAX = 0.65  # a valid task: the best hand-made features score at most this (0.5 = chance) ...
-VALID_CEILING_MIN = 0.75  # ... and the supervised CNN at least this
 SUITE = {"plain": (Task("plain_lesion"),),
          "varied": (Task("lesion", "lesion"), Task("lesion_tokens", "lesion", dense=True))}  # the built-in tasks, by the phantom set they use
 

@@ -23,6 +23,8 @@ HANDMADE = ("depth_profile", "histogram", "pooled_voxels", "profile_histogram")
 HISTOGRAM_BINS = 32  # over [-3, 3] standard deviations of the normalized volume
 POOLED_GRID = (4, 8, 8)  # raw voxels average-pooled to this [D, H, W] grid
 TOKEN_PERCENTILES = (10, 25, 50, 75, 90)
+VALID_SHORTCUT_MAX = 0.65  # a valid task: the best hand-made features score at most this (0.5 = chance) ...
+VALID_CEILING_MIN = 0.75  # ... and the supervised CNN at least this
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -439,9 +439,43 @@ def next_commands(cfg: Config, run_dir: str) -> List[str]:
             f"python finetune.py --encoder {encoder} --labels {labels} --out {path(run_dir, 'finetune')} --vs_random"]
 
 
-def summary(history: List[dict], run_dir: str, cfg: Config, state, versus_random: Optional[dict] = None) -> str:
-    """The one-screen end-of-run summary (`state`: train.TrainState); versus_random: probe.compare_with_random's
-    verdict, if measured; the commands to run next."""
+def verdict_line(result: dict) -> str:
+    """The verdict in words, on the first read-out of a runprobe.verdict result: 'beats a random init; beats hand-made
+    features', or what it does not beat; for a task hand-made features read, that it says little."""
+    readout, r = next(iter(result["readouts"].items()))
+    words = (f"{'beats' if r['beats_random'] else 'does NOT beat'} a random init; "
+             f"{'beats' if r['beats_handmade'] else 'does not beat'} hand-made features "
+             f"({result['task'].split(' ', 1)[0]}, {readout} read-out)")
+    if not result["shortcut_free"]:
+        words += f"; hand-made features read this task ({r['handmade']['mean']:.2f}), so it says little"
+    return words
+
+
+def verdict_lines(result: dict, collapsed: dict) -> List[str]:
+    """The summary's lines of a runprobe.verdict result: per read-out the encoder, then its random init and the best
+    hand-made features with the paired differences; the position shares; the verdict in words (with a fix when the
+    encoder does not beat its random init)."""
+    lines = [f"probe set         {result['task']}"]
+    for readout, r in result["readouts"].items():
+        p = r["pretrained"]
+        lines.append(f"probe {readout:<11} AUROC {p['mean']:.3f} [{p['low']:.3f}, {p['high']:.3f}] "
+                     f"({len(p['values'])} splits)")
+        for name, arm, d in (("random init", "random", "vs_random"),
+                             (f"hand-made ({result['best_handmade']})", "handmade", "vs_handmade")):
+            lines.append(f"  vs {name:<26} {r[arm]['mean']:.3f}, paired {r[d]['mean']:+.3f} "
+                         f"[{r[d]['low']:+.3f}, {r[d]['high']:+.3f}]")
+    share = result["position_share"]
+    lines.append(f"position share    {share['pretrained']:.3f} of the token variance (random init {share['random']:.3f})")
+    words = verdict_line(result)
+    if not next(iter(result["readouts"].values()))["beats_random"]:
+        words += (": the target collapsed partly: a slower EMA (--ema_base 0.998) or a lower --base_lr"
+                  if any(metric == "target_std" for _, metric in collapsed) else ": pretrain longer or on more data")
+    return lines + [f"verdict           {words}"]
+
+
+def summary(history: List[dict], run_dir: str, cfg: Config, state, result: Optional[dict] = None) -> str:
+    """The one-screen end-of-run summary (`state`: train.TrainState); result: runprobe.verdict's, if measured; the
+    commands to run next."""
     train = [r for r in history if r["split"] == "train"]
     val = [r for r in history if r["split"] == "val"]
     lines = ["", "=" * 72, f"done: {state.step} updates, {state.nonfinite_skipped} non-finite skipped, "
@@ -458,23 +492,8 @@ def summary(history: List[dict], run_dir: str, cfg: Config, state, versus_random
         lines.append("collapse          " + ", ".join(f"{split} {metric} {lowest:.3g} (best {best:.3g})"
                                                       for (split, metric), (best, lowest) in collapsed.items())
                      + " at the end (collapse_warning in events.jsonl)")
-    if versus_random:
-        beats = versus_random["beats_random"]
-        for readout, won in beats.items():
-            p, r = versus_random["pretrained"][readout], versus_random["random"][readout]
-            d = versus_random["difference"][readout]
-            lines.append(f"probe {readout:<11} AUROC {p['mean']:.3f} [{p['low']:.3f}, {p['high']:.3f}] vs random init "
-                         f"{r['mean']:.3f} [{r['low']:.3f}, {r['high']:.3f}], paired {d['mean']:+.3f} "
-                         f"[{d['low']:+.3f}, {d['high']:+.3f}] ({len(p['values'])} splits)"
-                         f"{'' if won else ': does NOT beat it'}")
-        if all(beats.values()):
-            verdict = f"the encoder BEATS a random init on {'both' if len(beats) == 2 else 'all'} probes"
-        else:
-            fix = ("the target collapsed partly: a slower EMA (--ema_base 0.998) or a lower --base_lr"
-                   if any(metric == "target_std" for _, metric in collapsed) else "pretrain longer or on more data")
-            verdict = (f"the encoder does NOT beat a random init on {', '.join(r for r, won in beats.items() if not won)}"
-                       f" (the 95% interval of the paired difference reaches 0): {fix}")
-        lines.append(f"verdict           {verdict}")
+    if result:
+        lines += verdict_lines(result, collapsed)
     lines += [f"metrics           {run_dir}/metrics.jsonl (events: events.jsonl, plot: training.png)",
               f"checkpoints       {cfg.ckpt_dir if cfg.ckpt_dir else 'off (ckpt_dir null)'}"]
     if cfg.ckpt_dir:

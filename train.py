@@ -30,7 +30,7 @@ from data import build_datasets, format_reason_table, make_loader, make_val_load
 from masks import describe_masks, mask_generator_from_config, mask_stats
 from model import VJEPA3D
 from health import position_share_of_sums, position_sums, rankme
-from runprobe import compare_with_random, prepare_probe_set, probe_auroc
+from runprobe import prepare_probe_set, probe_auroc, verdict
 from runlog import (RunLog, Throughput, describe_run, format_train_line, json_number, save_mask_plot,
                     save_schedule_plot, save_training_plot, summary)
 from checkpoint import (check_checkpoint_folder, checkpoint_everywhere, checkpoint_path, load_resume_checkpoint,
@@ -431,7 +431,7 @@ def train(cfg: Config, rt: Runtime) -> int:
         compile_model(run.model, run.local_batch, cfg, rt, run.log)
         run.ddp_model = wrap_ddp(run.model, rt)  # after the restore: DDP starts every process from the same weights
         if cfg.probe_every_steps is not None and probes_in_this_process(rt):
-            run.probe_set = prepare_probe_set(cfg, cfg.probe_labels)  # loaded once; features recomputed at each probe
+            run.probe_set = prepare_probe_set(cfg)  # loaded once; features recomputed at each probe
         if run.val_volumes:
             run.val_loader = make_val_loader(run.val_ds, run.val_volumes, run.local_batch, workers=cfg.workers,
                                              rank=rt.process_index, process_count=rt.process_count)
@@ -615,21 +615,21 @@ def rollback(run: Run, lr: float) -> None:
 
 
 def finish(run: Run, signals: StopSignals) -> None:
-    """The end of the run: does the encoder beat a random one (summary_probe), training.png, the summary. A stop
-    signal during the probe (or since the last update) ends the run as one in the loop does (Preempted)."""
+    """The end of the run: the verdict (summary_probe: does the encoder beat a random init and hand-made features?),
+    training.png, the summary. A stop signal during the probe (or since the last update) ends the run as one in the
+    loop does (Preempted)."""
     cfg, log = run.cfg, run.log
-    versus_random = None
+    result = None
     if cfg.summary_probe and probes_in_this_process(run.rt):
         try:
             with signals.at_once():
-                probe_set = run.probe_set or prepare_probe_set(cfg, cfg.probe_labels)
-                versus_random = compare_with_random(run.model, cfg, probe_set, run.rt.device)
+                result = verdict(run.model, cfg, run.probe_set or prepare_probe_set(cfg), run.rt.device)
         except StopRequested:
             raise preempted(run, [signals.received]) from None
-        log.event("summary_probe", run.state.step, **versus_random)
+        log.event("summary_probe", run.state.step, **result)
     if log.active:
         save_training_plot(log.history, os.path.join(run.run_dir, "training.png"))
-        log.print(summary(log.history, run.run_dir, cfg, run.state, versus_random))
+        log.print(summary(log.history, run.run_dir, cfg, run.state, result))
     log.close()
 
 

@@ -1,4 +1,5 @@
 """probe.py: linear probes on frozen target-encoder features, the evidence that pretraining learned something."""
+import dataclasses
 import json
 import math
 from dataclasses import asdict
@@ -133,7 +134,7 @@ def test_collapsed_encoder_scores_chance_and_is_flagged_by_the_collapse_metrics(
     volumes = torch.randn(len(labels), 1, *cfg.image_size, generator=g)
     volumes[labels == 1, :, :, :8] += 2.0  # a label that any working encoder sees
     train_idx, test_idx = readouts.stratified_split(labels, readouts.TEST_FRACTION, seed=0)
-    probe_set = runprobe.ProbeSet(volumes.half(), labels, ["a", "b"], train_idx, test_idx)
+    probe_set = runprobe.ProbeSet(volumes.half(), labels, ["a", "b"], train_idx, test_idx, "label (a test)")
 
     healthy = runprobe.probe_auroc(VJEPA3D.from_config(cfg), probe_set, "cpu")
     collapsed_model_ = collapsed_model(cfg)
@@ -146,8 +147,8 @@ def test_collapsed_encoder_scores_chance_and_is_flagged_by_the_collapse_metrics(
 
 
 def test_probe_auroc_leaves_the_model_as_it_found_it(phantom_dir):
-    cfg = load_config(TINY)
-    probe_set = runprobe.prepare_probe_set(cfg, f"{phantom_dir}/labels.csv")
+    cfg = load_config(TINY + ["--probe_labels", f"{phantom_dir}/labels.csv"])
+    probe_set = runprobe.prepare_probe_set(cfg)
     assert probe_set.volumes.dtype == torch.float16 and probe_set.volumes.shape == (10, 1, 8, 32, 32)
     assert probe_set.classes == ["drusen", "fluid", "none"]
     model = VJEPA3D.from_config(cfg)
@@ -265,19 +266,24 @@ def test_vs_random_probes_both_encoders_alike_and_plots_the_run(capsys, tmp_path
     assert "BEATS" not in capsys.readouterr().out
 
 
-def test_end_of_run_verdict_compares_with_a_random_init_on_the_same_splits(phantom_dir):
-    cfg = load_config(TINY)
-    probe_set = runprobe.prepare_probe_set(cfg, f"{phantom_dir}/labels.csv")
+def test_end_of_run_verdict_compares_with_a_random_init_and_hand_made_features_on_the_same_splits(phantom_dir):
+    cfg = load_config(TINY + ["--probe_labels", f"{phantom_dir}/labels.csv"])
+    probe_set = runprobe.prepare_probe_set(cfg)
     torch.manual_seed(cfg.seed)
-    same_as_random = runprobe.compare_with_random(VJEPA3D.from_config(cfg), cfg, probe_set, "cpu", seeds=3)
-    assert same_as_random["pretrained"] == same_as_random["random"]
-    assert same_as_random["beats_random"] == dict.fromkeys(readouts.LINEAR_READOUTS, False)
-    collapsed = runprobe.compare_with_random(collapsed_model(cfg), cfg, probe_set, "cpu", seeds=3)
-    assert all(collapsed["pretrained"][r]["mean"] == 0.5 for r in readouts.LINEAR_READOUTS)
-    assert not any(collapsed["beats_random"].values())
+    same_as_random = runprobe.verdict(VJEPA3D.from_config(cfg), cfg, probe_set, "cpu", seeds=3)
+    for r in same_as_random["readouts"].values():
+        assert r["pretrained"] == r["random"] and not r["beats_random"]
+        assert r["vs_handmade"]["values"] == list(np.subtract(r["pretrained"]["values"], r["handmade"]["values"]))
+    shares = same_as_random["position_share"]
+    assert shares["pretrained"] == shares["random"] and 0 < shares["random"] < 1
+    collapsed = runprobe.verdict(collapsed_model(cfg), cfg, probe_set, "cpu", seeds=3)
+    for r in collapsed["readouts"].values():
+        assert r["pretrained"]["mean"] == 0.5 and not r["beats_random"] and not r["beats_handmade"]
+    assert collapsed["best_handmade"] in references.HANDMADE
 
 
-def test_train_summary_says_whether_the_encoder_beats_a_random_one(tmp_path, smoke_phantoms, phantom_dir, capsys):
+def test_train_summary_says_whether_the_encoder_beats_a_random_init_and_hand_made_features(tmp_path, smoke_phantoms,
+                                                                                          phantom_dir, capsys):
     import train
     smoke = str(Path(__file__).parents[1] / "configs" / "smoke.yaml")
     code = train.main(["--config", smoke, "--phantom_dir", smoke_phantoms, "--out_dir", str(tmp_path), "--run_name", "r",
@@ -285,10 +291,23 @@ def test_train_summary_says_whether_the_encoder_beats_a_random_one(tmp_path, smo
                        "--probe_labels", f"{phantom_dir}/labels.csv"])
     assert code == 0
     out = capsys.readouterr().out
-    assert "probe mean_pool" in out and "probe depth_rows" in out and "vs random init" in out and "verdict" in out
+    assert "probe attentive" in out and "probe depth_rows" in out and "vs random init" in out and "vs hand-made" in out
+    assert "position share" in out and "verdict" in out and "a random init; " in out
     events = [json.loads(line) for line in open(tmp_path / "r" / "events.jsonl")]
     verdict = [e for e in events if e["event"] == "summary_probe"]
-    assert len(verdict) == 1 and set(verdict[0]) >= {"pretrained", "random", "beats_random"}
+    assert len(verdict) == 1 and set(verdict[0]["readouts"]) == set(runprobe.VERDICT_READOUTS)
+
+
+def test_the_verdict_never_says_beats_when_hand_made_features_do_better():
+    """The old demo printed BEATS on a task a histogram solved (0.982 against its 0.77)."""
+    from runlog import verdict_line
+    iv = lambda m: {"mean": m, "low": m - 0.02, "high": m + 0.02, "values": [m] * 5}  # noqa: E731
+    result = {"task": "plain_lesion (240 volumes)", "best_handmade": "histogram", "shortcut_free": False,
+              "readouts": {"attentive": {"pretrained": iv(0.77), "random": iv(0.57), "handmade": iv(0.98),
+                                         "vs_random": iv(0.2), "vs_handmade": iv(-0.21), "beats_random": True,
+                                         "beats_handmade": False}}}
+    line = verdict_line(result)
+    assert "BEATS" not in line and "does not beat hand-made features" in line and "says little" in line
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -321,7 +340,7 @@ def test_handmade_features_read_lesions_that_sit_at_one_depth():
 def test_handmade_features_are_near_chance_on_the_varied_lesion_task():
     """The same lesions in varied eyes (position, tilt, brightness, speckle...): no shortcut left."""
     volumes, labels = lesion_volumes(lambda i: draw_eye(np.random.default_rng([9, i, 11])))
-    assert best_handmade_auroc(volumes, labels) < probe.VALID_SHORTCUT_MAX
+    assert best_handmade_auroc(volumes, labels) < references.VALID_SHORTCUT_MAX
 
 
 @pytest.fixture(scope="module")

@@ -207,8 +207,10 @@ def test_the_summary_names_a_partial_collapse_and_its_fix_when_the_encoder_does_
                for step, std in ((100, 0.46), (200, 0.26), (600, 0.19))]
     auroc = {"mean": 0.56, "low": 0.54, "high": 0.57, "values": [0.56] * 5}
     none = {"mean": 0.0, "low": 0.0, "high": 0.0, "values": [0.0] * 5}
-    lost = {"pretrained": {"mean_pool": auroc}, "random": {"mean_pool": auroc}, "difference": {"mean_pool": none},
-            "beats_random": {"mean_pool": False}}
+    lost = {"task": "lesion (240 volumes of labels.csv)", "best_handmade": "histogram", "shortcut_free": True,
+            "position_share": {"pretrained": 0.9, "random": 0.9},
+            "readouts": {"attentive": {"pretrained": auroc, "random": auroc, "handmade": auroc, "vs_random": none,
+                                       "vs_handmade": none, "beats_random": False, "beats_handmade": False}}}
     text = summary(history, "run", cfg, state, lost)
     assert "collapse          val target_std 0.19 (best 0.46)" in text
     assert "the target collapsed partly: a slower EMA (--ema_base 0.998)" in text
