@@ -26,7 +26,8 @@ from sklearn.preprocessing import StandardScaler
 from phantom import LAYERS
 from references import TOKEN_CNN, CNNBudget, SmallCNN, fit_cnn, handmade_token_features, per_token
 
-TARGET_PATCH = (4, 8, 8)  # the token targets' grid: model-input voxels per target token (finer tubelets are pooled)
+TARGET_GRID = (4, 8, 8)  # the token targets' grid over a volume, the same for every input size and tubelet ...
+TARGET_PATCH = (4, 8, 8)  # ... unless it would cut fewer model-input voxels than these per target token
 LESION_SHARE = 0.02  # a lesion token: at least this share of its voxels are drusen or fluid
 LESION_LAYERS = [i for i, (name, _, _) in enumerate(LAYERS) if name in ("drusen", "fluid")]
 RPE_LAYER = [name for name, _, _ in LAYERS].index("rpe")
@@ -99,8 +100,11 @@ def fit_token_cnn(volumes: torch.Tensor, targets: np.ndarray, train_idx: np.ndar
 
 
 def target_grid(image_size: Sequence[int]) -> List[int]:
-    """The grid of the token targets for model inputs of image_size: TARGET_PATCH voxels per target token."""
-    return [s // p for s, p in zip(image_size, TARGET_PATCH)]
+    """The grid of the token targets for model inputs of image_size: TARGET_GRID (learn.yaml's token grid, at
+    16x64x64 with 4x8x8 tubelets), so that the task is the same at any geometry (16x128x128 with 4x16x16 tubelets:
+    the same grid), coarser only where an axis has fewer than TARGET_PATCH voxels per target token. Finer token
+    grids are pooled onto it (tokens_on_grid)."""
+    return [min(g, s // p) for g, s, p in zip(TARGET_GRID, image_size, TARGET_PATCH)]
 
 
 def split_scores(tokens: Dict[str, torch.Tensor], token_grid: Sequence[int], volumes: torch.Tensor,
