@@ -92,11 +92,11 @@ def token_loss(logits: torch.Tensor, token_maps: torch.Tensor) -> torch.Tensor:
 
 
 def fit_token_cnn(volumes: torch.Tensor, targets: np.ndarray, train_idx: np.ndarray, grid: Sequence[int], seed: int,
-                  budget: CNNBudget = TOKEN_CNN) -> SmallCNN:
-    """The supervised reference of the dense task: references.fit_cnn of a SmallCNN with a lesion logit per token of
-    the grid, on the token targets [M, N] (set_token_targets) of the training volumes."""
+                  budget: CNNBudget = TOKEN_CNN, device="cpu") -> SmallCNN:
+    """The supervised reference of the dense task: references.fit_cnn (on `device`) of a SmallCNN with a lesion logit
+    per token of the grid, on the token targets [M, N] (set_token_targets) of the training volumes."""
     token_maps = torch.from_numpy(targets.astype(np.float32)).view(len(targets), *grid)  # [M, gd, gh, gw]
-    return fit_cnn(volumes, token_maps, train_idx, token_loss, 1, budget, seed, grid)
+    return fit_cnn(volumes, token_maps, train_idx, token_loss, 1, budget, seed, grid, device)
 
 
 def target_grid(image_size: Sequence[int]) -> List[int]:
@@ -109,19 +109,21 @@ def target_grid(image_size: Sequence[int]) -> List[int]:
 
 def split_scores(tokens: Dict[str, torch.Tensor], token_grid: Sequence[int], volumes: torch.Tensor,
                  targets: np.ndarray, train_idx: np.ndarray, test_idx: np.ndarray, seed: int,
-                 reference: bool = True) -> Dict[str, dict]:
+                 reference: bool = True, device="cpu") -> Dict[str, dict]:
     """One volume split's token_scores {name: scores}: each encoder's tokens ({name: [M, N, E]} on token_grid,
-    pooled onto the targets' grid), and with `reference` the hand-made features ('handmade:NAME') and the TokenFCN
-    ('supervised'). targets [M, N']: set_token_targets on target_grid of the volumes [M, 1, D, H, W]."""
+    pooled onto the targets' grid), and with `reference` the hand-made features ('handmade:NAME') and the token CNN
+    ('supervised', trained on `device`). targets [M, N']: set_token_targets on target_grid of the volumes
+    [M, 1, D, H, W]."""
     grid = target_grid(volumes.shape[2:])
     out = {name: linear_token_probe(tokens_on_grid(t, token_grid, grid).numpy(), targets, train_idx, test_idx)
            for name, t in tokens.items()}
     if reference:
         for name, x in handmade_token_features(volumes, grid).items():
             out[f"handmade:{name}"] = linear_token_probe(x, targets, train_idx, test_idx)
-        fcn = fit_token_cnn(volumes, targets, train_idx, grid, seed)
+        fcn = fit_token_cnn(volumes, targets, train_idx, grid, seed, device=device)
         with torch.no_grad():
-            logits = fcn(volumes[test_idx].float()).numpy()
+            logits = torch.cat([fcn(volumes[test_idx[i:i + 32]].float().to(device)).cpu()
+                                for i in range(0, len(test_idx), 32)]).numpy()
         keep = targets[test_idx] >= 0
         out["supervised"] = token_scores(logits[keep], targets[test_idx][keep])
     return out

@@ -170,7 +170,7 @@ class PretrainedEncoder(ExportedEncoder):
 
 def random_encoder(config: dict, seed: int) -> PretrainedEncoder:
     """A random init of an export's architecture: the target encoder of a VJEPA3D built after torch.manual_seed(seed),
-    as pretraining starts and as probe.load_model('random') builds it (the same weights, given the export's training
+    as pretraining starts and as runprobe.random_model builds it (the same weights, given the export's training
     config: the predictor's size moves the random stream). The floor to beat; the global RNG is left as it was."""
     source = config.get("source") or {}
     config = {**{k: v for k, v in config.items() if k != "weights"}, "source": {"encoder": "random init", "seed": seed}}

@@ -35,6 +35,7 @@ from matplotlib.figure import Figure
 import dense
 from checkpoint import read_model_checkpoint, resolve_checkpoint
 from config import Config, ConfigError, ScriptParser, given_flags, load_config, script_main
+from health import position_share
 from labels import encode_volumes, load_labelled_volumes, phantom_labels, task_targets
 from phantom import set_voxel_layers
 from readouts import READOUTS, TEST_FRACTION, Task, beats, intervals, paired_difference, probe_split, readout_scores
@@ -53,33 +54,35 @@ SUITE = {"plain": (Task("plain_lesion"),),
 
 def task_report(labels: np.ndarray, tokens: Dict[str, torch.Tensor], grid: Sequence[int],
                 volumes: torch.Tensor, seeds: Sequence[int], readouts: Sequence[str] = READOUTS,
-                reference: bool = True) -> dict:
-    """One task with class ids labels [M]: each encoder's read-outs (tokens: {encoder name: [M, N, E]}; 'random' is the floor) and, with
-    `reference`, the hand-made features (the shortcut), the supervised CNN (the ceiling) and the task's validity:
+                reference: bool = True, device="cpu") -> dict:
+    """One task with class ids labels [M]: each encoder's read-outs (tokens: {encoder name: [M, N, E]}; 'random' is
+    the floor) and, with `reference`, the hand-made features (the shortcut), the supervised CNN (the ceiling) and the
+    task's validity (the attentive read-out and the CNN trained on `device`):
     {"metric", "encoders": {name: {readout: {metric: interval}}}, "handmade": {features: ...}, "best_handmade",
     "supervised": {metric: interval}, "valid", "versus": {name: {readout: comparisons}}}."""
     metric = "auroc"
     report = {"metric": metric,
-              "encoders": {name: readout_scores(t, grid, labels, seeds, readouts) for name, t in tokens.items()}}
+              "encoders": {name: readout_scores(t, grid, labels, seeds, readouts, device) for name, t in tokens.items()}}
     if reference:
         report = with_references(report, handmade_scores(volumes, labels, seeds),
-                                 supervised_scores(volumes, labels, seeds))
+                                 supervised_scores(volumes, labels, seeds, device))
     report["versus"] = {name: {readout: comparisons(report, scores[readout][metric], readout) for readout in scores}
                         for name, scores in report["encoders"].items() if name != "random"}
     return report
 
 
 def dense_report(labels: np.ndarray, paths: np.ndarray, labels_csv: str, tokens: Dict[str, torch.Tensor],
-                 grid: Sequence[int], volumes: torch.Tensor, seeds: Sequence[int], reference: bool = True) -> dict:
+                 grid: Sequence[int], volumes: torch.Tensor, seeds: Sequence[int], reference: bool = True,
+                 device="cpu") -> dict:
     """The dense task (dense.py) in task_report's layout, its one read-out `token_linear`, on the volume splits of
     the volume labels [M] (the `lesion` task's), for the phantom set of labels_csv (the volumes' paths [M])."""
     targets = dense.set_token_targets(set_voxel_layers(os.path.dirname(labels_csv)), paths,
                                       dense.target_grid(volumes.shape[2:]))
     runs = dense.stack_runs([dense.split_scores(tokens, grid, volumes, targets, *probe_split(labels, s),
-                                                s, reference) for s in seeds])
+                                                s, reference, device) for s in seeds])
     report = {"metric": "auroc", "scored_tokens": int((targets >= 0).sum()),
               "lesion_tokens": int((targets == 1).sum()),
-              "position_share": {name: dense.position_share(t) for name, t in tokens.items()},
+              "position_share": {name: position_share(t) for name, t in tokens.items()},
               "encoders": {name: {"token_linear": intervals(runs[name])} for name in tokens}}
     if reference:
         report = with_references(report, {n.split(":", 1)[1]: intervals(r) for n, r in runs.items()
@@ -197,9 +200,9 @@ def main(argv: List[str]) -> int:
                 "labels": csv_path, "column": task.column, "volumes": len(volumes), "skipped": skipped,
                 "class_counts": {n: int((y == i).sum()) for i, n in enumerate(names)},
                 **(dense_report(y, values["path"], csv_path, tokens, model.grid, volumes, range(args.seeds),
-                                not args.no_reference) if task.dense else
-                   task_report(y, tokens, model.grid, volumes, range(args.seeds), readouts,
-                               reference=not args.no_reference))}
+                                not args.no_reference, device) if task.dense else
+                   task_report(y, tokens, model.grid, volumes, range(args.seeds), readouts, not args.no_reference,
+                               device))}
     print(format_report(report))
     if args.json:
         with open(args.json, "w") as f:

@@ -199,19 +199,20 @@ def train_steps(model: nn.Module, accumulate_gradient, steps: int, lr: float, we
     return model.eval()
 
 
-def fit_attentive(tokens: Tokens, labels: np.ndarray, train_idx: np.ndarray, seed: int,
-                  steps: int = 300, lr: float = 1e-2, weight_decay: float = 1e-2) -> AttentiveProbe:
-    """An AttentiveProbe trained full-batch on the tokens [M, N, E] of train_idx to their class ids labels [M], for a
-    fixed budget, the same for every encoder. Standardizing the features raised the AUROC; early stopping on a fifth of the training volumes
-    lowered it and doubled its spread over probe seeds (experiments/README.md)."""
+def fit_attentive(tokens: Tokens, labels: np.ndarray, train_idx: np.ndarray, seed: int, steps: int = 300,
+                  lr: float = 1e-2, weight_decay: float = 1e-2, device="cpu") -> AttentiveProbe:
+    """An AttentiveProbe trained full-batch on `device` on the tokens [M, N, E] of train_idx to their class ids labels
+    [M], for a fixed budget, the same for every encoder. Standardizing the features raised the AUROC; early stopping
+    on a fifth of the training volumes lowered it and doubled its spread over probe seeds (experiments/NOTES.md)."""
     torch.manual_seed(seed)
     probe = AttentiveProbe(tokens.shape[-1], int(labels.max()) + 1)
     probe.set_standardization(chunk for _, chunk in token_chunks(tokens, train_idx))
-    y = torch.from_numpy(labels).long()
+    probe.to(device)
+    y = torch.from_numpy(labels).long().to(device)
 
     def normalized_chunks():
         """(part of train_idx, its standardized, layer-normed tokens), read from `tokens` again."""
-        return ((part, probe.normalize(chunk)) for part, chunk in token_chunks(tokens, train_idx))
+        return ((part, probe.normalize(chunk.to(device))) for part, chunk in token_chunks(tokens, train_idx))
 
     one_chunk = len(train_idx) <= chunk_rows(tokens)
     kept = list(normalized_chunks()) if one_chunk else None  # normalized once: the tokens are frozen
@@ -227,20 +228,22 @@ def fit_attentive(tokens: Tokens, labels: np.ndarray, train_idx: np.ndarray, see
 
 @torch.no_grad()
 def attentive_outputs(probe: AttentiveProbe, tokens: Tokens, idx: np.ndarray) -> torch.Tensor:
-    """The probe's outputs [len(idx), out_dim] on the tokens of idx."""
-    return torch.cat([probe(chunk) for _, chunk in token_chunks(tokens, idx)])
+    """The probe's outputs [len(idx), out_dim] (CPU) on the tokens of idx, computed where the probe is."""
+    device = probe.mean.device
+    return torch.cat([probe(chunk.to(device)).cpu() for _, chunk in token_chunks(tokens, idx)])
 
 
 def split_scores(tokens: Tokens, labels: np.ndarray, train_idx: np.ndarray, test_idx: np.ndarray, seed: int,
-                 readouts: Sequence[str] = ("mean_pool", "attentive"),
-                 grid: Optional[Sequence[int]] = None) -> Dict[str, dict]:
+                 readouts: Sequence[str] = ("mean_pool", "attentive"), grid: Optional[Sequence[int]] = None,
+                 device="cpu") -> Dict[str, dict]:
     """{readout: held-out classification_scores on test_idx} of each read-out trained on train_idx, initialised from
     `seed`. tokens: [M, N, E] frozen features of M labelled volumes (token grid `grid`, needed for depth_rows);
-    labels: [M] class ids. The one place that says how a read-out is scored: readout_scores and finetune.py call it."""
+    labels: [M] class ids; the attentive read-out trains on `device`. The one place that says how a read-out is
+    scored: readout_scores and finetune.py call it."""
     scores = {}
     for readout in readouts:
         if readout == "attentive":
-            outputs = attentive_outputs(fit_attentive(tokens, labels, train_idx, seed), tokens, test_idx)
+            outputs = attentive_outputs(fit_attentive(tokens, labels, train_idx, seed, device=device), tokens, test_idx)
             scores[readout] = classification_scores(F.softmax(outputs, dim=-1).numpy(), labels[test_idx])
         else:
             scores[readout] = linear_probe(pooled_features(tokens, grid, readout), labels, train_idx, test_idx)
@@ -248,12 +251,12 @@ def split_scores(tokens: Tokens, labels: np.ndarray, train_idx: np.ndarray, test
 
 
 def readout_scores(tokens: torch.Tensor, grid: Sequence[int], labels: np.ndarray, seeds: Sequence[int],
-                   readouts: Sequence[str] = READOUTS) -> Dict[str, Dict[str, dict]]:
+                   readouts: Sequence[str] = READOUTS, device="cpu") -> Dict[str, Dict[str, dict]]:
     """{readout: {metric: interval over seeds}} of one encoder's frozen tokens [M, N, E] (token grid `grid`) for the
-    class ids labels [M], on the probe splits of `seeds`."""
+    class ids labels [M], on the probe splits of `seeds` (the attentive read-out trained on `device`)."""
     runs: Dict[str, List[dict]] = {r: [] for r in readouts}
     for seed in seeds:
         train, test = probe_split(labels, seed)
-        for readout, scores in split_scores(tokens, labels, train, test, seed, readouts, grid).items():
+        for readout, scores in split_scores(tokens, labels, train, test, seed, readouts, grid, device).items():
             runs[readout].append(scores)
     return {r: intervals(s) for r, s in runs.items()}

@@ -120,21 +120,21 @@ class SmallCNN(nn.Module):
 
 
 def fit_cnn(volumes: torch.Tensor, targets: torch.Tensor, train_idx: np.ndarray, loss: Callable, out_dim: int,
-            budget: CNNBudget, seed: int, grid: Optional[Sequence[int]] = None) -> SmallCNN:
-    """A SmallCNN trained from scratch with AdamW for the budget's steps on random batches of the volumes
+            budget: CNNBudget, seed: int, grid: Optional[Sequence[int]] = None, device="cpu") -> SmallCNN:
+    """A SmallCNN trained from scratch on `device` with AdamW for the budget's steps on random batches of the volumes
     [M, 1, D, H, W] of train_idx, each volume flipped laterally at random (a per-token target map [M, gd, gh, gw]
     flips with it); loss(outputs, targets of the batch). Early stopping on a fifth of the training volumes lowered the
     AUROC (experiments/NOTES.md)."""
     torch.manual_seed(seed)
-    cnn = SmallCNN(out_dim, budget, grid)
-    x = volumes.float()
+    cnn = SmallCNN(out_dim, budget, grid).to(device)
     rng = np.random.default_rng(seed)
 
     def batch_gradient():
         idx = rng.choice(train_idx, size=min(budget.batch_size, len(train_idx)), replace=False)
-        flip = torch.from_numpy(rng.random(len(idx)) < 0.5)
-        batch = torch.where(flip[:, None, None, None, None], x[idx].flip(-1), x[idx])
-        y = targets[idx]
+        flip = torch.from_numpy(rng.random(len(idx)) < 0.5).to(device)
+        x = volumes[idx].float().to(device)
+        batch = torch.where(flip[:, None, None, None, None], x.flip(-1), x)
+        y = targets[idx].to(device)
         if y.dim() == 4:  # a token map [m, gd, gh, gw]
             y = torch.where(flip[:, None, None, None], y.flip(-1), y)
         loss(cnn(batch), y).backward()
@@ -142,13 +142,14 @@ def fit_cnn(volumes: torch.Tensor, targets: torch.Tensor, train_idx: np.ndarray,
     return train_steps(cnn, batch_gradient, budget.steps, budget.lr, 1e-4)
 
 
-def supervised_scores(volumes: torch.Tensor, labels: np.ndarray, seeds: Sequence[int]) -> Dict[str, dict]:
-    """{metric: interval} of a SmallCNN (VOLUME_CNN) trained to the class ids labels [M] on each seed's training split,
-    the same probe splits as the read-outs."""
+def supervised_scores(volumes: torch.Tensor, labels: np.ndarray, seeds: Sequence[int], device="cpu") -> Dict[str, dict]:
+    """{metric: interval} of a SmallCNN (VOLUME_CNN) trained on `device` to the class ids labels [M] on each seed's
+    training split, the same probe splits as the read-outs."""
     runs, y = [], torch.from_numpy(labels).long()
     for seed in seeds:
         train, test = probe_split(labels, seed)
-        cnn = fit_cnn(volumes, y, train, F.cross_entropy, int(labels.max()) + 1, VOLUME_CNN, seed)
+        cnn = fit_cnn(volumes, y, train, F.cross_entropy, int(labels.max()) + 1, VOLUME_CNN, seed, device=device)
         with torch.no_grad():
-            runs.append(classification_scores(F.softmax(cnn(volumes[test].float()), dim=-1).numpy(), labels[test]))
+            outputs = torch.cat([cnn(volumes[test[i:i + 32]].float().to(device)).cpu() for i in range(0, len(test), 32)])
+            runs.append(classification_scores(F.softmax(outputs, dim=-1).numpy(), labels[test]))
     return intervals(runs)

@@ -90,7 +90,7 @@ def verdict(model: VJEPA3D, cfg: Config, probe_set: ProbeSet, device, seeds: int
         random_init = random_model(cfg).to(device)
     tokens = frozen_tokens({"pretrained": model, "random": random_init}, probe_set.volumes, device)
     labels, splits = probe_set.labels, range(seeds)
-    scores = {arm: readout_scores(t, model.grid, labels, splits, readouts) for arm, t in tokens.items()}
+    scores = {arm: readout_scores(t, model.grid, labels, splits, readouts, device) for arm, t in tokens.items()}
     handmade = handmade_scores(probe_set.volumes.float(), labels, splits)
     best = max(handmade, key=lambda f: handmade[f]["auroc"]["mean"])
     out = {"task": probe_set.name, "best_handmade": best, "readouts": {},
