@@ -138,9 +138,9 @@ class Config:
     log_every_steps: int = 10  # metrics line every N updates (on XLA also how often the host reads the device)
     val_every_steps: int = 100  # validation (loss, target_std, RankMe) every N updates and at the end
     val_batches: int = 4  # validation uses the first val_batches x global_batch_size val volumes (fixed crops and masks, the same on any number of processes)
-    probe_every_steps: Optional[int] = None  # linear probe of the target encoder every N updates (probe.py); None = off
-    probe_labels: Optional[str] = None  # labels.csv (path,label) for probe_every_steps; None = labelled phantoms
-    summary_probe: bool = True  # end of run: does the encoder beat a random one on quick mean-pool and depth-row probes?
+    probe_every_steps: Optional[int] = None  # linear probes of the target encoder every N updates (runprobe.py); None = off
+    probe_labels: Optional[str] = None  # labels.csv (path,label) of the run's probes; None = the suite's lesion task on labelled phantoms
+    summary_probe: bool = True  # end of run: the verdict: does the encoder beat a random init and hand-made features (attentive, depth-row read-outs)?
     collapse_min_target_std: float = 0.05  # warn (events.jsonl, console) when target_std falls under this
     collapse_min_rankme: float = 2.0  # warn when val RankMe falls under this
     collapse_window_steps: int = 1000  # warn when either falls under half its best of this many updates (probe AUROC: half its gain over 0.5)
