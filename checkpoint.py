@@ -26,7 +26,8 @@ import torch
 
 from config import Config, ConfigError, ExitError, RunPlan, StorageFailed, load_config, plan_run
 from model import VJEPA3D
-from runtime import (Runtime, broadcast_from_master, gather_objects, master_decides, place_model_state,
+from lock import lease_lost, stop_if_taken_over
+from runtime import (Runtime, any_process, broadcast_from_master, gather_objects, master_decides, place_model_state,
                      place_optimizer_state, state_to_host)
 from storage import (copy_atomic, exists, gcs_filesystem, glob_paths, is_transient, open_atomic,
                      read_bytes, remove, remove_stale_tmp, rename, retry, storage_errors, write_atomic)
@@ -191,7 +192,9 @@ def checkpoint_everywhere(path: str, model: torch.nn.Module, optimizer, state, p
     save_checkpoint's retries for ckpt_retry_minutes. The master builds the state and writes it (on XLA every host
     takes part in fetching it, and every FSDP2 process in gathering it: a sharded array needs them all); then every
     process learns how that went, so none rolls back to a file not written yet. Returns the write's last error
-    (repr, and whether it was retried) or None, the same in every process."""
+    (repr, and whether it was retried) or None, the same in every process. First every process stops
+    (ConfigError) when the master's run-folder lock was taken over by another process: it never writes over it."""
+    stop_if_taken_over(any_process([rt.is_master and lease_lost(read=True)], rt)[0])
     error = None
     if rt.is_master or rt.kind == "xla" or rt.sharded:
         ckpt = {**checkpoint_state(model, optimizer, state, cfg, rt), "plan": plan}

@@ -35,7 +35,7 @@ from runlog import (RunLog, Throughput, describe_run, format_train_line, json_nu
                     save_schedule_plot, save_training_plot, summary)
 from checkpoint import (check_checkpoint_folder, checkpoint_everywhere, checkpoint_path, load_resume_checkpoint,
                         plan_record, read_checkpoint, resolve_run_dir, restore, resumed_plan, split_fingerprint)
-from lock import run_folder_lock
+from lock import lease_lost, run_folder_lock, stop_if_taken_over
 from runtime import (PendingDeviceStats, Runtime, StopRequested, StopSignals, adamw_state, any_process,
                      check_ranks_agree, gather_objects, global_value, mark_step, master_decides, place_model,
                      probes_in_this_process, reduce_mean, setup_runtime, state_bytes_per_device, to_device, wrap_ddp,
@@ -467,7 +467,8 @@ def train_loop(run: Run, signals: StopSignals) -> None:
             speed.updates += 1
             bar.update(1)
             # Every process says whether it got a stop signal (one small all-reduce): all stop here, or none.
-            stop, time_due = any_process([signals.received is not None, run.checkpoint_time_due], rt)
+            stop, time_due, lost = any_process([bool(signals.received), run.checkpoint_time_due, lease_lost()], rt)
+            stop_if_taken_over(lost)  # another process took the run folder over (lock.py): nothing more is written
             is_last = state.step == plan.total_steps
             is_log = state.step % cfg.log_every_steps == 0 or is_last or state.step == 1
             is_val = run.val_loader is not None and (state.step % cfg.val_every_steps == 0 or is_last)

@@ -187,7 +187,8 @@ def one_thread():
 
 
 class GCSEmulator:
-    """A gcp-storage-emulator process on 127.0.0.1; STORAGE_EMULATOR_HOST points gcsfs (storage.py) at it."""
+    """A gcp-storage-emulator process on 127.0.0.1 that honours GCS's generation preconditions (tests/gcs_emulator.py);
+    STORAGE_EMULATOR_HOST points gcsfs (storage.py) at it."""
     bucket = "octjepa-test"
 
     def __init__(self, tmp_dir: Path, port: Optional[int] = None):
@@ -195,7 +196,7 @@ class GCSEmulator:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(tmp_dir / "emulator.log", "a")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1", "--port", str(self.port),
+            [sys.executable, str(REPO / "tests" / "gcs_emulator.py"), "start", "--host", "127.0.0.1", "--port", str(self.port),
              "--in-memory", "--default-bucket", self.bucket, "--quiet"], stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while True:
