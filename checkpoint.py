@@ -26,6 +26,7 @@ import torch
 
 from config import Config, ConfigError, ExitError, RunPlan, StorageFailed, load_config, plan_run
 from model import VJEPA3D
+from privacy import KEY_FILE_ENV, key_fingerprint, patient_key_file
 from lock import lease_lost, stop_if_taken_over
 from runtime import (Runtime, any_process, broadcast_from_master, gather_objects, master_decides, place_model_state,
                      place_optimizer_state, state_to_host)
@@ -163,7 +164,7 @@ def read_model_checkpoint(ckpt: str) -> Tuple[VJEPA3D, Config, dict]:
     return model, ckpt_cfg, state
 
 
-CHECKPOINT_VERSION = 2  # 2: + plan and config (the format train.py writes; a newer one is refused)
+CHECKPOINT_VERSION = 3  # 2: + plan and config; 3: + the plan's patient_keys (the key file's fingerprint)
 
 
 def checkpoint_path(ckpt_dir: str, step: int) -> str:
@@ -307,10 +308,11 @@ def _fingerprint(train_ds, val_ds, relative: bool) -> str:
 
 
 def plan_record(cfg: Config, plan: RunPlan, train_ds, val_ds) -> dict:
-    """The run's plan, schedule settings, data-order seed and train/val split, as stored in its checkpoints."""
+    """The run's plan, schedule settings, data-order seed, train/val split and which patient-key secret drew the
+    split (privacy.key_fingerprint), as stored in its checkpoints."""
     return {**{k: getattr(plan, k) for k in PLAN_FIELDS}, **{k: getattr(cfg, k) for k in SCHEDULE_FIELDS},
             "train_volumes": len(train_ds), "val_volumes": len(val_ds), "split": split_fingerprint(train_ds, val_ds),
-            "extensions": plan.extensions}
+            "patient_keys": key_fingerprint(), "extensions": plan.extensions}
 
 
 def resumed_plan(saved: dict, cfg: Config, plan: RunPlan, train_ds, val_ds, step: int, ckpt_path: str,
@@ -322,7 +324,11 @@ def resumed_plan(saved: dict, cfg: Config, plan: RunPlan, train_ds, val_ds, step
     now = plan_record(cfg, reference, train_ds, val_ds)
     if saved.get("split") == _fingerprint(train_ds, val_ds, relative=False):
         now["split"] = saved["split"]  # a checkpoint of an older octjepa: the split by absolute paths
-    changes = [f"{k}: {saved[k]} -> {now[k]}" for k in now if k != "extensions" and now[k] != saved.get(k)]
+    changes = [f"{k}: {saved[k]} -> {now[k]}" for k in now if k != "extensions" and now[k] != saved.get(k)
+               and (k in saved or k != "patient_keys")]  # an older checkpoint records no key fingerprint
+    if any(change.startswith("patient_keys:") for change in changes):
+        changes.append(f"(the split follows the patient keys: the key file {patient_key_file()} holds another secret "
+                       f"than the one this run started with; point {KEY_FILE_ENV} at that run's key file)")
     changes += changed_settings(saved_config or {}, cfg)
     longer = plan.total_steps > saved["total_steps"]
     if plan.total_steps != saved["total_steps"] and not (longer and cfg.extend):

@@ -29,7 +29,7 @@ architecture with the same splits, seeds and budget and adds the paired differen
 
 Writes each split's result to OUT/folds/ as it finishes (the same command after a kill computes only the rest; --out
 is checked writable before any work), then OUT/report.json and, per fold of the export's full fine-tuning,
-OUT/full/r{repeat}_f{fold}/: config.json and model.safetensors (model.load_encoder reads them), heads.safetensors
+OUT/full/r{repeat}_f{fold}/: config.json and model.safetensors (pretrained.load_encoder reads them), heads.safetensors
 (the heads of finetune.Classifier) and fold.json (classes, task, the keyed ids of each part's volumes, scores, the
 loss of every epoch); none of them holds a path (docs/privacy.md). The config flags that apply:
 device, seed (splits, probes, heads and the random init follow from it).
@@ -57,9 +57,9 @@ from data import resample_and_clip, to_sample
 from dicom import UnusableFile
 from index import format_reason_table
 from labels import TokenFile, encode_volumes, read_label_rows
-from model import PretrainedEncoder, load_encoder, random_encoder, save_encoder
-from privacy import share_safe_source, volume_key
-from readouts import (TEST_FRACTION, AttentiveProbe, Task, classification_scores, fit_attentive, interval,
+from pretrained import PretrainedEncoder, load_encoder, random_encoder, save_encoder
+from privacy import share_safe_source, site_secret, volume_key
+from readouts import (TEST_FRACTION, AttentiveProbe, classification_scores, fit_attentive, interval,
                       paired_difference, split_scores, stratified_split)
 from runlog import counted
 from runtime import probe_device, release_freed_memory
@@ -158,8 +158,9 @@ def read_label_table(path: str) -> Tuple[List[str], np.ndarray, List[str], str, 
 
 def load_labelled_set(labels_csv: str, cfg: Config) -> LabelledSet:
     """The labelled volumes of a CSV read and prepared with cfg (an export's settings); unusable files are left out
-    and counted by reason."""
+    and counted by reason. A read of a source without an index: it may create the site's key file (privacy)."""
     paths, targets, classes, task, patients = read_label_table(labels_csv)
+    site_secret(create=True)
     keep, prepared, keys, skipped = [], PreparedVolumes(), [], Counter()
     for i, path in enumerate(counted(paths, "read", "volume")):
         try:
@@ -278,8 +279,8 @@ def probe_heads(tokens: TokenFile, data: LabelledSet, fit_idx: np.ndarray, seed:
     """probe.py's attentive probe trained on the frozen tokens [M,N,E] of data[fit_idx] (multilabel: one binary probe
     per class): where full fine-tuning starts from (linear probing, then fine-tuning)."""
     if data.task != "multilabel":
-        return [fit_attentive(tokens, data.targets, fit_idx, Task("label"), seed)]
-    return [fit_attentive(tokens, t, fit_idx, Task("label"), seed) for t in data.targets.T]
+        return [fit_attentive(tokens, data.targets, fit_idx, seed)]
+    return [fit_attentive(tokens, t, fit_idx, seed) for t in data.targets.T]
 
 
 def layer_decay_groups(model: Classifier, settings: FullSettings) -> List[dict]:
