@@ -541,3 +541,19 @@ def test_an_encoder_whose_weights_are_nan_is_neither_exported_nor_embedded(train
                              "--out", str(tmp_path / "e.npz"), "--workers", "0"]) == 2
     assert "NaN or inf embeddings for 10 of 10 volumes" in capsys.readouterr().err
     assert not (tmp_path / "e.npz").exists()
+
+
+def test_embed_on_a_full_disk_stops_with_a_message_and_leaves_no_half_written_table(tmp_path, export_dir,
+                                                                                     phantom_dir):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    tiny = ["unshare", "--mount", "sh", "-c", 'mount -t tmpfs -o size=16k tmpfs "$0" && exec "$@"', str(disk)]
+    if subprocess.run([*tiny, "true"], capture_output=True).returncode:
+        pytest.skip("cannot mount a tiny tmpfs here (needs root in a mount namespace): no full disk to write to")
+    out = disk / "embeddings.npz"
+    full = subprocess.run([*tiny, sys.executable, str(REPO / "encoder.py"), "embed", "--encoder", export_dir,
+                           "--data_root", phantom_dir, "--out", str(out), "--workers", "0"], cwd=REPO,
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert full.returncode == 2, full.stderr[-2000:]
+    assert f"cannot write into {disk}" in full.stderr and "No space left on device" in full.stderr
+    assert "Traceback" not in full.stderr and "run the same command again" in full.stderr

@@ -242,3 +242,26 @@ def test_a_run_resumed_with_another_key_secret_is_refused_naming_the_key_file(tm
     err = capsys.readouterr().err
     assert "patient_keys: kf1-" in err and f"the key file {other} holds another secret" in err
 
+
+def test_an_interrupted_embed_keeps_keyed_ids_not_paths_in_its_partial_rows(tmp_path, phantom_dir, export_dir,
+                                                                           monkeypatch):
+    import encoder
+    clinic, identifiers = clinic_copy(phantom_dir, tmp_path / "clinic")
+    identifiers |= {clinic, "HOFFMANN"}
+
+    def killed(*args, **kwargs):  # a kill after the rows were saved, before the table
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(encoder, "write_embedding_table", killed)
+    out = tmp_path / "share" / "embeddings.npz"
+    with pytest.raises(KeyboardInterrupt):
+        encoder.embed(export_dir, str(out), load_config(["--data_root", clinic, "--workers", "0"]), batch_size=2,
+                      save_every=2)
+    chunks = sorted((tmp_path / "share" / "embeddings.npz.partial").glob("chunk_*.npz"))
+    assert len(chunks) >= 2  # beside the table meant to be shared
+    assert {c.name: sorted(i for i in identifiers if i in texts_of(c)) for c in chunks} == \
+        {c.name: [] for c in chunks}
+    monkeypatch.undo()
+    table, computed = encoder.embed(export_dir, str(out), load_config(["--data_root", clinic, "--workers", "0"]),
+                                    batch_size=2, save_every=2)
+    assert computed == 0 and len(table["volume"])  # the same command continues from the keyed rows
