@@ -243,6 +243,22 @@ def test_a_run_resumed_with_another_key_secret_is_refused_naming_the_key_file(tm
     assert "patient_keys: kf1-" in err and f"the key file {other} holds another secret" in err
 
 
+def test_the_wandb_offline_record_holds_no_host_name(tmp_path, smoke_phantoms):
+    if not shutil.which("unshare") or subprocess.run(["unshare", "--uts", "true"], capture_output=True).returncode:
+        pytest.skip("unshare --uts is not allowed here: the test names the host, which needs its own UTS namespace")
+    host = "clinic-ws-hoffmann-4817203"  # a workstation named for its user and ward, as hospitals do
+    run = subprocess.run(["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', host, sys.executable,
+                          str(REPO / "train.py"), "--config", "configs/smoke.yaml", "--phantom_dir", smoke_phantoms,
+                          "--out_dir", str(tmp_path / "runs"), "--run_name", "r", "--max_steps", "3", "--wandb",
+                          "offline"], cwd=REPO, capture_output=True, text=True, timeout=900,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    synced = [p for p in (tmp_path / "runs" / "r" / "wandb").rglob("*") if p.is_file()
+              and not p.name.startswith("debug")]  # W&B's own local logs are never uploaded
+    assert any(p.suffix == ".wandb" for p in synced)
+    assert [p.name for p in synced if host in p.read_bytes().decode("latin-1")] == []
+
+
 def test_an_interrupted_embed_keeps_keyed_ids_not_paths_in_its_partial_rows(tmp_path, phantom_dir, export_dir,
                                                                            monkeypatch):
     import encoder
