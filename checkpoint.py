@@ -1,7 +1,7 @@
 """Checkpoints and the run folder: the checkpoint file (local or gs://, through storage.py) and its content, the
 resume timeline (which file a resume continues from; a file is set aside only when shown to be damaged, and a run
-never starts from scratch over its own checkpoints), restore, the plan and settings a resume continues, and the run
-folder (its lock: lock.py).
+never starts from scratch over its own history unless told to, which moves it aside), restore, the plan and settings a
+resume continues, and the run folder (its lock: lock.py).
 
 train.py calls these; probe.py and encoder.py read a trained model with read_model_checkpoint. runtime.py gives the devices,
 processes and collectives they run on.
@@ -456,25 +456,29 @@ def history_refusal(cfg: Config, history: List[str]) -> ConfigError:
     continue the run or start it over on purpose."""
     run_dir = os.path.join(cfg.out_dir, cfg.run_name)
     lines = []
-    for path in history:
+    for path in history[:12]:
         what = os.path.relpath(path, run_dir) if not path.startswith("gs://") else path
         if path.endswith("metrics.jsonl"):
             what += last_logged_update(path)
         elif re.search(r"\.pt\.\w+-\d{8}-\d{6}$", path):
             what += ": set aside (" + path.rsplit(".", 1)[1].split("-")[0] + ")"
         lines.append(what)
-    earlier_ckpt_dir = saved_ckpt_dir(run_dir)
-    continue_with = ["--resume auto with --ckpt_dir where its step checkpoints are"
-                     + (f" (its config.yaml says --ckpt_dir {earlier_ckpt_dir})"
-                        if earlier_ckpt_dir not in (None, cfg.ckpt_dir) else "")]
-    if cfg.ckpt_dir is not None and any(p.endswith("/best.pt") for p in history):
-        continue_with.append(f"--resume {cfg.ckpt_dir.rstrip('/')}/best.pt (from the update it was written at)")
+    lines += [f"... and {len(history) - 12} more"] if len(history) > 12 else []
+    if any(re.search(r"step_\d+\.pt$", p) for p in history):  # no --resume: the run's checkpoints are there
+        lead, continue_with = f"run_name: {run_dir} holds an earlier run with its step checkpoints", ["--resume auto"]
+    else:
+        lead = (f"resume: {run_dir} holds the history of an earlier run but no step checkpoint to continue it from "
+                f"(ckpt_dir {cfg.ckpt_dir})")
+        earlier_ckpt_dir = saved_ckpt_dir(run_dir)
+        continue_with = ["--resume auto with --ckpt_dir where its step checkpoints are"
+                         + (f" (its config.yaml says --ckpt_dir {earlier_ckpt_dir})"
+                            if earlier_ckpt_dir not in (None, cfg.ckpt_dir) else "")]
+        if cfg.ckpt_dir is not None and any(p.endswith("/best.pt") for p in history):
+            continue_with.append(f"--resume {cfg.ckpt_dir.rstrip('/')}/best.pt (from the update it was written at)")
     return ConfigError(
-        f"resume: {run_dir} holds the history of an earlier run but no step checkpoint to continue it from"
-        f"{' (ckpt_dir ' + cfg.ckpt_dir + ')' if cfg.ckpt_dir else ' (ckpt_dir is null)'}:\n    " + "\n    ".join(lines)
-        + "\nA run never starts over on its own history by itself. To continue it: " + ", or ".join(continue_with)
-        + ". To start it over on purpose: --resume restart (the history is moved into a restarted-<time> folder "
-        "beside it; nothing is deleted). Or choose another --run_name.")
+        f"{lead}:\n    " + "\n    ".join(lines) + "\nA run never starts over on its own history by itself. To continue "
+        f"it: {', or '.join(continue_with)}. To start it over on purpose: --resume restart (the history is moved into "
+        f"a restarted-<time> folder beside it; nothing is deleted). Or choose another --run_name.")
 
 
 def last_logged_update(metrics_path: str) -> str:
