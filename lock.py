@@ -51,9 +51,9 @@ def run_folder_lock(cfg: Config, rt: Runtime):
         _HELD.extend(held)
         yield
     finally:
-        for lock in held:
+        for lock in held:  # also those taken before another folder's lock was refused
             release_lock(lock)
-            _HELD.remove(lock)
+        _HELD[:] = [lock for lock in _HELD if all(lock is not mine for mine in held)]
 
 
 # ----------------------------------------------------------------------------------------------------------
