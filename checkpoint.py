@@ -1,7 +1,7 @@
 """Checkpoints and the run folder: the checkpoint file (local or gs://, through storage.py) and its content, the
 resume timeline (which file a resume continues from; a file is set aside only when shown to be damaged, and a run
-never starts from scratch over its own checkpoints), restore, the plan and settings a resume continues, and the run
-folder (its lock: lock.py).
+never starts from scratch over its own history unless told to, which moves it aside), restore, the plan and settings a
+resume continues, and the run folder (its lock: lock.py).
 
 train.py calls these; probe.py and encoder.py read a trained model with read_model_checkpoint. runtime.py gives the devices,
 processes and collectives they run on.
@@ -27,7 +27,9 @@ import torch
 from config import Config, ConfigError, ExitError, RunPlan, StorageFailed, load_config, plan_run, \
     without_removed_fields
 from model import VJEPA3D
-from runtime import (Runtime, broadcast_from_master, gather_objects, master_decides, place_model_state,
+from privacy import KEY_FILE_ENV, key_fingerprint, patient_key_file
+from lock import lease_lost, stop_if_taken_over
+from runtime import (Runtime, any_process, broadcast_from_master, gather_objects, master_decides, place_model_state,
                      place_optimizer_state, state_to_host)
 from storage import (copy_atomic, exists, gcs_filesystem, glob_paths, is_transient, open_atomic,
                      read_bytes, remove, remove_stale_tmp, rename, retry, storage_errors, write_atomic)
@@ -56,21 +58,31 @@ class CheckpointNotLoaded(StorageFailed):
 
 def read_checkpoint(path: str, retry_seconds: float = 0.0) -> dict:
     """Load a checkpoint (local or gs://) to CPU tensors (weights_only: no code runs on load); a local file is mapped,
-    not copied (each process holds it once). A transient storage error is retried for retry_seconds, then raised.
-    UnreadableCheckpoint only on evidence of damage (checkpoint_damage); any other failure is CheckpointNotLoaded
-    (exit 74) or, for a type this version refuses, ConfigError (exit 2): the file may be intact."""
-    try:
-        ckpt = retry(load_file, path, seconds=retry_seconds)
-    except Exception as e:  # torch.load raises many types: only the file itself can say whether it is damaged
-        if isinstance(e, storage_errors()) and not out_of_memory(e):
-            raise
-        damage = checkpoint_damage(path)
-        if damage:
-            raise UnreadableCheckpoint(f"{path}: {damage} ({type(e).__name__}: {str(e)[:200]})") from None
-        raise load_failure(path, e) from None
+    not copied (each process holds it once). A failed load first asks the file whether it is damaged
+    (checkpoint_damage: a truncated copy is damage, not a storage error to wait for): UnreadableCheckpoint. Else a
+    transient storage error is retried for retry_seconds, then raised; any other failure is CheckpointNotLoaded
+    (exit 74) or, for a type this version refuses or a format newer than it knows, ConfigError (exit 2)."""
+    ckpt = retry(_load_or_diagnose, path, seconds=retry_seconds)
     if not isinstance(ckpt, dict) or "model" not in ckpt:
         raise UnreadableCheckpoint(f"{path}: not an octjepa checkpoint (no 'model')")
+    if ckpt.get("version", 1) > CHECKPOINT_VERSION:
+        raise ConfigError(f"checkpoint: {path} has format {ckpt['version']}, newer than this octjepa reads "
+                          f"(up to {CHECKPOINT_VERSION}); read it with the octjepa version that wrote it.")
     return ckpt
+
+
+def _load_or_diagnose(path: str) -> dict:
+    try:
+        return load_file(path)
+    except Exception as e:  # torch.load raises many types: only the file itself can say whether it is damaged
+        if out_of_memory(e):
+            raise load_failure(path, e) from None
+        damage = checkpoint_damage(path)  # a storage error here is raised (and retried when transient)
+        if damage:
+            raise UnreadableCheckpoint(f"{path}: {damage} ({type(e).__name__}: {str(e)[:200]})") from None
+        if isinstance(e, storage_errors()):
+            raise
+        raise load_failure(path, e) from None
 
 
 def load_file(path: str) -> dict:
@@ -82,14 +94,20 @@ def load_file(path: str) -> dict:
 
 def checkpoint_damage(path: str) -> Optional[str]:
     """What shows a checkpoint file damaged (torch.save writes a zip whose parts carry a CRC-32): not a whole zip, or
-    the first part whose content does not match its checksum; None when every part is as written. A storage error
-    while reading is raised (it says nothing about the file)."""
-    try:
-        with (gcs_filesystem().open(path, "rb") if path.startswith("gs://") else open(path, "rb")) as f:
+    the first part whose content does not match its checksum, or a folder where the file should be; None when every
+    part is as written. A storage error while opening or reading it is raised (it says nothing about the file)."""
+    if not path.startswith("gs://") and os.path.isdir(path):
+        return "damaged: a folder, not a checkpoint file"
+    with (gcs_filesystem().open(path, "rb") if path.startswith("gs://") else open(path, "rb")) as f:
+        try:
             with zipfile.ZipFile(f) as archive:
                 bad = archive.testzip()
-    except (zipfile.BadZipFile, EOFError) as e:
-        return f"damaged: not a whole checkpoint file ({e})"
+        except (zipfile.BadZipFile, EOFError) as e:
+            return f"damaged: not a whole checkpoint file ({e})"
+        except (OSError, ValueError) as e:  # a seek the zip's own offsets send before the start: a cut file
+            if isinstance(e, OSError) and e.errno != errno.EINVAL:
+                raise
+            return f"damaged: not a whole checkpoint file (its zip offsets point outside it: {e})"
     return f"damaged: its part {bad} does not match its checksum" if bad else None
 
 
@@ -147,6 +165,9 @@ def read_model_checkpoint(ckpt: str) -> Tuple[VJEPA3D, Config, dict]:
     return model, ckpt_cfg, state
 
 
+CHECKPOINT_VERSION = 3  # 2: + plan and config; 3: + the plan's patient_keys (the key file's fingerprint)
+
+
 def checkpoint_path(ckpt_dir: str, step: int) -> str:
     """The step checkpoint of update `step` in ckpt_dir."""
     return f"{ckpt_dir.rstrip('/')}/step_{step:07d}.pt"
@@ -173,7 +194,9 @@ def checkpoint_everywhere(path: str, model: torch.nn.Module, optimizer, state, p
     save_checkpoint's retries for ckpt_retry_minutes. The master builds the state and writes it (on XLA every host
     takes part in fetching it, and every FSDP2 process in gathering it: a sharded array needs them all); then every
     process learns how that went, so none rolls back to a file not written yet. Returns the write's last error
-    (repr, and whether it was retried) or None, the same in every process."""
+    (repr, and whether it was retried) or None, the same in every process. First every process stops
+    (ConfigError) when the master's run-folder lock was taken over by another process: it never writes over it."""
+    stop_if_taken_over(any_process([rt.is_master and lease_lost(read=True)], rt)[0])
     error = None
     if rt.is_master or rt.kind == "xla" or rt.sharded:
         ckpt = {**checkpoint_state(model, optimizer, state, cfg, rt), "plan": plan}
@@ -226,13 +249,14 @@ def checkpoint_state(model: torch.nn.Module, optimizer, state, cfg: Config, rt: 
     for group in optimizer_state["param_groups"]:
         group["lr"] = float(group["lr"])  # a device tensor on XLA
     return {"model": model_state, "optimizer": optimizer_state, "train_state": dict(vars(state)),
-            "rng": rng_state(), "config": asdict(cfg), "version": 2}
+            "rng": rng_state(), "config": asdict(cfg), "version": CHECKPOINT_VERSION}
 
 
-def restore(ckpt: dict, model: torch.nn.Module, optimizer, state, rt: Runtime) -> None:
-    """Load weights, optimizer, schedule position, data position and RNG states from a checkpoint (written on any
-    device, sharded or not: make_optimizer's load hook keeps this device's AdamW implementation flags, and a
-    sharded run takes only its shards)."""
+def restore(ckpt: dict, model: torch.nn.Module, optimizer, state, rt: Runtime, path: str) -> None:
+    """Load weights, optimizer, schedule position, data position and RNG states from the checkpoint `path` (written
+    on any device, sharded or not: make_optimizer's load hook keeps this device's AdamW implementation flags, and a
+    sharded run takes only its shards); a ConfigError when its weights are not this model's (check_fits)."""
+    check_fits(ckpt, model, path)
     model.load_state_dict(place_model_state(ckpt["model"], model, rt))
     optimizer.load_state_dict(place_optimizer_state(ckpt["optimizer"], optimizer, rt))
     for key, value in ckpt["train_state"].items():
@@ -250,10 +274,11 @@ SCHEDULE_FIELDS = ("schedule", "base_lr", "min_lr", "weight_decay", "weight_deca
 # Settings a resume may change: where things are, how the run is watched, and how the same updates are computed.
 # Every other setting (model, preprocessing, masks, loss, optimizer; a new field too) is what the run learns with,
 # and a change is refused; the plan and schedules are compared on their own (PLAN_FIELDS, SCHEDULE_FIELDS).
+# grad_clip and use_bf16 change the updates themselves (their size; their precision), so they are refused too.
 RESUME_FREE_FIELDS = (
     "data_root", "manifest_path", "index_path", "phantom_dir", "phantom_count", "phantom_varied", "sop_classes",
     "val_fraction", "cache_dir", "workers", "max_bad_fraction", "global_batch_size", "per_core_batch_size",
-    "grad_accum_steps", "epochs", "max_steps", "warmup_steps", "warmup_epochs", "grad_clip", "use_bf16", "compile",
+    "grad_accum_steps", "epochs", "max_steps", "warmup_steps", "warmup_epochs", "compile",
     "grad_checkpointing", "max_consecutive_nonfinite", "max_rollbacks", "rollback_lr_factor", "log_every_steps",
     "val_every_steps", "val_batches", "probe_every_steps", "probe_labels", "summary_probe", "collapse_min_target_std",
     "collapse_min_rankme", "collapse_window_steps", "ckpt_dir", "ckpt_every_steps", "ckpt_every_minutes",
@@ -285,10 +310,11 @@ def _fingerprint(train_ds, val_ds, relative: bool) -> str:
 
 
 def plan_record(cfg: Config, plan: RunPlan, train_ds, val_ds) -> dict:
-    """The run's plan, schedule settings, data-order seed and train/val split, as stored in its checkpoints."""
+    """The run's plan, schedule settings, data-order seed, train/val split and which patient-key secret drew the
+    split (privacy.key_fingerprint), as stored in its checkpoints."""
     return {**{k: getattr(plan, k) for k in PLAN_FIELDS}, **{k: getattr(cfg, k) for k in SCHEDULE_FIELDS},
             "train_volumes": len(train_ds), "val_volumes": len(val_ds), "split": split_fingerprint(train_ds, val_ds),
-            "extensions": plan.extensions}
+            "patient_keys": key_fingerprint(), "extensions": plan.extensions}
 
 
 def resumed_plan(saved: dict, cfg: Config, plan: RunPlan, train_ds, val_ds, step: int, ckpt_path: str,
@@ -300,7 +326,11 @@ def resumed_plan(saved: dict, cfg: Config, plan: RunPlan, train_ds, val_ds, step
     now = plan_record(cfg, reference, train_ds, val_ds)
     if saved.get("split") == _fingerprint(train_ds, val_ds, relative=False):
         now["split"] = saved["split"]  # a checkpoint of an older octjepa: the split by absolute paths
-    changes = [f"{k}: {saved[k]} -> {now[k]}" for k in now if k != "extensions" and now[k] != saved.get(k)]
+    changes = [f"{k}: {saved[k]} -> {now[k]}" for k in now if k != "extensions" and now[k] != saved.get(k)
+               and (k in saved or k != "patient_keys")]  # an older checkpoint records no key fingerprint
+    if any(change.startswith("patient_keys:") for change in changes):
+        changes.append(f"(the split follows the patient keys: the key file {patient_key_file()} holds another secret "
+                       f"than the one this run started with; point {KEY_FILE_ENV} at that run's key file)")
     changes += changed_settings(saved_config or {}, cfg)
     longer = plan.total_steps > saved["total_steps"]
     if plan.total_steps != saved["total_steps"] and not (longer and cfg.extend):
@@ -335,11 +365,12 @@ def choose_resume_checkpoint(cfg: Config) -> Tuple[Optional[str], Optional[dict]
     """The master's choice of what the run resumes from: (path, checkpoint), or (None, None) to start from scratch;
     plus what it did to the run's files on the way ({event, path, why}). First the tmp files of writers stopped
     mid-write go. resume auto: the newest step checkpoint that loads; each newer one shown to be damaged is set aside
-    ('unreadable'); when none is left that loads, the run stops (exit 2) instead of starting from scratch. Then every
-    step checkpoint past the resumed update, and a best.pt written after it, is set aside ('abandoned': a timeline
-    left by resuming an earlier file), so neither a later `--resume auto`, keep_last nor a new best overwrites it. A
-    checkpoint that may be intact but does not load stops the run with nothing renamed (read_checkpoint); a storage
-    error that outlasts ckpt_retry_minutes is StorageFailed, with nothing set aside."""
+    ('unreadable'). A start from scratch on a run folder that holds an earlier run's history (run_history) stops the
+    run (exit 2, history_refusal) unless resume is 'restart', which first moves that history aside (nothing is
+    deleted). Then every step checkpoint past the resumed update, and a best.pt written after it, is set aside
+    ('abandoned': a timeline left by resuming an earlier file), so neither a later `--resume auto`, keep_last nor a
+    new best overwrites it. A checkpoint that may be intact but does not load stops the run with nothing renamed
+    (read_checkpoint); a storage error that outlasts ckpt_retry_minutes is StorageFailed, with nothing set aside."""
     retry_seconds = cfg.ckpt_retry_minutes * 60
     path, ckpt = None, None
     moved = [{"event": "stale_tmp_removed", "path": tmp, "why": "left by a writer stopped mid-write: removed"}
@@ -355,22 +386,22 @@ def choose_resume_checkpoint(cfg: Config) -> Tuple[Optional[str], Optional[dict]
                     continue
                 path = candidate
                 break
-            damaged = glob_paths(f"{cfg.ckpt_dir.rstrip('/')}/step_*.pt.unreadable-*")
-            if ckpt is None and damaged:
-                raise ConfigError(
-                    f"resume: none of the step checkpoints in {cfg.ckpt_dir} loads; each was damaged and set aside "
-                    f"({', '.join(sorted(damaged))}), so the run does not start from scratch by itself. To start "
-                    f"it over on purpose: the same command without --resume (its metrics start again), or another "
-                    f"--run_name.")
-        elif cfg.resume is not None:
+        elif cfg.resume not in (None, "restart"):
             path = cfg.resume
             ckpt = read_checkpoint(path, retry_seconds)
-        step = ckpt["train_state"]["step"] if ckpt is not None else 0
+        if ckpt is None:
+            history = run_history(cfg)
+            if history and cfg.resume != "restart":
+                raise history_refusal(cfg, history)
+            moved += move_history_aside(cfg, history)
+            return None, None, moved
+        check_resumable(path, ckpt)
+        step = ckpt["train_state"]["step"]
         for later in list_checkpoints(cfg.ckpt_dir) if cfg.ckpt_dir is not None else []:
             if step_of(later) > step and later != path:
                 moved.append(set_aside(later, "abandoned", f"past update {step}, where this run resumes"))
         best = f"{cfg.ckpt_dir.rstrip('/')}/best.pt" if cfg.ckpt_dir is not None else None
-        if ckpt is not None and best != path and best_step(best, retry_seconds) > step:
+        if best != path and best_step(best, retry_seconds) > step:
             moved.append(set_aside(best, "abandoned", f"written after update {step}, where this run resumes"))
     except FileNotFoundError as e:
         raise ConfigError(f"resume: {cfg.resume} is not a checkpoint file ({e}); give the path of a step_*.pt or "
@@ -382,6 +413,109 @@ def choose_resume_checkpoint(cfg: Config) -> Tuple[Optional[str], Optional[dict]
                             f"{cfg.ckpt_retry_minutes:g} min ({e!r}); nothing was changed: run the same command "
                             f"again when the storage is back.") from None
     return path, ckpt, moved
+
+
+def check_resumable(path: str, ckpt: dict) -> None:
+    """A ConfigError naming what is missing when a checkpoint that loaded holds no training state to continue (a
+    file written by another tool, or edited)."""
+    missing = [k for k in ("model", "optimizer", "train_state", "rng") if k not in ckpt]
+    if missing or not isinstance(ckpt["train_state"], dict) or "step" not in ckpt["train_state"]:
+        raise ConfigError(f"resume: {path} is not a training checkpoint of train.py: it has no "
+                          f"{', '.join(repr(k) for k in missing) or 'train_state step'} (it holds "
+                          f"{', '.join(sorted(map(str, ckpt)))}). Nothing was renamed; resume from a step_*.pt that "
+                          f"train.py wrote (--resume PATH), or move this file out of the checkpoints folder.")
+
+
+def check_fits(ckpt: dict, model: torch.nn.Module, path: str) -> None:
+    """A ConfigError naming the keys when a checkpoint's weights are not those of `model` (tensors it lacks or
+    has besides): a file edited, or written by another version of model.py."""
+    saved, expected = set(ckpt["model"]), set(model.state_dict())
+    if saved != expected:
+        extra, missing = sorted(saved - expected), sorted(expected - saved)
+        raise ConfigError(f"resume: {path} does not fit this model: " + "; ".join(
+            f"{what} {', '.join(keys[:5])}" + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+            for what, keys in (("it has the extra weights", extra), ("it lacks", missing)) if keys)
+            + ". Nothing was renamed; resume it with the octjepa version that wrote it, or from another checkpoint.")
+
+
+HISTORY_FILES = ("metrics.jsonl", "events.jsonl", "config.yaml", "wandb_id", "training.png")  # in out_dir/run_name
+
+
+def run_history(cfg: Config) -> List[str]:
+    """What a run folder holds of an earlier run (a start from scratch would empty or overwrite it): its logs and
+    config (HISTORY_FILES), and in ckpt_dir best.pt and every step checkpoint, also those set aside; oldest kind
+    first."""
+    run_dir = os.path.join(cfg.out_dir, cfg.run_name)
+    found = [os.path.join(run_dir, name) for name in HISTORY_FILES if os.path.exists(os.path.join(run_dir, name))]
+    if cfg.ckpt_dir is not None:
+        found += sorted(glob_paths(f"{cfg.ckpt_dir.rstrip('/')}/best.pt*"))
+        found += sorted(glob_paths(f"{cfg.ckpt_dir.rstrip('/')}/step_*.pt*"))
+    return found
+
+
+def history_refusal(cfg: Config, history: List[str]) -> ConfigError:
+    """The error that stops a start from scratch on a run folder's history: what was found, and the flags that
+    continue the run or start it over on purpose."""
+    run_dir = os.path.join(cfg.out_dir, cfg.run_name)
+    lines = []
+    for path in history[:12]:
+        what = os.path.relpath(path, run_dir) if not path.startswith("gs://") else path
+        if path.endswith("metrics.jsonl"):
+            what += last_logged_update(path)
+        elif re.search(r"\.pt\.\w+-\d{8}-\d{6}$", path):
+            what += ": set aside (" + path.rsplit(".", 1)[1].split("-")[0] + ")"
+        lines.append(what)
+    lines += [f"... and {len(history) - 12} more"] if len(history) > 12 else []
+    if any(re.search(r"step_\d+\.pt$", p) for p in history):  # no --resume: the run's checkpoints are there
+        lead, continue_with = f"run_name: {run_dir} holds an earlier run with its step checkpoints", ["--resume auto"]
+    else:
+        lead = (f"resume: {run_dir} holds the history of an earlier run but no step checkpoint to continue it from "
+                f"(ckpt_dir {cfg.ckpt_dir})")
+        earlier_ckpt_dir = saved_ckpt_dir(run_dir)
+        continue_with = ["--resume auto with --ckpt_dir where its step checkpoints are"
+                         + (f" (its config.yaml says --ckpt_dir {earlier_ckpt_dir})"
+                            if earlier_ckpt_dir not in (None, cfg.ckpt_dir) else "")]
+        if cfg.ckpt_dir is not None and any(p.endswith("/best.pt") for p in history):
+            continue_with.append(f"--resume {cfg.ckpt_dir.rstrip('/')}/best.pt (from the update it was written at)")
+    return ConfigError(
+        f"{lead}:\n    " + "\n    ".join(lines) + "\nA run never starts over on its own history by itself. To continue "
+        f"it: {', or '.join(continue_with)}. To start it over on purpose: --resume restart (the history is moved into "
+        f"a restarted-<time> folder beside it; nothing is deleted). Or choose another --run_name.")
+
+
+def last_logged_update(metrics_path: str) -> str:
+    """' (up to update N)' of a metrics.jsonl's last whole line; '' when it has none."""
+    for line in reversed(read_bytes(metrics_path).splitlines()):
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            return f" (up to update {json.loads(line)['step']})"
+    return ""
+
+
+def saved_ckpt_dir(run_dir: str) -> Optional[str]:
+    """The ckpt_dir that a run folder's config.yaml names (None when it has none or it does not read)."""
+    try:
+        return load_config(["--config", os.path.join(run_dir, "config.yaml")]).ckpt_dir
+    except (ExitError, OSError):
+        return None
+
+
+def move_history_aside(cfg: Config, history: List[str]) -> List[dict]:
+    """Move a run folder's history (run_history) into restarted-<time>/ beside it (checkpoints: in ckpt_dir), for a
+    run started over on purpose; returns what was done, for the console and events.jsonl."""
+    if not history:
+        return []
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    run_dir = os.path.join(cfg.out_dir, cfg.run_name)
+    moved = []
+    for path in history:
+        folder = os.path.dirname(path) if path.startswith("gs://") else os.path.dirname(os.path.abspath(path))
+        moved_to = f"{folder}/restarted-{stamp}/{os.path.basename(path)}"
+        if not moved_to.startswith("gs://"):
+            os.makedirs(os.path.dirname(moved_to), exist_ok=True)
+        rename(path, moved_to)
+        moved.append({"event": "restarted", "path": path, "moved_to": moved_to,
+                      "why": f"--resume restart: {run_dir} starts over; its earlier history moved to {moved_to}"})
+    return moved
 
 
 def best_step(best: str, retry_seconds: float) -> int:
@@ -423,7 +557,8 @@ def load_resume_checkpoint(cfg: Config, rt: Runtime) -> Tuple[Optional[str], Opt
 
 
 def resolve_run_dir(cfg: Config) -> Config:
-    """Fill run_name and ckpt_dir 'auto'; refuse to overwrite checkpoints of an earlier run by accident."""
+    """Fill run_name and ckpt_dir 'auto' (a run folder's earlier history is checked under its lock:
+    choose_resume_checkpoint)."""
     if cfg.resume == "auto" and cfg.run_name is None:
         raise ConfigError("resume: 'auto' continues the run named by --run_name; give --run_name.")
     run_name = cfg.run_name or time.strftime("run-%Y%m%d-%H%M%S")
@@ -431,9 +566,6 @@ def resolve_run_dir(cfg: Config) -> Config:
     cfg = replace(cfg, run_name=run_name, ckpt_dir=ckpt_dir)
     if cfg.resume == "auto" and ckpt_dir is None:
         raise ConfigError("resume: 'auto' needs checkpoints, but ckpt_dir is null.")
-    if cfg.resume is None and ckpt_dir is not None and not cfg.dry_run and list_checkpoints(ckpt_dir):
-        raise ConfigError(f"run_name: {ckpt_dir} already holds checkpoints of an earlier run; pass --resume auto "
-                          f"to continue it or choose another --run_name.")
     return cfg
 
 

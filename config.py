@@ -149,7 +149,7 @@ class Config:
     ckpt_every_minutes: Optional[float] = None  # also checkpoint when this long passed since the last one (process 0's clock); None = off
     ckpt_retry_minutes: float = 5.0  # a failing checkpoint write is retried with backoff this long, then skipped; a second failure in a row stops with exit 74
     keep_last: int = 2  # step checkpoints kept (best.pt is kept besides)
-    resume: Optional[str] = None  # None | auto (latest in ckpt_dir, if any) | path to a checkpoint
+    resume: Optional[str] = None  # None | auto (latest in ckpt_dir, if any) | restart (start over: the run folder's earlier history is moved into restarted-<time>/, never deleted) | path to a checkpoint; a start from scratch on a run folder's history is refused without restart
     extend: bool = False  # with resume: allow more updates than the checkpoint's plan; schedules continue smoothly
     extend_schedule: str = "stretch"  # stretch (the rest of the schedules spread over the longer run) | rewarm (a new warmup to base_lr and cosine, EMA from ema_base, over the added updates)
     ckpt_dir_shared: bool = False  # multi-node DDP with a local ckpt_dir: every node sees it (NFS); checked at start
@@ -487,7 +487,7 @@ def validate(cfg: Config) -> None:
     if cfg.fsdp_size is not None and (cfg.shard != "fsdp" or cfg.fsdp_size < 1):
         raise ConfigError(f"fsdp_size: {cfg.fsdp_size} needs shard fsdp and a value of at least 1 (the devices one copy "
                           f"of the weights is sharded over); add --shard fsdp, or use --fsdp_size none.")
-    if cfg.extend and cfg.resume is None:
+    if cfg.extend and cfg.resume in (None, "restart"):
         raise ConfigError("extend: lengthens a run that is resumed; add --resume auto (or a checkpoint path), "
                           "or drop --extend to start a new run.")
     if cfg.run_name is not None and (not cfg.run_name.strip() or cfg.run_name.strip(".") == ""

@@ -39,6 +39,7 @@ from dicom import BENIGN_REASONS, UnusableFile
 from index import (format_reason_table, format_scan_report, index_records, index_source, list_sources,
                    reason_counts, source_identity, update_index, write_index)
 from masks import mask_generator_from_config
+from privacy import site_secret
 from storage import write_atomic
 from volumes import Volume, read_volume, source_paths
 
@@ -382,7 +383,9 @@ def build_datasets(cfg: Config) -> Tuple[OCTDataset, OCTDataset]:
 
 def load_val_sample(path: Union[str, Sequence[str]], cfg: Config) -> torch.Tensor:
     """float32 [1,D,H,W] of one file, series folder or list of series files, preprocessed like validation
-    samples (center crop, no augmentation). Raises UnusableFile."""
+    samples (center crop, no augmentation): a read of a source without an index, which may create the site's key
+    file (privacy.site_secret). Raises UnusableFile."""
+    site_secret(create=True)
     return to_sample(load_prepared(source_paths(path), cfg), cfg, None, train=False)
 
 

@@ -39,6 +39,7 @@ import pydicom
 from pydicom.dataelem import RawDataElement
 from pydicom.errors import BytesLengthException, InvalidDicomError
 
+from config import ConfigError
 from privacy import patient_key
 from storage import gcs_filesystem
 
@@ -548,6 +549,8 @@ def read_file(path: str, sop_classes: str) -> Tuple[Header, np.ndarray]:
         return header, pixels
     except UnusableFile as e:
         raise UnusableFile(e.reason, e.detail, *_identity(ds)) from None
+    except ConfigError:  # the site's key file (privacy.site_secret), not this file
+        raise
     except ELEMENT_ERRORS as e:
         raise UnusableFile("corrupt", f"pydicom cannot read an element: {type(e).__name__}: {e}",
                            *_identity(ds)) from None

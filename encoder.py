@@ -37,6 +37,7 @@ Each command takes only the config flags it lists under its --help; the export b
 preprocessing. Exit codes: config.EXIT_CODES (a bad argument or export is a ConfigError, no usable volume
 NoUsableData).
 """
+import contextlib
 import io
 import json
 import math
@@ -64,7 +65,7 @@ from index import format_reason_table, index_records
 from model import POOLS, pool_name, pool_tokens
 from pretrained import (CONFIG_FILE, WEIGHTS_FILE, ExportError, PretrainedEncoder, export_contract, load_encoder,
                         random_encoder)
-from privacy import share_safe_source, volume_key
+from privacy import keyed_id, share_safe_source, volume_key
 from labels import encode_volumes, read_labels, task_targets
 from readouts import fit_attentive, stratified_split
 from runlog import counted, progress
@@ -107,8 +108,9 @@ def npz_bytes(arrays: dict) -> bytes:
 
 
 def record_key(record: dict) -> str:
-    """What identifies a volume's input: its files and their identities (a file written again is another input)."""
-    return json.dumps([record["paths"], record.get("sources") or []])
+    """What identifies a volume's input in a saved chunk: a keyed id (privacy.keyed_id) of its files and their
+    identities (a file written again is another input), never its paths."""
+    return keyed_id("embed-input", json.dumps([record["paths"], record.get("sources") or []]))
 
 
 def read_chunk(path: str, keys: List[str], settings: dict):
@@ -121,6 +123,7 @@ def read_chunk(path: str, keys: List[str], settings: dict):
     except (OSError, ValueError, EOFError, zipfile.BadZipFile):
         return None
     saved = json.loads(str(chunk["settings"]))
+    saved = {**saved, "with_paths": saved.get("with_paths", False)}  # an older chunk (its keys are paths: done again)
     if saved != settings:
         raise ConfigError(f"out: {os.path.dirname(path)} holds rows embedded with other settings "
                           f"({str(chunk['settings'])}, now {json.dumps(settings)}); rerun with those, or delete that "
@@ -169,15 +172,17 @@ def embed_chunk(encoder: PretrainedEncoder, inputs, count: int, batch_size: int,
 
 
 def embed_records(encoder: PretrainedEncoder, records: List[dict], cfg: Config, partial: str, pool: str,
-                  batch_size: int, save_every: int, rt) -> Tuple[List[str], int]:
+                  batch_size: int, save_every: int, rt, with_paths: bool = False) -> Tuple[List[str], int]:
     """(the chunk files, in order, that hold the rows of the usable index records; how many volumes were computed
     now). Chunks of save_every volumes (a multiple of batch_size) are saved in `partial` as they are done (each:
     key, embedding, reason, detail, position_sums, settings); chunks already there are not computed again. Only one
-    chunk is in memory at a time."""
+    chunk is in memory at a time. A chunk holds no path: its key is keyed (record_key), and the reader's details
+    (which may name a file) only with_paths."""
     size = -(-save_every // batch_size) * batch_size
     chunks = [records[i:i + size] for i in range(0, len(records), size)]
     settings = {"encoder": encoder.config["weights"]["sha256"], "pool": pool, "batch_size": batch_size,
-                "contract": export_contract(encoder.config)}  # another export's rows are never mixed in
+                "contract": export_contract(encoder.config),  # another export's rows are never mixed in
+                "with_paths": with_paths}
     paths = [os.path.join(partial, f"chunk_{k:06d}.npz") for k in range(len(chunks))]
     todo = [k for k, (p, c) in enumerate(zip(paths, chunks))
             if read_chunk(p, [record_key(r) for r in c], settings) is None]
@@ -190,11 +195,23 @@ def embed_records(encoder: PretrainedEncoder, records: List[dict], cfg: Config, 
     with progress(len(records), "embed", "volume", initial=done) as bar:
         for k in todo:
             embeddings, reasons, sums = embed_chunk(encoder, inputs, len(chunks[k]), batch_size, pool, rt, bar)
-            write_atomic(paths[k], npz_bytes({
-                "key": np.array([record_key(r) for r in chunks[k]]), "embedding": embeddings,
-                "reason": np.array([r for r, _ in reasons]), "detail": np.array([d for _, d in reasons]),
-                "position_sums": sums.numpy(), "settings": np.array(json.dumps(settings))}))
+            chunk = {"key": np.array([record_key(r) for r in chunks[k]]), "embedding": embeddings,
+                     "reason": np.array([r for r, _ in reasons]),
+                     "detail": np.array([d if with_paths else "" for _, d in reasons]),
+                     "position_sums": sums.numpy(), "settings": np.array(json.dumps(settings))}
+            try:
+                write_atomic(paths[k], npz_bytes(chunk))
+            except OSError as e:
+                raise write_failure(e, partial) from None
     return paths, len(records) - done
+
+
+def write_failure(error: OSError, partial: str) -> ConfigError:
+    """The error for a write of embed's output that its storage refused (a full disk, no permission): the rows done
+    so far stay in `partial`, and the same command continues from them."""
+    return ConfigError(f"out: cannot write into {os.path.dirname(os.path.abspath(partial))} ({error.strerror or error});"
+                       f" free space there or make it writable, then run the same command again: it continues from "
+                       f"the rows saved in {partial} (or give another --out).")
 
 
 def volume_path(paths: List[str]) -> str:
@@ -266,20 +283,36 @@ def write_embedding_table(out: str, records: List[dict], paths: List[str], rejec
                       "study": column("study"), "series": column("series"),
                       "skipped_path": np.array([s[0] for s in skipped], dtype=str),
                       "skipped_detail": np.array([s[2] for s in skipped], dtype=str)})
-    scale = np.where(table["std"] > 0, table["std"], 1).astype(np.float32)
-    partial = out + ".writing"
-    with zipfile.ZipFile(partial, "w") as archive:
-        with archive.open(zipfile.ZipInfo("embedding.npy", date_time=(1980, 1, 1, 0, 0, 0)), "w",
-                          force_zip64=True) as f:
-            np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(np.dtype(np.float32)),
-                                                     "fortran_order": False, "shape": (len(rows), width)})
-            for chunk in read_chunks(paths):
-                embedded = chunk["embedding"][chunk["reason"] == ""]  # [rows of this chunk, F]
-                f.write(((embedded - table["mean"]) / scale if standardize else embedded).astype(np.float32).tobytes())
-        for name, value in table.items():
-            write_npz_entry(archive, name, value)
-    os.replace(partial, out)
+    try:
+        write_table_file(out, table, paths, (len(rows), width), standardize)
+    except OSError as e:
+        raise write_failure(e, out + ".partial") from None
     return {**table, "embedding_shape": (len(rows), width)}
+
+
+def write_table_file(out: str, table: dict, paths: List[str], shape: Tuple[int, int], standardize: bool) -> None:
+    """The embed file: the embedding column (`shape`) streamed from the saved chunks, standardized with the table's
+    mean and std when `standardize`, then the table's columns; written beside `out` and renamed (a failed write
+    leaves nothing)."""
+    scale = np.where(table["std"] > 0, table["std"], 1).astype(np.float32)
+    writing = out + ".writing"
+    try:
+        with zipfile.ZipFile(writing, "w") as archive:
+            with archive.open(zipfile.ZipInfo("embedding.npy", date_time=(1980, 1, 1, 0, 0, 0)), "w",
+                              force_zip64=True) as f:
+                np.lib.format.write_array_header_1_0(f, {"descr": np.lib.format.dtype_to_descr(np.dtype(np.float32)),
+                                                         "fortran_order": False, "shape": shape})
+                for chunk in read_chunks(paths):
+                    embedded = chunk["embedding"][chunk["reason"] == ""]  # [rows of this chunk, F]
+                    embedded = (embedded - table["mean"]) / scale if standardize else embedded
+                    f.write(embedded.astype(np.float32).tobytes())
+            for name, value in table.items():
+                write_npz_entry(archive, name, value)
+        os.replace(writing, out)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(writing)
+        raise
 
 
 def embed(encoder_dir: str, out: str, cli: Config, pool: str = "mean_pool", batch_size: int = 8,
@@ -312,7 +345,8 @@ def embed(encoder_dir: str, out: str, cli: Config, pool: str = "mean_pool", batc
         raise NoUsableData(f"no usable volume in {cfg.data_root or cfg.manifest_path}:\n"
                            f"{format_reason_table(Counter(r['reason'] for r in records))}")
     partial = out + ".partial"
-    paths, computed = embed_records(encoder.to(rt.device), usable, cfg, partial, pool, batch_size, save_every, rt)
+    paths, computed = embed_records(encoder.to(rt.device), usable, cfg, partial, pool, batch_size, save_every, rt,
+                                    with_paths)
     stats = chunk_statistics(paths)
     if stats["nonfinite"]:
         raise ExportError(f"{encoder_dir}: the encoder gives NaN or inf embeddings for {stats['nonfinite']} of "

@@ -13,6 +13,7 @@ checkpoint's target encoder before anything reaches `out` (nothing is written wh
 weights hold NaN).
 """
 import ast
+import hashlib
 import importlib
 import importlib.util
 import inspect
@@ -50,13 +51,14 @@ def export(ckpt: str, out: str, force: bool = False) -> float:
     if broken:
         raise ExportError(f"{path}: the target encoder's {broken[0]} (and {len(broken) - 1} more) holds NaN or inf; "
                           f"export an earlier checkpoint (best.pt or a step before the run diverged).")
-    config = export_config(cfg, share_safe_source(source))  # no paths of this machine
+    code = {STANDALONE_MODULE: standalone_module(), HUBCONF: HUBCONF_SOURCE}  # what torch.hub and an import run
+    config = {**export_config(cfg, share_safe_source(source)),  # no paths of this machine
+              "code": {name: hashlib.sha256(text.encode()).hexdigest() for name, text in code.items()}}
     with tempfile.TemporaryDirectory() as staging:  # built and checked here, then copied: config.json last
-        save_encoder(state_dict, config, staging)
-        for name, text in ((STANDALONE_MODULE, standalone_module()), (HUBCONF, HUBCONF_SOURCE),
-                           (MODEL_CARD, model_card(config, cfg))):
-            with open(os.path.join(staging, name), "w") as f:
-                f.write(text)
+        save_encoder(state_dict, config, staging)  # the weights bind config.json, the code files' sha256 included
+        for name, text in (*code.items(), (MODEL_CARD, model_card(config, cfg))):
+            with open(os.path.join(staging, name), "wb") as f:
+                f.write(text.encode())
         error = max(round_trip_error(model, load_encoder(staging)),
                     round_trip_error(model, import_standalone(staging).load(staging)))
         if not error <= ROUND_TRIP_TOLERANCE:  # nan too
@@ -79,7 +81,9 @@ STANDALONE_MODULE, HUBCONF, MODEL_CARD = "octjepa_encoder.py", "hubconf.py", "RE
 
 STANDALONE_HEADER = '''"""An octjepa encoder, standalone: its architecture and its loader in one file that needs torch,
 safetensors and numpy (huggingface_hub optional). Written by octjepa's `encoder.py export` (code {commit}); the
-classes and functions below are copied unchanged from octjepa's model.py and pretrained.py.
+classes and functions below are copied unchanged from octjepa's model.py and pretrained.py. Importing this file, or torch.hub.load of
+its folder, runs it: use it only from an export you trust (octjepa's pretrained.load_encoder runs none of it, and refuses
+an export whose code files differ from the sha256 in config.json).
 
     import torch
     encoder = torch.hub.load("path/to/this/folder", "encoder", source="local")  # or, with this folder on sys.path:
@@ -124,10 +128,10 @@ def load(folder: str) -> OCTJEPAEncoder:
         raise ValueError(f"{{path}}: its sha256 differs from config.json's weights.sha256: the weights were changed "
                          f"or belong to another export.")
     header = json.loads(payload[8:8 + int.from_bytes(payload[:8], "little")])  # safetensors: size, JSON header
-    bound = (header.get("__metadata__") or {{}}).get("contract")  # absent in exports of older versions
-    if bound is not None and bound != export_contract(config):
-        raise ValueError(f"{{folder}}/config.json: its architecture, preprocessing or augmentation differ from what "
-                         f"the weights were exported with: it was edited or belongs to another export.")
+    if (header.get("__metadata__") or {{}}).get("contract") != export_contract(config):
+        raise ValueError(f"{{folder}}/config.json differs from what the weights were exported with (architecture, "
+                         f"preprocessing, provenance or code files' sha256): it was edited, or the weights belong to "
+                         f"another export.")
     encoder = OCTJEPAEncoder(config)
     encoder.load_state_dict(safetensors.torch.load(payload), strict=True)
     return encoder.eval()
@@ -196,13 +200,17 @@ inputs of {a['image_size']} [D, H, W] (any multiple of the patch size is accepte
 for its grid). Weights: `model.safetensors`; architecture, preprocessing contract and provenance: `config.json`.
 
 ## Use
+With octjepa (runs no code of this folder; checks the weights, config.json and the code files' sha256):
 ```python
-import torch
-encoder = torch.hub.load("THIS_FOLDER", "encoder", source="local")   # needs torch, safetensors, numpy
+from pretrained import load_encoder    # in an octjepa checkout
+encoder = load_encoder("THIS_FOLDER")
 tokens = encoder(volume)          # volume [B, 1, D, H, W], preprocessed as below -> tokens [B, N, {a['embed_dim']}]
 embedding = encoder.embed(volume) # [B, {a['embed_dim']}]: standardize each dimension before cosine or kNN
 ```
-Or `from octjepa_encoder import OCTJEPAEncoder; OCTJEPAEncoder.from_pretrained("THIS_FOLDER")` (huggingface_hub).
+Without octjepa, `torch.hub.load("THIS_FOLDER", "encoder", source="local")`, `from octjepa_encoder import load` and
+`OCTJEPAEncoder.from_pretrained("THIS_FOLDER")` (huggingface_hub) **run this folder's Python files**
+(`hubconf.py`, `octjepa_encoder.py`): a received export is untrusted input, so use them only on one you trust, or
+load it with octjepa first (which refuses code files that differ from what was exported).
 
 ## Preprocessing (config.json "preprocessing")
 {chr(10).join(f"- {step}" for step in p['steps'])}

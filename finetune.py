@@ -35,10 +35,12 @@ loss of every epoch); none of them holds a path (docs/privacy.md). The config fl
 device, seed (splits, probes, heads and the random init follow from it).
 """
 import copy
+import glob
 import hashlib
 import json
 import math
 import os
+import shutil
 import sys
 import tempfile
 import warnings
@@ -52,17 +54,18 @@ import torch
 import torch.nn.functional as F
 from sklearn.model_selection import StratifiedGroupKFold
 
-from config import Config, ConfigError, ScriptParser, given_flags, load_config, script_main
+from config import Config, ConfigError, Preempted, ScriptParser, given_flags, load_config, script_main
 from data import resample_and_clip, to_sample
 from dicom import UnusableFile
 from index import format_reason_table
 from labels import TokenFile, encode_volumes, read_label_rows
+from lock import process_is_gone, process_started, this_machine
 from pretrained import PretrainedEncoder, load_encoder, random_encoder, save_encoder
-from privacy import share_safe_source, volume_key
+from privacy import share_safe_source, site_secret, volume_key
 from readouts import (TEST_FRACTION, AttentiveProbe, classification_scores, fit_attentive, interval,
                       paired_difference, split_scores, stratified_split)
 from runlog import counted
-from runtime import probe_device, release_freed_memory
+from runtime import StopRequested, StopSignals, probe_device, release_freed_memory
 from schedules import cosine_ramp
 from storage import write_atomic
 from volumes import read_volume
@@ -72,13 +75,20 @@ MODES = ("frozen", "full")
 PATIENT_COLUMN = "patient"
 
 
+TMP_PREFIX = "octjepa-finetune-"  # + the owner's pid.start.pid-namespace.boot-id- + a random suffix
+
+
 class PreparedVolumes:
     """Prepared volumes [d,h,w] kept on disk, in a temporary folder ($TMPDIR; removed with this object, or at exit)
     and read one at a time, so that memory stays flat in their number. Their frozen tokens go there too
-    (labelled_tokens)."""
+    (labelled_tokens). The folder's name says which process owns it: the folders of killed ones go first
+    (remove_stale_folders)."""
 
     def __init__(self):
-        self.folder = tempfile.TemporaryDirectory(prefix="octjepa-finetune-")
+        remove_stale_folders()
+        here = this_machine()
+        owner = f"{os.getpid()}.{process_started(os.getpid())}.{here['pid_namespace']}.{here['boot_id']}-"
+        self.folder = tempfile.TemporaryDirectory(prefix=TMP_PREFIX + "".join(c for c in owner if c not in "[:]"))
         self.count = 0
 
     def append(self, volume: np.ndarray) -> None:
@@ -90,6 +100,20 @@ class PreparedVolumes:
 
     def __getitem__(self, i: int) -> np.ndarray:
         return np.load(os.path.join(self.folder.name, f"{i}.npy"))
+
+
+def remove_stale_folders() -> None:
+    """Delete the temporary folders (patient pixels) that fine-tunings of this user killed before their clean-up
+    (SIGKILL, out of memory) left in $TMPDIR: those whose owner is a process of this machine and PID namespace that
+    no longer runs (a folder of a process elsewhere, or of an older octjepa, is left alone)."""
+    for folder in glob.glob(os.path.join(glob.escape(tempfile.gettempdir()), TMP_PREFIX + "*")):
+        owner = os.path.basename(folder)[len(TMP_PREFIX):].split(".", 3)
+        if len(owner) < 4 or not owner[0].isdigit() or os.stat(folder).st_uid != os.getuid():
+            continue
+        pid, started, namespace, boot_id = int(owner[0]), owner[1], f"pid:[{owner[2][3:]}]", owner[3][:36]
+        if process_is_gone({"pid": pid, "pid_started": started, "pid_namespace": namespace, "boot_id": boot_id}):
+            shutil.rmtree(folder, ignore_errors=True)
+            print(f"removed {folder}: prepared volumes that a killed fine-tuning (process {pid}) left", file=sys.stderr)
 
 
 @dataclass
@@ -158,8 +182,9 @@ def read_label_table(path: str) -> Tuple[List[str], np.ndarray, List[str], str, 
 
 def load_labelled_set(labels_csv: str, cfg: Config) -> LabelledSet:
     """The labelled volumes of a CSV read and prepared with cfg (an export's settings); unusable files are left out
-    and counted by reason."""
+    and counted by reason. A read of a source without an index: it may create the site's key file (privacy)."""
     paths, targets, classes, task, patients = read_label_table(labels_csv)
+    site_secret(create=True)
     keep, prepared, keys, skipped = [], PreparedVolumes(), [], Counter()
     for i, path in enumerate(counted(paths, "read", "volume")):
         try:
@@ -532,8 +557,25 @@ def main(argv: List[str]) -> int:
         write_atomic(os.path.join(args.out, "folds", ".write-probe"), b"octjepa")
     except OSError as e:
         raise ConfigError(f"out: cannot write into {args.out} ({e}); choose a writable --out.") from None
-    encoder = load_encoder(args.encoder)
     cli = load_config(rest)
+    with StopSignals() as signals:  # a preemption (SIGTERM, Ctrl-C) keeps the finished splits: exit 75
+        try:
+            with signals.at_once():
+                report = finetune(args, settings, modes, cli)
+        except StopRequested as stop:
+            raise Preempted(f"{stop}: fine-tuning stopped; the splits finished so far are kept in "
+                            f"{os.path.join(args.out, 'folds')}, and the same command continues from them.") from None
+    print(format_report(report))
+    with open(report_path, "w") as f:
+        json.dump(report, f, indent=1)
+    print(f"report: {report_path}")
+    return 0
+
+
+def finetune(args, settings: FullSettings, modes: List[str], cli: Config) -> dict:
+    """The report of main's fine-tuning (its parsed `args`): every arm and mode over the splits, each split's result
+    written to OUT/folds as it finishes (fold_result)."""
+    encoder = load_encoder(args.encoder)
     cfg = replace(encoder.settings, **{k: getattr(cli, k) for k in CLI_FIELDS})
     device = probe_device(cfg)
     data = load_labelled_set(args.labels, cfg)
@@ -558,12 +600,7 @@ def main(argv: List[str]) -> int:
                                                 done))
     if args.vs_random:
         report["pretrained_minus_random"] = paired_differences(report["arms"]["encoder"], report["arms"]["random init"])
-    print(format_report(report))
-    os.makedirs(args.out, exist_ok=True)
-    with open(report_path, "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"report: {report_path}")
-    return 0
+    return report
 
 
 if __name__ == "__main__":

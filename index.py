@@ -25,7 +25,7 @@ from tqdm import tqdm
 from config import Config, ConfigError
 from dicom import REASONS, TRANSIENT_REASONS, UnusableFile, folder_files, inspect_file, is_candidate
 from phantom import ensure_phantom_set
-from privacy import KEY_PREFIX, is_keyed
+from privacy import KEY_PREFIX, check_index_key, is_keyed, key_fingerprint, site_secret
 from storage import exists, gcs_filesystem, read_bytes, write_atomic
 from volumes import Unit, units
 
@@ -104,8 +104,9 @@ def scan_files(files: Sequence[str], sop_classes: str = "oct", progress: bool = 
     series; or files rejected together), so every file appears exactly once. A record has paths, sources
     (source_identity of each), ok, reason (None when ok), detail, manufacturer, model, series, shape [D,H,W], spacing
     [dz,dy,dx] or None, spacing_issue, patient, study, laterality. `identities` ({path: source_identity}, e.g. from list_sources) saves
-    looking them up.
+    looking them up. The site's key file is read (or created: privacy.site_secret) before any file.
     """
+    site_secret(create=True)  # a key file this user cannot use stops the scan here, not as every file "corrupt"
     def inspect(path):
         identity = identities[path] if identities is not None and path in identities else source_identity(path)
         try:
@@ -151,9 +152,11 @@ def read_index_with_source(path: str) -> Tuple[Optional[dict], List[dict]]:
 
 def read_index(path: str) -> List[dict]:
     """The records of an index written by write_index / `python data.py scan --out`. An index whose patient keys
-    are not keyed (an older octjepa's: reversible, and the same at every site) is a ConfigError saying how to scan
-    it again (with data_root, update_index does that by itself)."""
-    records = read_index_with_source(path)[1]
+    are not keyed (an older octjepa's: reversible, and the same at every site), or were keyed with another secret
+    than the key file's (privacy.check_index_key), is a ConfigError saying how to scan it again (with data_root,
+    update_index does that by itself for the former)."""
+    built_from, records = read_index_with_source(path)
+    check_index_key(built_from, path)
     if any(r["ok"] and not is_keyed(r.get("patient")) for r in records):
         raise ConfigError(f"index_path: {path} holds patient keys an older octjepa wrote (a plain hash of PatientID, "
                           f"reversible and the same at every site); scan the data again with this version: python "
@@ -173,10 +176,12 @@ def _unchanged(record: dict, identities: Dict[str, str]) -> bool:
 def index_source(data_root: Optional[str], manifest_path: Optional[str], sop_classes: str,
                  identities: Dict[str, str]) -> dict:
     """What an index is built from: the source, the sop_classes setting, a hash of the listing (every file's
-    path and identity) and the kind of patient keys (privacy.KEY_PREFIX)."""
+    path and identity), the kind of patient keys (privacy.KEY_PREFIX) and which secret keyed them
+    (privacy.key_fingerprint)."""
     listing = "\n".join(f"{p}\t{identities[p]}" for p in sorted(identities))
     return {"data_root": data_root, "manifest_path": manifest_path, "sop_classes": sop_classes,
-            "listing": hashlib.sha256(listing.encode()).hexdigest()[:32], "patient_keys": KEY_PREFIX}
+            "listing": hashlib.sha256(listing.encode()).hexdigest()[:32], "patient_keys": KEY_PREFIX,
+            "key_fingerprint": key_fingerprint()}
 
 
 def update_index(records: Sequence[dict], identities: Dict[str, str], sop_classes: str,
@@ -200,22 +205,24 @@ def update_index(records: Sequence[dict], identities: Dict[str, str], sop_classe
 def index_records(cfg: Config) -> List[dict]:
     """The index of cfg's data. With cfg.index_path: the index there is reused when it was built from the same
     data_root, manifest, sop_classes and listing; else only what is new, changed or failed in passing (read errors)
-    is scanned again, and the index is rewritten. With neither data_root nor manifest_path: the built-in phantom
-    set (or, when index_path exists, that index as it is)."""
+    is scanned again, and the index is rewritten; an index keyed with another secret is refused
+    (privacy.check_index_key), one that records none is scanned again whole. With neither data_root nor
+    manifest_path: the built-in phantom set (or, when index_path exists, that index as it is)."""
     root = cfg.data_root
     if root is None and cfg.manifest_path is None:
         if cfg.index_path is not None and exists(cfg.index_path):
             return read_index(cfg.index_path)
         root = ensure_phantom_set(cfg.phantom_dir, cfg.phantom_count, varied=cfg.phantom_varied)
     identities = list_sources(root, cfg.manifest_path)
-    built_from = index_source(root, cfg.manifest_path, cfg.sop_classes, identities)
     old_from, records = (None, [])
     if cfg.index_path is not None and exists(cfg.index_path):
         old_from, records = read_index_with_source(cfg.index_path)
+    check_index_key(old_from, cfg.index_path)  # before anything is keyed (a missing key file is created only here)
+    built_from = index_source(root, cfg.manifest_path, cfg.sop_classes, identities)
     if old_from == built_from and not any(r["reason"] in TRANSIENT_REASONS for r in records):
         return records
-    same_source = old_from is not None and all(old_from[k] == built_from[k] for k in ("data_root", "manifest_path",
-                                                                                     "sop_classes"))
+    same_source = old_from is not None and all(old_from.get(k) == built_from[k] for k in (
+        "data_root", "manifest_path", "sop_classes", "key_fingerprint"))  # keys of one secret only: never half
     records = update_index(records if same_source else [], identities, cfg.sop_classes, progress=True)
     if cfg.index_path is not None:
         write_index(records, cfg.index_path, built_from)

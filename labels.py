@@ -59,9 +59,11 @@ def read_label_rows(path: str, header_hint: str) -> List[dict]:
             continue
         if "://" not in given and not os.path.isabs(given):
             r["path"] = os.path.normpath(os.path.join(root, given))
-        if r["path"] in seen:
-            problems.append(f"line {line}: {given} is the volume of line {seen[r['path']]} again")
-        seen.setdefault(r["path"], line)
+        same = file_identity(r["path"])
+        if same in seen:
+            problems.append(f"line {line}: {given} is the volume of line {seen[same]} again"
+                            + ("" if same == r["path"] else " (the same file or folder through a link or another path)"))
+        seen.setdefault(same, line)
         for column, value in r.items():
             if column in ("path", None):  # None: cells beyond the header
                 continue
@@ -82,6 +84,18 @@ def read_label_rows(path: str, header_hint: str) -> List[dict]:
         print(f"labels: {len(unknown)} paths in {path} do not exist and are left out: {', '.join(unknown[:5])}"
               + (" ..." if len(unknown) > 5 else ""), file=sys.stderr)
     return rows
+
+
+def file_identity(path: str):
+    """What one file or folder is, whatever the path to it: (device, inode) of a local one that exists (a symlink,
+    a symlinked folder or a hard link lead to the same), else the path itself."""
+    if "://" in path:
+        return path
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return os.path.realpath(path)
+    return (stat.st_dev, stat.st_ino)
 
 
 def read_labels(path: str, columns: Sequence[str] = ("label",)) -> List[Tuple[str, ...]]:

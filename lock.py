@@ -1,31 +1,46 @@
 """The run folder's lock: one process at a time writes a run folder (out_dir/run_name, and ckpt_dir when it lies
-elsewhere). Local folders: a lock file created only if absent; gs://: a lease object created only if absent and
-renewed by a thread. train.py takes it for the whole run (run_folder_lock).
+elsewhere). train.py takes it for the whole run (run_folder_lock).
+
+The lock is a lease: a small record (.octjepa-lock) naming its holder (a token, the machine's boot id, the process's
+PID namespace, pid and start time, the host name for messages) and when it expires; a thread of the holder renews
+it. Another process takes it over only once its holder is shown gone: on the same machine and PID namespace, its
+process no longer runs; anywhere else (another machine, a relaunched pod, a container or an `unshare`d job whose
+PIDs this process cannot see), its lease ran out, LEASE_SECONDS after its last renewal. Every change is atomic, so
+of two processes that find a stale lock exactly one takes it: a local record is changed only under an flock of the
+lock file and replaced by rename (flock works across PID namespaces and, through the kernel's NFS locks, across
+machines; the kernel drops it with its process, so a kill leaves no stale guard); a gs:// record only with a
+generation precondition. A holder whose record was taken over (it stopped renewing for a lease, e.g. suspended)
+learns it at its next renewal or checkpoint (locks_lost, check_locks) and stops without writing again.
 """
 import contextlib
+import datetime
+import fcntl
 import json
 import os
 import socket
+import sys
 import threading
 import time
 import uuid
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 from config import Config, ConfigError
 from runtime import Runtime, master_decides
-from storage import gcs_filesystem, process_is_running, read_bytes, storage_errors
-
+from storage import gcs_filesystem, storage_errors
 
 LOCK_NAME = ".octjepa-lock"  # in the run folder (and in ckpt_dir when it lies elsewhere)
-LEASE_SECONDS = 600  # a gs:// lock not renewed for this long (its process gone) is taken over; renewed every 1/4
+LEASE_SECONDS = 600  # a lock its holder has not renewed for this long is taken over (clocks must agree within it)
+RENEW_SECONDS = LEASE_SECONDS / 10  # a few missed renewals (a storage hiccup) do not lose the lease
+_OPEN_GUARDS: set = set()  # file descriptors this process holds an flock on: closed in a forked child
+_HELD: List[dict] = []  # this process's run-folder locks (run_folder_lock)
 
 
 @contextlib.contextmanager
 def run_folder_lock(cfg: Config, rt: Runtime):
     """One process at a time in a run folder: the master takes the lock of out_dir/run_name (and of ckpt_dir when it
-    lies elsewhere, e.g. gs://) for as long as the block runs. A folder that another live process holds stops every
-    process with a ConfigError naming the holder; the lock of a process gone from this host (or, on gs://, not
-    renewed for LEASE_SECONDS) is taken over. A dry run writes nothing and takes none."""
+    lies elsewhere, e.g. gs://) for as long as the block runs (lease_lost says whether another process took one
+    over since). A folder whose lock another process holds stops every process with a ConfigError naming the holder
+    and when its lease runs out. A dry run writes nothing and takes none."""
     folders = [] if cfg.dry_run else [os.path.join(cfg.out_dir, cfg.run_name)]
     if cfg.ckpt_dir is not None and folders and not os.path.abspath(cfg.ckpt_dir).startswith(
             os.path.abspath(folders[0]) + os.sep):
@@ -33,14 +48,21 @@ def run_folder_lock(cfg: Config, rt: Runtime):
     held = []  # the master's locks (a lease's renewal thread stays in its process)
     try:
         master_decides(rt, lambda: held.extend(take_lock(folder) for folder in folders))
+        _HELD.extend(held)
         yield
     finally:
-        for lock in held:
+        for lock in held:  # also those taken before another folder's lock was refused
             release_lock(lock)
+        _HELD[:] = [lock for lock in _HELD if all(lock is not mine for mine in held)]
 
+
+# ----------------------------------------------------------------------------------------------------------
+# Who holds a lock, and whether it is gone
+# ----------------------------------------------------------------------------------------------------------
 
 def process_started(pid: int) -> Optional[str]:
-    """When a process of this host started (clock ticks after boot, /proc/PID/stat's field 22); None if unknown."""
+    """When a process of this PID namespace started (clock ticks after boot, /proc/PID/stat's field 22); None if
+    there is no such process (or no /proc)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[19]
@@ -48,120 +70,284 @@ def process_started(pid: int) -> Optional[str]:
         return None
 
 
+def this_machine() -> dict:
+    """What tells this kernel and PID namespace from others: the boot id (the same in every container of a
+    machine, another on every machine and boot) and the PID namespace (pid:[inode]); None each where unknown."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot_id = f.read().strip()
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        boot_id = namespace = None
+    return {"host": socket.gethostname(), "boot_id": boot_id, "pid_namespace": namespace}
+
+
 def lock_holder() -> dict:
-    """Who takes a lock: this process (host, pid and its start, to tell a reused pid), a unique token, the time."""
-    return {"host": socket.gethostname(), "pid": os.getpid(), "pid_started": process_started(os.getpid()),
-            "token": uuid.uuid4().hex, "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    """A new holder record for this process: a unique token, this machine, pid and its start time (to tell a reused
+    pid), when it was taken and when its lease expires."""
+    return {"token": uuid.uuid4().hex, **this_machine(), "pid": os.getpid(),
+            "pid_started": process_started(os.getpid()), "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "expires": time.time() + LEASE_SECONDS}
 
 
-def holder_is_gone(holder: dict, gcs: bool) -> bool:
-    """Whether a lock's holder no longer runs: a process gone from this host (or its pid now another process's),
-    or, on gs://, a lease not renewed in time."""
-    if gcs and holder.get("expires", 0) < time.time():
-        return True
-    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
-        return False
-    if not process_is_running(holder["host"], holder["pid"]):
-        return True
-    started = process_started(holder["pid"])
-    return None not in (started, holder.get("pid_started")) and started != holder["pid_started"]
+def holder_is_gone(holder: dict) -> bool:
+    """Whether a lock's holder no longer holds it: its lease expired, or it is a process of this machine and PID
+    namespace that no longer runs (process_is_gone). A holder elsewhere (another machine, container or PID
+    namespace) is judged by its lease alone: its PID means nothing here."""
+    return holder.get("expires", 0) < time.time() or process_is_gone(holder) is True
 
+
+def process_is_gone(holder: dict) -> Optional[bool]:
+    """Whether the process a record names (boot_id, pid_namespace, pid, pid_started: lock_holder's) no longer runs,
+    or its pid is now another process's; None when it is not one of this machine and PID namespace (then nothing
+    here can tell)."""
+    here = this_machine()
+    if None in (here["boot_id"], here["pid_namespace"]) or not isinstance(holder.get("pid"), int) or \
+            (holder.get("boot_id"), holder.get("pid_namespace")) != (here["boot_id"], here["pid_namespace"]):
+        return None
+    started = process_started(holder["pid"])
+    return started is None or started != holder.get("pid_started", started)
+
+
+def judge(content: bytes, written_at: float, path: str, folder: str) -> Optional[dict]:
+    """The live holder of a lock record, or None when the lock is free: no record, an empty one (a take whose writer
+    stopped before writing it) or a holder that is gone. A record that is not one (damaged, or written by another
+    tool) counts as held until a lease after it was last written; a ConfigError names the holder and the way on."""
+    if not content.strip():
+        return None
+    try:
+        holder = json.loads(content)
+    except ValueError:
+        holder = None
+    if not isinstance(holder, dict) or "token" not in holder:
+        if written_at + LEASE_SECONDS < time.time():
+            return None
+        raise ConfigError(
+            f"run folder: the lock {path} holds no lock record ({content[:80]!r}: damaged, or written by another "
+            f"tool) and was written at {time.ctime(written_at)}. If no run uses {folder}, delete {path}; else it is "
+            f"taken over once it is {LEASE_SECONDS // 60} min old ({time.ctime(written_at + LEASE_SECONDS)}).")
+    return None if holder_is_gone(holder) else holder
+
+
+def refusal(holder: dict, path: str, folder: str) -> ConfigError:
+    """The error for a folder whose lock a live process holds."""
+    here = this_machine()
+    where = "this machine" if holder.get("boot_id") == here["boot_id"] else "another machine"
+    if where == "this machine" and holder.get("pid_namespace") != here["pid_namespace"]:
+        where = "another PID namespace of this machine (a container or an unshared job)"
+    return ConfigError(
+        f"run folder: {folder} is in use by process {holder.get('pid')} on {holder.get('host')} ({where}; since "
+        f"{holder.get('since')}; lock {path}). One process at a time writes a run folder: wait for it to finish, or "
+        f"choose another --run_name. If that process is gone, its lease runs out at "
+        f"{time.ctime(holder.get('expires', 0))} ({LEASE_SECONDS // 60} min after its last renewal): a relaunch with "
+        f"--resume auto then takes the folder over; to take it over earlier, make sure it is gone and delete {path}.")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Taking, renewing, checking and giving back a lock (local file or gs:// object)
+# ----------------------------------------------------------------------------------------------------------
 
 def take_lock(folder: str) -> dict:
-    """Take `folder`'s lock (local: a file created only if absent; gs://: a lease object created only if absent,
-    renewed by a thread); the lock, for release_lock. ConfigError naming the holder when a live process has it."""
+    """Take `folder`'s lock (its record written atomically when free; see judge) and start the thread that renews
+    it; the lock, for release_lock. ConfigError naming the holder when a live process has it."""
     path = f"{folder.rstrip('/')}/{LOCK_NAME}"
-    gcs = path.startswith("gs://")
-    for _ in range(3):  # a holder gone is removed, then the lock taken again; a race lost ends in the error
-        holder = lock_holder()
+    holder = lock_holder()
+    try:
+        if path.startswith("gs://"):
+            generation = _take_lease(path, folder, holder)
+        else:
+            with _flocked(path) as (content, written_at):
+                current = judge(content, written_at, path, folder)
+                if current is not None:
+                    raise refusal(current, path, folder)
+                _replace(path, holder)
+            generation = None
+    except (OSError, *storage_errors()) as e:
+        raise ConfigError(f"run folder: cannot take the lock {path} ({e!r}); make {folder} writable (on a "
+                          f"filesystem with file locks: flock) or choose another --out_dir.") from None
+    lock = {"path": path, "folder": folder, "holder": holder, "generation": generation, "stop": threading.Event(),
+            "lost": threading.Event()}
+    threading.Thread(target=_renew_until_stopped, args=(lock,), daemon=True).start()
+    return lock
+
+
+def _take_lease(path: str, folder: str, holder: dict) -> str:
+    """Write a gs:// lock record where it is free, under a precondition on the generation that was judged (0: none),
+    so that of two processes exactly one writes it; its new generation."""
+    for _ in range(3):  # a lost race is judged again; a live winner ends in the refusal
+        content, generation, written_at = _read_lease(path)
+        current = judge(content, written_at, path, folder)
+        if current is not None:
+            raise refusal(current, path, folder)
         try:
-            (_create_lease if gcs else _create_lock_file)(path, holder)
-        except FileExistsError:
-            try:
-                current, generation = _read_lock(path)
-            except FileNotFoundError:
-                continue  # released meanwhile
-            if not holder_is_gone(current, gcs):
-                raise ConfigError(
-                    f"run folder: {folder} is in use by process {current.get('pid')} on {current.get('host')} "
-                    f"(since {current.get('since')}; lock {path}). One process at a time writes a run folder: wait "
-                    f"for it to finish, or choose another --run_name. If that process is gone (another machine), "
-                    f"delete {path}" + (" or wait until its lease runs out" if gcs else "") + ".") from None
-            _remove_lock(path, generation)
+            return _write_lease(path, holder, generation)
+        except FileExistsError:  # 412: another process wrote it since it was read
             continue
-        except OSError as e:
-            raise ConfigError(f"run folder: cannot create the lock {path} ({e!r}); make {folder} writable or choose "
-                              f"another --out_dir.") from None
-        lock = {"path": path, "holder": holder, "stop": threading.Event()}
-        if gcs:
-            threading.Thread(target=_renew_lease, args=(lock,), daemon=True).start()
-        return lock
     raise ConfigError(f"run folder: could not take the lock {path}: other processes keep taking it; run one at a time.")
 
 
-def _create_lock_file(path: str, holder: dict) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{holder['token']}"
-    with open(tmp, "w") as f:
-        json.dump(holder, f)
-    try:
-        os.link(tmp, path)  # whole or absent, never a part (also on NFS); FileExistsError when held
-    finally:
-        os.remove(tmp)
+def _renew_until_stopped(lock: dict) -> None:
+    while not lock["stop"].wait(RENEW_SECONDS):
+        with contextlib.suppress(*storage_errors()):  # a missed renewal is tried again; the lease lasts several
+            if not renew_lock(lock):
+                print(f"WARNING: {lost_message(lock)}", file=sys.stderr, flush=True)
+                return
 
 
-def _create_lease(path: str, holder: dict) -> None:
-    fs = gcs_filesystem()
-    fs.invalidate_cache(path)
-    if fs.exists(path):  # GCS checks the precondition below itself; a store that ignores it, here
-        raise FileExistsError(path)
-    try:
-        fs.pipe_file(path, json.dumps(holder).encode(), mode="create")  # ifGenerationMatch=0: only if absent
-    except Exception as e:
-        if "412" in str(e) or isinstance(e, FileExistsError):
-            raise FileExistsError(path) from None
-        raise
+def renew_lock(lock: dict) -> bool:
+    """Push the lease's expiry on, only while the record still names this holder; False (and lock['lost'] set) when
+    another process has taken it over: the renewal never overwrites it."""
+    lock["holder"]["expires"] = time.time() + LEASE_SECONDS
+    if lock["generation"] is not None:
+        try:
+            lock["generation"] = _write_lease(lock["path"], lock["holder"], lock["generation"])
+            return True
+        except FileExistsError:
+            lock["lost"].set()
+            return False
+    with _flocked(lock["path"]) as (content, _):
+        if _token(content) != lock["holder"]["token"]:
+            lock["lost"].set()
+            return False
+        _replace(lock["path"], lock["holder"])
+    return True
 
 
-def _read_lock(path: str) -> Tuple[dict, Optional[str]]:
-    """The holder a lock file or lease names ({} when unreadable) and, on gs://, its generation."""
-    if path.startswith("gs://"):
-        fs = gcs_filesystem()
-        fs.invalidate_cache(path)
-        generation = fs.info(path).get("generation")
-    else:
-        generation = None
-    try:
-        holder = json.loads(read_bytes(path))
-    except ValueError:
-        holder = {}
-    return (holder if isinstance(holder, dict) else {}), generation
-
-
-def _remove_lock(path: str, generation: Optional[str]) -> None:
-    """Remove a lock whose holder is gone: on gs://, only the generation that was read (a lease taken meanwhile
-    stays)."""
-    with contextlib.suppress(FileNotFoundError):
-        if path.startswith("gs://"):
-            bucket, key = path[len("gs://"):].split("/", 1)
-            gcs_filesystem().call("DELETE", "b/{}/o/{}", bucket, key, ifGenerationMatch=generation)
-            gcs_filesystem().invalidate_cache(path)
+def lock_is_held(lock: dict) -> bool:
+    """Whether the record still names this holder (read now: the fencing check before a checkpoint is written);
+    sets lock['lost'] when not."""
+    if not lock["lost"].is_set():
+        if lock["generation"] is not None:
+            content, generation, _ = _read_lease(lock["path"])
+            held = generation == lock["generation"] and _token(content) == lock["holder"]["token"]
         else:
-            os.remove(path)
+            try:
+                with open(lock["path"], "rb") as f:
+                    held = _token(f.read()) == lock["holder"]["token"]
+            except FileNotFoundError:
+                held = False
+        if not held:
+            lock["lost"].set()
+    return not lock["lost"].is_set()
 
 
-def _renew_lease(lock: dict) -> None:
-    while not lock["stop"].wait(LEASE_SECONDS / 4):
-        with contextlib.suppress(Exception):  # a missed renewal is tried again; the lease lasts 4 of them
-            lock["holder"]["expires"] = time.time() + LEASE_SECONDS
-            gcs_filesystem().pipe_file(lock["path"], json.dumps(lock["holder"]).encode())
+def lease_lost(read: bool = False) -> bool:
+    """Whether another process took over a run-folder lock of this process, as its renewals found; read: reading
+    each lock now (lock_is_held: the fencing check before a checkpoint is written; a storage error counts as held,
+    the write then fails or succeeds as storage does)."""
+    for lock in _HELD if read else []:
+        with contextlib.suppress(*storage_errors()):
+            lock_is_held(lock)
+    return any(lock["lost"].is_set() for lock in _HELD)
+
+
+def stop_if_taken_over(lost: bool) -> None:
+    """Stop this process with a ConfigError when `lost` (lease_lost of process 0, agreed by every process)."""
+    if lost:
+        raise ConfigError(next((lost_message(lock) for lock in _HELD if lock["lost"].is_set()),
+                               "run folder: process 0's lock was taken over by another process; this process stops "
+                               "without writing to the run folder again."))
+
+
+def lost_message(lock: dict) -> str:
+    """Why a process stops writing: its lease was taken over."""
+    return (f"run folder: the lock {lock['path']} no longer names this process: its lease ran out (not renewed for "
+            f"{LEASE_SECONDS // 60} min: the process was suspended, or its storage unreachable) and another process "
+            f"took {lock['folder']} over. This process stops without writing to it again.")
 
 
 def release_lock(lock: dict) -> None:
-    """Give a lock back (only while it still names this holder)."""
+    """Stop renewing and give the lock back: removed only while its record still names this holder."""
     lock["stop"].set()
-    with contextlib.suppress(*storage_errors()):
-        holder, generation = _read_lock(lock["path"])
-        if holder.get("token") == lock["holder"]["token"]:
-            _remove_lock(lock["path"], generation)
+    with contextlib.suppress(OSError, *storage_errors()):
+        if lock["generation"] is not None:
+            bucket, key = lock["path"][len("gs://"):].split("/", 1)
+            gcs_filesystem().call("DELETE", "b/{}/o/{}", bucket, key, ifGenerationMatch=lock["generation"])
+            gcs_filesystem().invalidate_cache(lock["path"])
+            return
+        with _flocked(lock["path"]) as (content, _):
+            if _token(content) == lock["holder"]["token"]:
+                os.remove(lock["path"])
+
+
+def _token(content: bytes) -> Optional[str]:
+    with contextlib.suppress(ValueError, TypeError, AttributeError):
+        return json.loads(content).get("token")
+    return None
+
+
+@contextlib.contextmanager
+def _flocked(path: str):
+    """(content, time last written) of a local lock file, held under an exclusive flock while the block runs (created
+    empty if absent); changes inside it replace the file by rename. The flock is on the file that is at `path` now:
+    a process that waited for it while another one replaced or removed the file tries again on the new one."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        _OPEN_GUARDS.add(fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                break
+        except FileNotFoundError:  # removed while this process waited
+            pass
+        except BaseException:
+            _close(fd)
+            raise
+        _close(fd)
+    try:
+        with open(fd, "rb", closefd=False) as f:
+            yield f.read(), os.fstat(fd).st_mtime
+    finally:
+        _close(fd)
+
+
+def _close(fd: int) -> None:
+    _OPEN_GUARDS.discard(fd)
+    os.close(fd)
+
+
+def _close_guards_in_child() -> None:
+    # A DataLoader worker forked while a renewal held an flock would hold it for the worker's life.
+    for fd in list(_OPEN_GUARDS):
+        _close(fd)
+
+
+os.register_at_fork(after_in_child=_close_guards_in_child)
+
+
+def _replace(path: str, holder: dict) -> None:
+    tmp = f"{path}.{holder['token']}"
+    with open(tmp, "w") as f:
+        json.dump(holder, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _read_lease(path: str) -> Tuple[bytes, str, float]:
+    """(content, generation, time last written) of a gs:// lock record; (b'', '0', 0) when there is none. The
+    generation is read first: a record changed after it is refused by the precondition of the write that follows."""
+    fs = gcs_filesystem()
+    fs.invalidate_cache(path)
+    try:
+        info = fs.info(path)
+        content = fs.cat_file(path)
+    except FileNotFoundError:
+        return b"", "0", 0.0
+    updated = info.get("updated") or info.get("mtime")
+    written_at = (datetime.datetime.fromisoformat(str(updated).replace("Z", "+00:00")).timestamp() if updated
+                  else time.time())
+    return content, str(info.get("generation") or "0"), written_at
+
+
+def _write_lease(path: str, holder: dict, generation: str) -> str:
+    """Write a gs:// lock record only if its generation is still `generation` ('0': only if absent); its new
+    generation. FileExistsError (GCS's 412) when it is not."""
+    fs = gcs_filesystem()
+    bucket, key = path[len("gs://"):].split("/", 1)
+    written = fs.call("POST", f"{fs._location}/upload/storage/v1/b/{bucket}/o", uploadType="media", name=key,
+                      ifGenerationMatch=str(generation), data=json.dumps(holder).encode(), json_out=True,
+                      headers={"Content-Type": "application/octet-stream"})
+    fs.invalidate_cache(path)
+    return str(written["generation"])

@@ -18,11 +18,11 @@ import torch.nn as nn
 
 from config import Config, ConfigError, load_config
 from model import VJEPA3D, Encoder, check_encoder_input, pool_name, pool_tokens, tubelet_embedding
-from storage import read_bytes, write_atomic
+from storage import exists, read_bytes, write_atomic
 
 EXPORT_FORMAT = "octjepa-encoder"
-EXPORT_VERSION = 2  # bump when config.json or the weights' layout changes meaning; newer exports are refused
-# (2: architecture.patch_stem)
+EXPORT_VERSION = 3  # bump when config.json or the weights' layout changes meaning; newer exports are refused
+# (2: architecture.patch_stem; 3: the weights bind all of config.json, provenance and code files' sha256 included)
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"  # the names Hugging Face's hub tools read
 EARLIER_WEIGHTS_FILE = "encoder.safetensors"  # what exports before 2026-11-25 named their weights
 ARCHITECTURE_FIELDS = ("image_size", "patch_size", "patch_stem", "embed_dim", "depth", "num_heads", "mlp_ratio")
@@ -194,9 +194,10 @@ CONTRACT_SECTIONS = ("architecture", "preprocessing", "augmentation")  # config.
 
 
 def export_contract(config: dict) -> str:
-    """How to build and feed the encoder (config.json's architecture, preprocessing and augmentation) as canonical
-    JSON. save_encoder stores it in the weights' metadata, so that the weights' sha256 covers it too."""
-    return json.dumps({k: config.get(k) for k in CONTRACT_SECTIONS}, sort_keys=True)
+    """What the weights are bound to, as canonical JSON (save_encoder stores it in their metadata): from format 3 on
+    all of config.json but their own sha256 (provenance and the code files' sha256 too), before CONTRACT_SECTIONS."""
+    sections = CONTRACT_SECTIONS if config.get("format_version", 1) < 3 else sorted(set(config) - {"weights"})
+    return json.dumps({k: config.get(k) for k in sections}, sort_keys=True)
 
 
 def save_encoder(state: dict, config: dict, directory: str) -> None:
@@ -242,13 +243,42 @@ def weights_header(payload: bytes, path: str) -> dict:
     return header
 
 
+def check_bound(config: dict, header: dict, directory: str) -> None:
+    """That config.json is what the weights were exported with (export_contract, in their metadata since format 2):
+    ExportError naming each field that differs, or for weights that carry none (saved again without it)."""
+    bound, where = (header.get("__metadata__") or {}).get("contract"), f"{directory.rstrip('/')}/{CONFIG_FILE}"
+    if bound is None and config.get("format_version", 1) >= 2:
+        raise ExportError(f"{directory.rstrip('/')}/{WEIGHTS_FILE} carries no export contract in its metadata (saved "
+                          f"again without it, or by another tool) while {where} says format 2 or later; export the "
+                          f"checkpoint again.")
+    if bound is not None and bound != export_contract(config):
+        signed, given = ({f"{s}.{k}".rstrip("."): x for s, v in json.loads(c).items()
+                          for k, x in (v.items() if isinstance(v, dict) else [("", v)])}
+                         for c in (bound, export_contract(config)))
+        changed = [f"{k}: {str(signed.get(k))[:80]} -> {str(given.get(k))[:80]}" for k in sorted({*signed, *given})
+                   if signed.get(k) != given.get(k)]
+        raise ExportError(f"{where} differs from what its weights were exported with ({'; '.join(changed)}): it was "
+                          f"edited, or the weights belong to another export; export the checkpoint again.")
+
+
+def check_code_files(config: dict, directory: str) -> None:
+    """That the folder's code files (what torch.hub.load and `import octjepa_encoder` would run) are the ones exported:
+    their sha256 in config.json `code` (format 3); ExportError naming the file otherwise. Runs none of them."""
+    for code, digest in (config.get("code") or {}).items():
+        code = f"{directory.rstrip('/')}/{str(code).rsplit('/', 1)[-1]}"  # a file left out runs nothing
+        if exists(code) and _sha256(read_bytes(code)) != digest:
+            raise ExportError(f"{code} is not the file that was exported (its sha256 differs from {CONFIG_FILE} "
+                              f"code): torch.hub.load and `import octjepa_encoder` would run it; export it again.")
+
+
 def load_encoder(directory: str) -> PretrainedEncoder:
-    """The encoder exported to `directory` (local or gs://), in eval mode on the CPU. The weights must match
-    config.json exactly: their sha256, the contract they were exported with (export_contract: architecture,
-    preprocessing, augmentation), every key, shape and dtype, all checked before the architecture is built (a
-    tampered config.json costs no memory). Raises ExportError naming the file, key or field otherwise."""
+    """The encoder exported to `directory` (local or gs://), in eval mode on the CPU, running no code of the folder.
+    The weights must match config.json exactly (sha256, check_bound, every key, shape and dtype: all checked before
+    the architecture is built), and so must the code files (check_code_files). Raises ExportError naming the file,
+    key or field."""
     config = read_export_config(directory)
     settings = export_settings(config, f"{directory.rstrip('/')}/{CONFIG_FILE}")  # every field, before any weight
+    check_code_files(config, directory)
     weights = config.get("weights") if isinstance(config.get("weights"), dict) else {}
     name = weights.get("file") if weights.get("file") in (WEIGHTS_FILE, EARLIER_WEIGHTS_FILE) else WEIGHTS_FILE
     path = f"{directory.rstrip('/')}/{name}"
@@ -262,16 +292,7 @@ def load_encoder(directory: str) -> PretrainedEncoder:
                           f"weights.sha256 {str(weights.get('sha256'))[:16]}...: the weights were changed or belong to "
                           f"another export.")
     header = weights_header(payload, path)
-    bound = (header.get("__metadata__") or {}).get("contract")  # absent in exports of older versions
-    if bound is not None and bound != export_contract(config):
-        signed, given = ({s: v if isinstance(v, dict) else {} for s, v in json.loads(c).items()}
-                         for c in (bound, export_contract(config)))
-        changed = [f"{section}.{k}: {signed[section].get(k)} -> {given[section].get(k)}"
-                   for section in CONTRACT_SECTIONS for k in sorted({*signed[section], *given[section]})
-                   if signed[section].get(k) != given[section].get(k)]
-        raise ExportError(f"{directory.rstrip('/')}/{CONFIG_FILE} differs from what its weights were exported with "
-                          f"({'; '.join(changed)}): it was edited or belongs to another export; export the "
-                          f"checkpoint again.")
+    check_bound(config, header, directory)
     with torch.device("meta"):  # the architecture's shapes without its memory: checked before it is built
         expected = {k: (v.shape, v.dtype) for k, v in
                     PretrainedEncoder(config, f"{directory.rstrip('/')}/{CONFIG_FILE}").state_dict().items()}
@@ -284,8 +305,7 @@ def load_encoder(directory: str) -> PretrainedEncoder:
     for key, (shape, dtype) in found.items():
         if shape != expected[key][0] or SAFETENSORS_DTYPES.get(dtype) != expected[key][1]:
             raise ExportError(f"{path}: key {key} is {SAFETENSORS_DTYPES.get(dtype, dtype)} {list(shape)}, the "
-                              f"architecture in "
-                              f"{CONFIG_FILE} needs {expected[key][1]} {list(expected[key][0])}.")
+                              f"architecture in {CONFIG_FILE} needs {expected[key][1]} {list(expected[key][0])}.")
     encoder = PretrainedEncoder(config, f"{directory.rstrip('/')}/{CONFIG_FILE}")
     encoder.load_state_dict(safetensors.torch.load(payload), strict=True)
     return encoder.eval()

@@ -2,14 +2,18 @@
 
 A patient key is HMAC-SHA256 of the DICOM PatientID (else of the file's path: the file is then its own patient) under
 a secret of this site: 32 random bytes in a key file created once, readable by its owner only, outside every output
-(OCTJEPA_PATIENT_KEY_FILE, else ~/.config/octjepa/site.key). Without the secret a key neither reverses (no dictionary
-of MRNs finds it) nor links with another site's keys; two sites that mean to link their tables use the same key
-file (copy it, as one copies a password). The secret is never logged nor written anywhere else.
+(OCTJEPA_PATIENT_KEY_FILE, an absolute path, else ~/.config/octjepa/site.key). Without the secret a key neither
+reverses (no dictionary of MRNs finds it) nor links with another site's keys; two sites that mean to link their tables
+use the same key file (copy it, as one copies a password). The secret is never logged nor written anywhere else; an
+index and a checkpoint record which secret made their keys as a keyed fingerprint (key_fingerprint), so that one made
+with another secret is refused, naming the key file.
 """
 import hashlib
 import hmac
 import os
 import secrets
+import stat
+import sys
 from typing import Dict, Optional
 
 from config import PATH_FIELDS, ConfigError
@@ -20,34 +24,112 @@ _SECRETS: Dict[str, bytes] = {}  # key file -> its secret, read once per process
 
 
 def patient_key_file() -> str:
-    """Where this site's patient-key secret lives: $OCTJEPA_PATIENT_KEY_FILE, else ~/.config/octjepa/site.key."""
-    return os.path.abspath(os.path.expanduser(os.environ.get(KEY_FILE_ENV) or "~/.config/octjepa/site.key"))
+    """Where this site's patient-key secret lives: $OCTJEPA_PATIENT_KEY_FILE, else ~/.config/octjepa/site.key. A
+    relative path is a ConfigError: the key file, and with it every key and split, would follow the folder a command
+    is started in."""
+    given = os.environ.get(KEY_FILE_ENV) or "~/.config/octjepa/site.key"
+    path = os.path.expanduser(given)
+    if not os.path.isabs(path):
+        raise ConfigError(f"{KEY_FILE_ENV}: {given!r} is a relative path, so the key file would depend on the folder "
+                          f"a command starts in (and could land inside a git clone); give an absolute path, e.g. "
+                          f"{os.path.abspath(path)}.")
+    return path
 
 
-def site_secret() -> bytes:
-    """This site's secret, from its key file; created (owner-only) the first time, whole or not at all, so that
-    processes starting together agree on one secret."""
+def site_secret(create: bool = False) -> bytes:
+    """This site's secret, read once per process from its key file (patient_key_file). create: a missing key file is
+    made first (32 random bytes, owner-only, whole or not at all so that processes starting together agree), said on
+    stderr with its path; only a command that reads a data source without an index that names its secret creates
+    one (index.scan_files, a labels CSV). A key file this user cannot use is a ConfigError naming it and the fix."""
     path = patient_key_file()
     if path not in _SECRETS:
-        if not os.path.exists(path):
-            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-            tmp = f"{path}.{os.getpid()}-{secrets.token_hex(4)}"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(secrets.token_hex(32) + "\n")
-            try:
-                os.link(tmp, path)  # fails when another process created it first: theirs is kept
-            except FileExistsError:
-                pass
-            finally:
-                os.remove(tmp)
+        if create and not os.path.lexists(path):
+            _create_key_file(path)
+        _SECRETS[path] = _read_key_file(path)
+    return _SECRETS[path]
+
+
+def _create_key_file(path: str) -> None:
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    tmp = f"{path}.{os.getpid()}-{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32) + "\n")
+    try:
+        os.link(tmp, path)  # fails when another process created it first: theirs is kept
+        print(f"{KEY_FILE_ENV}: created this site's patient-key secret {path} (readable by its owner only). Keep it: "
+              f"every patient key, train/val split and keyed id follows it, and a new one changes them all "
+              f"(docs/privacy.md).", file=sys.stderr)
+    except FileExistsError:
+        pass
+    finally:
+        os.remove(tmp)
+
+
+def _read_key_file(path: str) -> bytes:
+    """The secret in a key file; a ConfigError for one this user cannot use: missing, a dangling link, a folder,
+    readable or writable by others than its owner (refused, as ssh refuses such a private key), unreadable by this
+    user, empty or too short."""
+    where = f"{KEY_FILE_ENV}: {path}"
+    if not os.path.exists(path):
+        if os.path.islink(path):
+            raise ConfigError(f"{where} is a link to {os.readlink(path)}, which does not exist; restore this site's "
+                              f"key file there, or point {KEY_FILE_ENV} at it.")
+        raise ConfigError(f"{where} does not exist. If this site has a key file (another HOME or container, a typo "
+                          f"in {KEY_FILE_ENV}), point {KEY_FILE_ENV} at it: a new secret gives every patient another "
+                          f"key. A scan of a data source without an index creates it (python data.py scan DATA_ROOT).")
+    mode = os.stat(path).st_mode
+    if stat.S_ISDIR(mode):
+        raise ConfigError(f"{where} is a folder, not a key file; point {KEY_FILE_ENV} at the file itself.")
+    if mode & 0o077:
+        raise ConfigError(f"{where} can be read or written by others than its owner (mode {stat.S_IMODE(mode):o}): "
+                          f"anyone who reads it can link the keys back to patients. Run chmod 600 {path}.")
+    try:
         with open(path) as f:
             secret = f.read().strip()
-        if len(secret) < 32:
-            raise ConfigError(f"{KEY_FILE_ENV}: {path} holds no patient-key secret (at least 32 characters); delete it "
-                             f"to create a new one (the keys of existing indexes then change: scan them again).")
-        _SECRETS[path] = secret.encode()
-    return _SECRETS[path]
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{where} cannot be read by this user (uid {os.getuid()}; {e}); run as its owner, or give "
+                          f"this user a copy of it (chmod 600).") from None
+    if len(secret) < 32:
+        raise ConfigError(f"{where} holds no patient-key secret (at least 32 characters; it holds {len(secret)}). "
+                          f"Restore this site's key file there; or delete it, and a scan creates a new one (then "
+                          f"every key changes: scan every index again, start new runs).")
+    return secret.encode()
+
+
+def key_fingerprint() -> str:
+    """Which secret makes this site's keys, for an index or a checkpoint to record: a keyed hash of a fixed text
+    under the secret (the same secret gives the same fingerprint anywhere), never the secret."""
+    return "kf1-" + hmac.new(site_secret(), b"octjepa-index-fingerprint", hashlib.sha256).hexdigest()[:16]
+
+
+def check_index_key(built_from: Optional[dict], index_path: str) -> None:
+    """That the key file holds the secret an index was made with (its built_from's key_fingerprint): else a
+    ConfigError naming the key file, since a scan that kept some records and keyed the new ones with another secret
+    would give one patient two keys (and put them on both sides of the train/val split). An index that records no
+    secret (an older octjepa's) may create the key file (its records are then all scanned again: index.py)."""
+    recorded = (built_from or {}).get("key_fingerprint")
+    if recorded is None:
+        site_secret(create=True)
+        return
+    try:
+        now = key_fingerprint()
+    except ConfigError as e:
+        raise ConfigError(f"index_path: {index_path} was made with the patient-key secret {recorded}, and {e}") \
+            from None
+    if now != recorded:
+        raise ConfigError(
+            f"index_path: {index_path} was made with another patient-key secret ({recorded}) than the key file "
+            f"{patient_key_file()} holds ({now}). Keys of both would give one patient two keys. Point {KEY_FILE_ENV} "
+            f"at the key file that made the index; or, to key the whole index with this one on purpose, scan it "
+            f"again: python data.py scan DATA_ROOT --out {index_path} (every key and split changes: start new runs, "
+            f"embed again).")
+
+
+def keyed_id(kind: str, text: str) -> str:
+    """A keyed id of `text` (HMAC under the site secret): stands for a path or a list of files in a file that may
+    leave the machine; this site recomputes it, nobody without the secret can."""
+    return "id1-" + hmac.new(site_secret(), f"{kind}\0{text}".encode(), hashlib.sha256).hexdigest()[:24]
 
 
 def patient_key(patient_id: str, path: str) -> str:

@@ -214,9 +214,9 @@ def start_wandb(cfg: Config, run_dir: str):
         return None
     import wandb
     # Metrics and a config without paths only: no console (a reader's warning may name a patient's file), no
-    # command line, host, code or git metadata (docs/privacy.md).
+    # command line, host, code or git metadata (docs/privacy.md); `host` is recorded even without metadata.
     settings = wandb.Settings(init_timeout=30, silent=True, console="off", save_code=False, disable_code=True,
-                              disable_git=True, x_disable_meta=True)
+                              disable_git=True, x_disable_meta=True, host="octjepa")
     # One W&B run per run folder, however often it is resumed: its id is kept beside metrics.jsonl.
     id_path = os.path.join(run_dir, "wandb_id")
     if not os.path.exists(id_path):

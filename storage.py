@@ -160,8 +160,9 @@ PERMANENT_STORAGE_ERRORS = (PermissionError, FileNotFoundError, NotADirectoryErr
 
 def is_transient(error: BaseException) -> bool:
     """Whether a storage error may pass by itself (a network or server error, a timeout, a full disk), so that
-    trying again makes sense; a wrong path, missing permissions or a read-only filesystem do not pass."""
-    if isinstance(error, PERMANENT_STORAGE_ERRORS) or getattr(error, "errno", None) == errno.EROFS:
+    trying again makes sense; a wrong path, missing permissions, a read-only filesystem or an invalid argument (a seek
+    outside a file) do not pass."""
+    if isinstance(error, PERMANENT_STORAGE_ERRORS) or getattr(error, "errno", None) in (errno.EROFS, errno.EINVAL):
         return False
     if isinstance(error, OSError):
         return True

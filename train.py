@@ -35,7 +35,7 @@ from runlog import (RunLog, Throughput, describe_run, format_train_line, json_nu
                     save_schedule_plot, save_training_plot, summary)
 from checkpoint import (check_checkpoint_folder, checkpoint_everywhere, checkpoint_path, load_resume_checkpoint,
                         plan_record, read_checkpoint, resolve_run_dir, restore, resumed_plan, split_fingerprint)
-from lock import run_folder_lock
+from lock import lease_lost, run_folder_lock, stop_if_taken_over
 from runtime import (PendingDeviceStats, Runtime, StopRequested, StopSignals, adamw_state, any_process,
                      check_ranks_agree, gather_objects, global_value, mark_step, master_decides, place_model,
                      probes_in_this_process, reduce_mean, setup_runtime, state_bytes_per_device, to_device, wrap_ddp,
@@ -377,7 +377,7 @@ def resume(run: Run) -> Tuple[Optional[dict], List[dict]]:
         if "plan" in ckpt:
             run.plan = resumed_plan(ckpt["plan"], cfg, run.plan, run.train_ds, run.val_ds,
                                     ckpt["train_state"]["step"], run.last_ckpt, ckpt.get("config"))
-        restore(ckpt, run.model, run.optimizer, run.state, rt)
+        restore(ckpt, run.model, run.optimizer, run.state, rt, run.last_ckpt)
         check_ranks_agree(run.state.step, f"the update they resume {run.last_ckpt} at", rt)
     run.plan_record = plan_record(cfg, run.plan, run.train_ds, run.val_ds)
     return ckpt, set_aside
@@ -467,7 +467,8 @@ def train_loop(run: Run, signals: StopSignals) -> None:
             speed.updates += 1
             bar.update(1)
             # Every process says whether it got a stop signal (one small all-reduce): all stop here, or none.
-            stop, time_due = any_process([signals.received is not None, run.checkpoint_time_due], rt)
+            stop, time_due, lost = any_process([bool(signals.received), run.checkpoint_time_due, lease_lost()], rt)
+            stop_if_taken_over(lost)  # another process took the run folder over (lock.py): nothing more is written
             is_last = state.step == plan.total_steps
             is_log = state.step % cfg.log_every_steps == 0 or is_last or state.step == 1
             is_val = run.val_loader is not None and (state.step % cfg.val_every_steps == 0 or is_last)
@@ -506,7 +507,7 @@ def preempted(run: Run, signals: List[Optional[str]]) -> Preempted:
     run.log.event("preempted", step, signals=signals, checkpoint=saved)
     run.log.close()
     resume_with = (f"The same command with --run_name {cfg.run_name} --resume auto continues from update {step}"
-                   if saved else "ckpt_dir is null, so no checkpoint was written: a new run starts from scratch")
+                   if saved else "ckpt_dir is null, so no checkpoint was written: --resume restart starts it over")
     return Preempted(f"{got} at update {step} of {run.plan.total_steps}; checkpoint {saved}. {resume_with}.")
 
 
@@ -564,10 +565,9 @@ def probe_and_log(run: Run) -> None:
 
 
 def save(run: Run, best: bool, final: bool = False) -> None:
-    """Checkpoint the current update (and best.pt when `best`) in every process. A write that fails (a transient
-    error after ckpt_retry_minutes of retries, a permanent one at once) is skipped (a checkpoint_failed event); a
-    second failure in a row, or a failed `final` checkpoint (the end of the run, a preemption), stops every process
-    with StorageFailed (exit 74)."""
+    """Checkpoint the current update (and best.pt when `best`) in every process. A failed write (a transient error
+    after ckpt_retry_minutes of retries, a permanent one at once) is skipped (checkpoint_failed event); a second
+    failure in a row, or a failed `final` checkpoint (end of run, preemption), stops every process (exit 74)."""
     cfg, state, log = run.cfg, run.state, run.log
     path = checkpoint_path(cfg.ckpt_dir, state.step)
     error = checkpoint_everywhere(path, run.model, run.optimizer, state, run.plan_record, cfg, run.rt, best,
@@ -603,7 +603,7 @@ def rollback(run: Run, lr: float) -> None:
     failed_at = state.step + state.data_skip
     ckpt = read_checkpoint(run.last_ckpt, 60 * cfg.ckpt_retry_minutes)  # load_state_dict moves them to the device
     rollbacks, lr_scale, skipped = state.rollbacks + 1, state.lr_scale * cfg.rollback_lr_factor, state.nonfinite_skipped
-    restore(ckpt, run.model, run.optimizer, state, run.rt)
+    restore(ckpt, run.model, run.optimizer, state, run.rt, run.last_ckpt)
     state.rollbacks, state.lr_scale, state.nonfinite_skipped = rollbacks, lr_scale, skipped
     state.consecutive_nonfinite = 0
     state.data_skip = failed_at - state.step  # resume the data after the batches that failed

@@ -17,6 +17,7 @@ from helpers import GCSEmulator  # noqa: E402
 if "OCTJEPA_PATIENT_KEY_FILE" not in os.environ:
     os.environ["OCTJEPA_PATIENT_KEY_FILE"] = os.path.join(tempfile.mkdtemp(prefix="octjepa-tests-"), "site.key")
     Path(os.environ["OCTJEPA_PATIENT_KEY_FILE"]).write_text("octjepa-tests-site-secret-0123456789abcdef\n")
+    os.chmod(os.environ["OCTJEPA_PATIENT_KEY_FILE"], 0o600)  # a key file others can read is refused (privacy.py)
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # A worker per core (pytest.ini's -n): torch's threads in each worker, and in the runs its tests start, would

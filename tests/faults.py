@@ -12,6 +12,8 @@ test_xla.py use it for the multi-process stories. Faults, comma-separated:
     exit_report  each process prints how many gloo worker threads are left when the interpreter starts its
                  teardown (0 once the process group was left)
     report       each process prints the update it resumed at and how many checkpoint states it built
+    race_lock    the process waits at the run folder's lock until the file $OCTJEPA_TEST_GO exists (after touching
+                 $OCTJEPA_TEST_READY.PID), then judges a gone holder slowly (0.5 s): a second process judges meanwhile
 
 usage: torchrun ... tests/faults.py FAULTS TRAIN_FLAGS...   (or one python per simulated XLA host, RANK=0, 1...)
 """
@@ -88,5 +90,22 @@ if "report" in faults:
     train.resume, checkpoint.checkpoint_state = resume, checkpoint_state
     atexit.register(lambda: print(f"process {rank}: checkpoint states built: {len(built)}", file=sys.stderr,
                                   flush=True))
+
+if "race_lock" in faults:
+    import lock  # noqa: E402
+    real_take_lock, real_holder_is_gone = lock.take_lock, lock.holder_is_gone
+
+    def take_lock(folder):
+        Path(f"{os.environ['OCTJEPA_TEST_READY']}.{os.getpid()}").touch()
+        while not os.path.exists(os.environ["OCTJEPA_TEST_GO"]):
+            time.sleep(0.01)
+        return real_take_lock(folder)
+
+    def holder_is_gone(*args):
+        gone = real_holder_is_gone(*args)
+        time.sleep(0.5 if gone else 0)
+        return gone
+
+    lock.take_lock, lock.holder_is_gone = take_lock, holder_is_gone
 
 sys.exit(train.main(sys.argv[2:]))

@@ -42,6 +42,24 @@ def run_cli(args, cwd=REPO, timeout=600, env=None):
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 
+def train_process(flags, address_space_kb=None, popen=None):
+    """`python train.py FLAGS` as its own process (under an address-space cap, as clusters set one): started with
+    Popen's `popen` arguments, or, without them, run to its end with its output."""
+    cap = f"ulimit -v {address_space_kb}; " if address_space_kb else ""
+    command = ["bash", "-c", cap + 'exec "$@"', "bash", sys.executable, str(REPO / "train.py"), *flags]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if popen is not None:
+        return subprocess.Popen(command, cwd=REPO, env=env, text=True, **popen)
+    return subprocess.run(command, cwd=REPO, env=env, text=True, capture_output=True, timeout=600)
+
+
+def wait_for(condition, process, what):
+    """Poll until condition() holds; fails if `process` ended first."""
+    while not condition():
+        assert process.poll() is None, f"the first run ended (exit {process.returncode}) before {what}"
+        time.sleep(0.5)
+
+
 def torchrun(tmp_path, faults, *flags, nnodes=1, node_rank=0, port=None, nproc=2, popen=False):
     """tests/faults.py (train.py with `faults` injected) in nproc gloo processes under torchrun; nnodes > 1: this
     machine is node node_rank of a rendezvous on `port`. popen: started, not waited for."""
@@ -81,6 +99,11 @@ def events(run_dir, kind=None):
 def metrics(run_dir, split="train"):
     """The metrics lines of one split of a run."""
     return [r for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if r["split"] == split]
+
+
+def run_files(run_dir):
+    """Every file under a run folder with its bytes."""
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(Path(run_dir).rglob("*")) if p.is_file()}
 
 
 def losses(run_dir, after: int = 0):
@@ -164,7 +187,8 @@ def one_thread():
 
 
 class GCSEmulator:
-    """A gcp-storage-emulator process on 127.0.0.1; STORAGE_EMULATOR_HOST points gcsfs (storage.py) at it."""
+    """A gcp-storage-emulator process on 127.0.0.1 that honours GCS's generation preconditions (tests/gcs_emulator.py);
+    STORAGE_EMULATOR_HOST points gcsfs (storage.py) at it."""
     bucket = "octjepa-test"
 
     def __init__(self, tmp_dir: Path, port: Optional[int] = None):
@@ -172,7 +196,7 @@ class GCSEmulator:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(tmp_dir / "emulator.log", "a")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1", "--port", str(self.port),
+            [sys.executable, str(REPO / "tests" / "gcs_emulator.py"), "start", "--host", "127.0.0.1", "--port", str(self.port),
              "--in-memory", "--default-bucket", self.bucket, "--quiet"], stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while True:

@@ -6,32 +6,15 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from checkpoint import list_checkpoints, step_of
-from helpers import REPO, events, smoke_flags
+from checkpoint import CHECKPOINT_VERSION, list_checkpoints, step_of
+from helpers import events, run_files, smoke_flags, train_process, wait_for
 from train import main
-
-
-def train_process(flags, address_space_kb=None, popen=None):
-    """`python train.py FLAGS` as its own process (under an address-space cap, as clusters set one): started with
-    Popen's `popen` arguments, or, without them, run to its end with its output."""
-    cap = f"ulimit -v {address_space_kb}; " if address_space_kb else ""
-    command = ["bash", "-c", cap + 'exec "$@"', "bash", sys.executable, str(REPO / "train.py"), *flags]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    if popen is not None:
-        return subprocess.Popen(command, cwd=REPO, env=env, text=True, **popen)
-    return subprocess.run(command, cwd=REPO, env=env, text=True, capture_output=True, timeout=600)
-
-
-def run_files(run_dir):
-    """Every file under a run folder with its bytes."""
-    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(Path(run_dir).rglob("*")) if p.is_file()}
 
 
 @pytest.mark.slow
@@ -81,13 +64,6 @@ def test_a_best_checkpoint_written_after_the_resumed_update_is_set_aside_not_ove
     assert Path(set_aside["moved_to"]).read_bytes() == best_of_update_12
     assert [Path(p).name for p in list_checkpoints(str(ckpt_dir))] == [
         "step_0000012.pt", "step_0000008.pt", "step_0000004.pt"]
-
-
-def wait_for(condition, process, what):
-    """Poll until condition() holds; fails if `process` ended first."""
-    while not condition():
-        assert process.poll() is None, f"the first run ended (exit {process.returncode}) before {what}"
-        time.sleep(0.5)
 
 
 def test_a_second_process_on_a_live_run_folder_exits_2_naming_it_and_a_killed_ones_lock_is_taken_over(
@@ -165,11 +141,11 @@ def test_resume_with_a_changed_model_preprocessing_or_loss_exits_2_naming_each_f
     before = run_files(tmp_path / "runs" / "r")
     changed = train_process([*flags, "--resume", "auto", "--num_heads", "2", "--image_size", "16,32,32",
                              "--depth", "3", "--embed_dim", "64", "--loss", "mse", "--mask_ratio", "0.5",
-                             "--clip_percentiles", "1,99"])
+                             "--clip_percentiles", "1,99", "--grad_clip", "0.5", "--use_bf16", "true"])
     assert changed.returncode == 2, changed.stderr[-2000:]
     for change in ("num_heads: 4 -> 2", "image_size: [8, 32, 32] -> [16, 32, 32]", "depth: 2 -> 3",
                    "embed_dim: 48 -> 64", "loss: l1 -> mse", "mask_ratio: 0.6 -> 0.5",
-                   "clip_percentiles: [0.5, 99.5] -> [1.0, 99.0]"):
+                   "clip_percentiles: [0.5, 99.5] -> [1.0, 99.0]", "grad_clip: 1.0 -> 0.5", "use_bf16: False -> True"):
         assert change in changed.stderr
     assert "Traceback" not in changed.stderr and "another --run_name" in changed.stderr
     assert run_files(tmp_path / "runs" / "r") == before  # config.yaml and metrics as they were
@@ -183,3 +159,50 @@ def test_a_run_whose_data_moved_to_another_root_resumes(tmp_path, smoke_phantoms
     assert main([*flags, "--data_root", str(tmp_path / "new_root" / "oct"), "--max_steps", "6", "--extend", "true",
                  "--resume", "auto"]) == 0
     assert [e["step"] for e in events(tmp_path / "runs" / "r", "resume")] == [4]
+
+
+def cut_out_the_middle(path):
+    """An interrupted copy that lost a stretch of the file: the zip's offsets point outside it (EINVAL on a seek)."""
+    data = Path(path).read_bytes()
+    Path(path).write_bytes(data[:len(data) // 2] + data[len(data) // 2 + 4096:])
+
+
+@pytest.mark.slow
+def test_a_truncated_checkpoint_or_a_folder_in_its_place_is_set_aside_at_once_not_waited_for(tmp_path, smoke_phantoms):
+    flags = smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "6", "--ckpt_every_steps", "2", "--keep_last", "3")
+    assert main(flags) == 0
+    ckpt_dir = tmp_path / "runs" / "r" / "checkpoints"
+    cut_out_the_middle(ckpt_dir / "step_0000004.pt")
+    (ckpt_dir / "step_0000006.pt").unlink()
+    (ckpt_dir / "step_0000006.pt").mkdir()  # a copy tool's folder where the file should be
+    # Retrying would take ckpt_retry_minutes (30): damage is known at once, and the run goes on from update 2.
+    relaunch = train_process([*flags, "--resume", "auto", "--ckpt_retry_minutes", "30"])
+    assert relaunch.returncode == 0, relaunch.stderr[-2000:]
+    set_aside = {Path(e["path"]).name: e for e in events(tmp_path / "runs" / "r", "unreadable_checkpoint")}
+    assert sorted(set_aside) == ["step_0000004.pt", "step_0000006.pt"]
+    assert "a folder, not a checkpoint file" in set_aside["step_0000006.pt"]["why"]
+    assert Path(set_aside["step_0000004.pt"]["moved_to"]).is_file()  # kept, renamed
+    assert [e["step"] for e in events(tmp_path / "runs" / "r", "resume")] == [2]
+
+
+def test_a_checkpoint_without_train_state_an_extra_weight_or_a_newer_format_stops_with_a_message(
+        tmp_path, smoke_phantoms, capsys):
+    flags = smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "3")
+    assert main(flags) == 0
+    step_file = tmp_path / "runs" / "r" / "checkpoints" / "step_0000003.pt"
+    whole = torch.load(step_file, weights_only=True)
+    assert whole["version"] == CHECKPOINT_VERSION
+    edits = {"without train_state": (lambda c: c.pop("train_state"), "has no 'train_state'"),
+             "an extra weight": (lambda c: c["model"].update(extra=torch.zeros(2)), "the extra weights extra"),
+             "a newer format": (lambda c: c.update(version=99), "has format 99, newer than this octjepa reads")}
+    for name, (edit, message) in edits.items():
+        ckpt = torch.load(step_file, weights_only=True)
+        edit(ckpt)
+        torch.save(ckpt, step_file)
+        before = run_files(tmp_path / "runs" / "r")
+        capsys.readouterr()
+        assert main([*flags, "--resume", "auto"]) == 2, name
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, (name, err)
+        assert run_files(tmp_path / "runs" / "r") == before, name  # nothing renamed, nothing logged
+        torch.save(whole, step_file)

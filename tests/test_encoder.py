@@ -233,6 +233,14 @@ def resign(directory: Path, payload: bytes) -> None:
     edit_config(directory, lambda c: c["weights"].update(sha256=hashlib.sha256(payload).hexdigest()))
 
 
+def weights_of_another_export(directory: Path) -> bytes:
+    """The weights file an export of other provenance (update 999) would hold: the same tensors, bound to its config."""
+    config = json.loads((directory / "config.json").read_text())
+    other = {**{k: v for k, v in config.items() if k != "weights"}, "source": {**config["source"], "update": 999}}
+    save_encoder(safetensors.torch.load_file(directory / pretrained.WEIGHTS_FILE), other, str(directory / "other"))
+    return (directory / "other" / pretrained.WEIGHTS_FILE).read_bytes()
+
+
 def edit_config(directory: Path, edit) -> None:
     config = json.loads((directory / "config.json").read_text())
     edit(config)
@@ -271,6 +279,13 @@ TAMPERINGS = {
     "a garbled value": (lambda d: edit_config(d, lambda c: c["preprocessing"].update(clip_percentiles=[99, 1])),
                         "clip_percentiles: [99.0, 1.0] must satisfy"),
     "a newer format": (lambda d: edit_config(d, lambda c: c.update(format_version=99)), "format_version 99"),
+    "a code file changed": (lambda d: d.joinpath("hubconf.py").write_text(d.joinpath("hubconf.py").read_text()
+                                                                           + "\nimport os  # and anything else\n"),
+                            "hubconf.py is not the file that was exported"),
+    "weights saved again without metadata": (lambda d: resign(d, safetensors.torch.save(
+        safetensors.torch.load_file(d / pretrained.WEIGHTS_FILE))), "carries no export contract in its metadata"),
+    "another export's weights, their sha256 recorded": (lambda d: resign(d, weights_of_another_export(d)),
+                                                        "(source.update: 999 -> "),
     "no config.json": (lambda d: d.joinpath("config.json").unlink(), "config.json not found"),
 }
 
@@ -524,7 +539,7 @@ def test_the_docs_commands_run_in_order(smoke_phantoms, tmp_path, capsys):
 
 def test_the_docs_python_blocks_load_a_dicom_file_and_an_in_memory_volume_alike(export_dir, phantom_dir, tmp_path):
     first = sorted(p for p in os.listdir(phantom_dir) if p.endswith(".dcm"))[0]
-    checkout = docs_block("python", 1).replace("runs/demo/encoder", export_dir).replace("scan.dcm",
+    checkout = docs_block("python", 0).replace("runs/demo/encoder", export_dir).replace("scan.dcm",
                                                                                         f"{phantom_dir}/{first}")
     read = read_volume(f"{phantom_dir}/{first}")
     in_memory = ("x_file = x\n" + docs_block("python", 4).replace("array_dhw", "read.voxels")
@@ -564,3 +579,34 @@ def test_an_encoder_whose_weights_are_nan_is_neither_exported_nor_embedded(train
                              "--out", str(tmp_path / "e.npz"), "--workers", "0"]) == 2
     assert "NaN or inf embeddings for 10 of 10 volumes" in capsys.readouterr().err
     assert not (tmp_path / "e.npz").exists()
+
+
+def test_embed_on_a_full_disk_stops_with_a_message_and_leaves_no_half_written_table(tmp_path, export_dir,
+                                                                                     phantom_dir):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    tiny = ["unshare", "--mount", "sh", "-c", 'mount -t tmpfs -o size=16k tmpfs "$0" && exec "$@"', str(disk)]
+    if subprocess.run([*tiny, "true"], capture_output=True).returncode:
+        pytest.skip("cannot mount a tiny tmpfs here (needs root in a mount namespace): no full disk to write to")
+    out = disk / "embeddings.npz"
+    full = subprocess.run([*tiny, sys.executable, str(REPO / "encoder.py"), "embed", "--encoder", export_dir,
+                           "--data_root", phantom_dir, "--out", str(out), "--workers", "0"], cwd=REPO,
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert full.returncode == 2, full.stderr[-2000:]
+    assert f"cannot write into {disk}" in full.stderr and "No space left on device" in full.stderr
+    assert "Traceback" not in full.stderr and "run the same command again" in full.stderr
+
+
+def test_the_model_card_leads_with_the_loader_that_runs_no_code_and_says_what_runs_the_folders(export_dir):
+    card = (Path(export_dir) / "README.md").read_text()
+    use = card[card.index("## Use"):card.index("## Preprocessing")]
+    assert use.index("load_encoder") < use.index("torch.hub.load")  # the no-code loader first
+    assert "run this folder's Python files" in use
+    docs = (REPO / "docs" / "encoder.md").read_text()
+    assert "load_encoder" in docs_block("python", 0) and "torch.hub.load" in docs_block("python", 1)
+    assert "they run the folder's Python" in docs
+    config = json.loads((Path(export_dir) / "config.json").read_text())
+    assert config["format_version"] == pretrained.EXPORT_VERSION == 3
+    assert set(config["code"]) == {"octjepa_encoder.py", "hubconf.py"}
+    assert all(hashlib.sha256((Path(export_dir) / name).read_bytes()).hexdigest() == digest
+               for name, digest in config["code"].items())

@@ -3,6 +3,7 @@ probe.py's numbers back when asking for probe.py's splits."""
 import csv
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ import safetensors.torch
 import torch
 
 import finetune
+import lock
 import probe
 from helpers import REPO, one_thread  # noqa: F401 (one_thread: autouse, tiny models, one thread)
 from pretrained import load_encoder, random_encoder
@@ -164,24 +166,36 @@ def test_random_init_is_the_architecture_initialised_as_pretraining_starts(expor
     assert a.config["source"] == {"encoder": "random init", "seed": 0} and "weights" not in a.config
 
 
-def test_a_killed_finetuning_resumes_from_the_folds_it_finished_and_an_unwritable_out_is_refused_first(
-        export_dir, binary_labels, tmp_path):
+@pytest.mark.parametrize("stop", ["SIGKILL", "SIGTERM"])
+def test_a_killed_or_preempted_finetuning_resumes_from_its_folds_and_leaves_no_patient_pixels_behind(
+        export_dir, binary_labels, tmp_path, stop):
     flags = [sys.executable, str(REPO / "finetune.py"), "--encoder", export_dir, "--labels", binary_labels,
              "--modes", "frozen,full", "--folds", "2", "--epochs", "2", "--batch_size", "4"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    (tmp_path / "tmp").mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path / "tmp")}
+    here = lock.this_machine()  # a live fine-tuning's folder (this process's) is kept
+    live = tmp_path / "tmp" / (f"{finetune.TMP_PREFIX}{os.getpid()}.{lock.process_started(os.getpid())}."
+                               f"pid{here['pid_namespace'][5:-1]}.{here['boot_id']}-live")
+    live.mkdir()
     (tmp_path / "a_file").write_text("")
     unwritable = subprocess.run([*flags, "--out", str(tmp_path / "a_file" / "ft")], cwd=REPO, env=env,
                                 capture_output=True, text=True)
     assert unwritable.returncode == 2 and "cannot write into" in unwritable.stderr
     out = tmp_path / "ft"
     first = subprocess.Popen([*flags, "--out", str(out)], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
+                             stderr=subprocess.PIPE, text=True)
     fold_0 = out / "folds" / "encoder-full-r0_f0.json"
     while not fold_0.exists():
         assert first.poll() is None, "the fine-tuning ended before its first fold"
         time.sleep(0.2)
-    first.kill()  # a kill -9 in the second fold
-    first.wait()
+    first.send_signal(getattr(signal, stop))  # in the second fold
+    err = first.communicate(timeout=300)[1]
+    left = sorted(p.name for p in (tmp_path / "tmp").iterdir() if p != live)
+    if stop == "SIGTERM":  # the preemption handling: exit 75, its folder removed by itself
+        assert first.returncode == 75 and "preempted: SIGTERM" in err and "Traceback" not in err, err[-2000:]
+        assert left == []
+    else:
+        assert len(left) == 1 and left[0].startswith(finetune.TMP_PREFIX)  # kill -9: no clean-up ran
     written = fold_0.read_text()
     assert not (out / "report.json").exists()
     again = subprocess.run([*flags, "--out", str(out)], cwd=REPO, env=env, capture_output=True, text=True)
@@ -189,3 +203,4 @@ def test_a_killed_finetuning_resumes_from_the_folds_it_finished_and_an_unwritabl
     assert "repeat 0 fold 0" not in again.stderr and "repeat 0 fold 1" in again.stderr  # fold 0 not trained again
     folds = json.loads((out / "report.json").read_text())["arms"]["encoder"]["full"]["folds"]
     assert folds[0] == json.loads(written)["result"] and [f["fold"] for f in folds] == [0, 1]
+    assert [p.name for p in (tmp_path / "tmp").iterdir()] == [live.name]  # the killed run's pixels are gone

@@ -1,5 +1,6 @@
 """Labels CSV: every mistake a spreadsheet makes is refused with the row and the fix, by probe.py and finetune.py
 alike (real phantom DICOM files beside the CSV)."""
+import os
 import shutil
 from pathlib import Path
 
@@ -52,3 +53,28 @@ def test_a_labels_csv_saved_by_excel_with_a_bom_reads_and_unknown_paths_are_name
     one_class.write_text(f"path,label\n{a},yes\n{b},yes\n")
     with pytest.raises(ConfigError, match="needs at least two classes"):
         read_label_table(str(one_class))
+
+
+@pytest.mark.parametrize("alias", ["symlinked folder", "symlink", "hard link"])
+def test_one_scan_listed_twice_through_a_link_is_refused_by_probe_and_finetune(alias, tmp_path, phantom_dir):
+    from labels import read_labels
+    from finetune import read_label_table
+    a, b = sorted(p.name for p in Path(phantom_dir).glob("*.dcm"))[:2]
+    (tmp_path / "scans").mkdir()
+    for name in (a, b):
+        shutil.copy(Path(phantom_dir) / name, tmp_path / "scans" / name)
+    if alias == "symlinked folder":
+        (tmp_path / "mirror").symlink_to(tmp_path / "scans", target_is_directory=True)
+        again = f"mirror/{a}"
+    elif alias == "symlink":
+        (tmp_path / "alias.dcm").symlink_to(tmp_path / "scans" / a)
+        again = "alias.dcm"
+    else:
+        os.link(tmp_path / "scans" / a, tmp_path / "alias.dcm")
+        again = "alias.dcm"
+    labels = tmp_path / "labels.csv"  # the alias as another patient: one scan would sit in train and in test
+    labels.write_text(f"path,label,patient\nscans/{a},yes,p1\nscans/{b},no,p2\n{again},yes,p3\n")
+    with pytest.raises(ConfigError, match=f"line 4: {again} is the volume of line 2 again"):
+        read_labels(str(labels), ("label", "patient"))
+    with pytest.raises(ConfigError, match="line 4"):
+        read_label_table(str(labels))

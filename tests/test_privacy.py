@@ -127,3 +127,157 @@ def test_nothing_that_leaves_the_machine_names_a_patient_a_study_or_a_source_pat
     found = {str(p.relative_to(tmp_path)): sorted(i for i in identifiers if i in texts_of(p)) for p in leaving}
     assert {p: i for p, i in found.items() if i} == {}
 
+
+
+def scan_cli(folder, key_file, *flags, cwd=REPO, caps=()):
+    """`python data.py scan FOLDER` as its own process with OCTJEPA_PATIENT_KEY_FILE=key_file (caps: setpriv's
+    arguments that run it without some of root's capabilities)."""
+    return subprocess.run([*caps, sys.executable, str(REPO / "data.py"), "scan", str(folder), *flags], cwd=cwd,
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "OCTJEPA_PATIENT_KEY_FILE": str(key_file)})
+
+
+def dry_run_cli(clinic, index_path, key_file):
+    """`python train.py --dry_run` on a clinic folder through a reused index, as its own process."""
+    return subprocess.run([sys.executable, str(REPO / "train.py"), "--config", "configs/smoke.yaml", "--data_root",
+                           str(clinic), "--index_path", str(index_path), "--dry_run", "--out_dir",
+                           str(Path(index_path).parent / "runs")], cwd=REPO, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                            "OCTJEPA_PATIENT_KEY_FILE": str(key_file)})
+
+
+@pytest.mark.slow
+def test_a_changed_key_secret_is_refused_by_a_reused_index_never_mixed_into_it(tmp_path, phantom_dir):
+    clinic, _ = clinic_copy(phantom_dir, tmp_path / "clinic")
+    index_path, key_a, key_b = tmp_path / "index.jsonl", tmp_path / "a" / "site.key", tmp_path / "b" / "site.key"
+    first = dry_run_cli(clinic, index_path, key_a)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert str(key_a) in first.stderr  # created on this first scan, and said so
+    built_from = json.loads(index_path.read_text().splitlines()[0])["built_from"]
+    assert built_from["key_fingerprint"].startswith("kf1-") and key_a.read_text().strip() not in index_path.read_text()
+    before = index_path.read_bytes()
+    new_patient = next(Path(clinic).iterdir())
+    shutil.copytree(new_patient, Path(clinic) / "COPY_OF_A_PATIENT")  # new files for the next scan
+    key_b.parent.mkdir()
+    shutil.copy(key_a, key_b)
+    key_b.write_text("another-site-secret-" + "0" * 44 + "\n")  # a new container, a new HOME, a typo
+    refused = dry_run_cli(clinic, index_path, key_b)
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert f"the key file {key_b} holds" in refused.stderr and "another patient-key secret" in refused.stderr
+    assert index_path.read_bytes() == before  # neither half rekeyed nor touched
+    missing = dry_run_cli(clinic, index_path, tmp_path / "c" / "site.key")  # the key file gone: never made anew
+    assert missing.returncode == 2 and "was made with the patient-key secret" in missing.stderr
+    assert not (tmp_path / "c").exists()
+    rekeyed = scan_cli(clinic, key_b, "--out", str(index_path))  # the whole index keyed anew, on purpose
+    assert rekeyed.returncode == 0, rekeyed.stderr[-2000:]
+    old = {tuple(r["paths"]): r["patient"] for r in map(json.loads, before.decode().splitlines()[1:]) if r["ok"]}
+    new = {tuple(r["paths"]): r["patient"] for r in map(json.loads, index_path.read_text().splitlines()[1:])
+           if r["ok"]}
+    assert set(old.values()).isdisjoint(new.values())  # every key anew, one secret: one key per patient, as before
+    assert len(set(new.values())) == len(set(old.values()))
+
+
+KEY_FILE_CASES = {  # how a key file this user cannot use looks -> what the message must say
+    "empty": (lambda p: p.write_text(""), "holds no patient-key secret"),
+    "too short": (lambda p: p.write_text("0123456789\n"), "holds no patient-key secret"),
+    "a folder": (lambda p: p.mkdir(), "is a folder, not a key file"),
+    "a dangling link": (lambda p: p.symlink_to(p.parent / "gone.key"), "which does not exist"),
+    "readable by others": (lambda p: (p.write_text("s" * 64), p.chmod(0o644)), "chmod 600"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(KEY_FILE_CASES))
+def test_a_key_file_this_user_cannot_use_stops_the_scan_naming_it(case, tmp_path, phantom_dir):
+    make, message = KEY_FILE_CASES[case]
+    key_file = tmp_path / "keys" / "site.key"
+    key_file.parent.mkdir()
+    make(key_file)
+    if key_file.is_file() and case != "readable by others":
+        key_file.chmod(0o600)
+    scan = scan_cli(phantom_dir, key_file)
+    assert scan.returncode == 2, scan.stdout[-2000:] + scan.stderr[-2000:]
+    assert str(key_file) in scan.stderr and message in scan.stderr and "Traceback" not in scan.stderr
+    assert "corrupt" not in scan.stdout and "bad_header" not in scan.stdout  # no file blamed for the key
+
+
+def test_another_users_key_file_stops_the_scan_naming_it(tmp_path, phantom_dir):
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root and setpriv: root without its capability to read any file is 'another user'")
+    key_file = tmp_path / "site.key"
+    key_file.write_text("s" * 64)
+    key_file.chmod(0o600)
+    os.chown(key_file, 65534, 65534)  # nobody's 0600 key file
+    without_override = ["setpriv", "--inh-caps=-dac_override,-dac_read_search",
+                        "--bounding-set=-dac_override,-dac_read_search", "--"]
+    scan = scan_cli(phantom_dir, key_file, caps=without_override)
+    assert scan.returncode == 2, scan.stdout[-2000:] + scan.stderr[-2000:]
+    assert f"{key_file} cannot be read by this user" in scan.stderr and "corrupt" not in scan.stdout
+
+
+def test_a_missing_key_file_is_created_on_a_first_scan_and_said_and_a_relative_path_is_refused(tmp_path, phantom_dir):
+    relative = scan_cli(phantom_dir, "site.key", cwd=tmp_path)
+    assert relative.returncode == 2 and "'site.key' is a relative path" in relative.stderr
+    assert not (tmp_path / "site.key").exists()  # nothing created where the command happened to start
+    key_file = tmp_path / "secure" / "site.key"
+    first = scan_cli(phantom_dir, key_file)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert f"created this site's patient-key secret {key_file}" in first.stderr
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    again = scan_cli(phantom_dir, key_file)
+    assert again.returncode == 0 and "created" not in again.stderr
+
+
+def test_a_run_resumed_with_another_key_secret_is_refused_naming_the_key_file(tmp_path, smoke_phantoms, monkeypatch,
+                                                                             capsys):
+    from train import main
+    from helpers import smoke_flags
+    flags = smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "3")
+    assert main(flags) == 0  # the tests' site key
+    other = tmp_path / "other.key"
+    other.write_text("another-site-secret-" + "1" * 44 + "\n")
+    other.chmod(0o600)
+    monkeypatch.setenv("OCTJEPA_PATIENT_KEY_FILE", str(other))
+    capsys.readouterr()
+    assert main([*flags, "--resume", "auto"]) == 2
+    err = capsys.readouterr().err
+    assert "patient_keys: kf1-" in err and f"the key file {other} holds another secret" in err
+
+
+def test_the_wandb_offline_record_holds_no_host_name(tmp_path, smoke_phantoms):
+    if not shutil.which("unshare") or subprocess.run(["unshare", "--uts", "true"], capture_output=True).returncode:
+        pytest.skip("unshare --uts is not allowed here: the test names the host, which needs its own UTS namespace")
+    host = "clinic-ws-hoffmann-4817203"  # a workstation named for its user and ward, as hospitals do
+    run = subprocess.run(["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', host, sys.executable,
+                          str(REPO / "train.py"), "--config", "configs/smoke.yaml", "--phantom_dir", smoke_phantoms,
+                          "--out_dir", str(tmp_path / "runs"), "--run_name", "r", "--max_steps", "3", "--wandb",
+                          "offline"], cwd=REPO, capture_output=True, text=True, timeout=900,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    synced = [p for p in (tmp_path / "runs" / "r" / "wandb").rglob("*") if p.is_file()
+              and not p.name.startswith("debug")]  # W&B's own local logs are never uploaded
+    assert any(p.suffix == ".wandb" for p in synced)
+    assert [p.name for p in synced if host in p.read_bytes().decode("latin-1")] == []
+
+
+def test_an_interrupted_embed_keeps_keyed_ids_not_paths_in_its_partial_rows(tmp_path, phantom_dir, export_dir,
+                                                                           monkeypatch):
+    import encoder
+    clinic, identifiers = clinic_copy(phantom_dir, tmp_path / "clinic")
+    identifiers |= {clinic, "HOFFMANN"}
+
+    def killed(*args, **kwargs):  # a kill after the rows were saved, before the table
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(encoder, "write_embedding_table", killed)
+    out = tmp_path / "share" / "embeddings.npz"
+    with pytest.raises(KeyboardInterrupt):
+        encoder.embed(export_dir, str(out), load_config(["--data_root", clinic, "--workers", "0"]), batch_size=2,
+                      save_every=2)
+    chunks = sorted((tmp_path / "share" / "embeddings.npz.partial").glob("chunk_*.npz"))
+    assert len(chunks) >= 2  # beside the table meant to be shared
+    assert {c.name: sorted(i for i in identifiers if i in texts_of(c)) for c in chunks} == \
+        {c.name: [] for c in chunks}
+    monkeypatch.undo()
+    table, computed = encoder.embed(export_dir, str(out), load_config(["--data_root", clinic, "--workers", "0"]),
+                                    batch_size=2, save_every=2)
+    assert computed == 0 and len(table["volume"])  # the same command continues from the keyed rows

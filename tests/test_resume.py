@@ -17,8 +17,8 @@ from checkpoint import list_checkpoints
 from runtime import Runtime, probes_in_this_process
 from schedules import ema_at, lr_at, wd_at
 from train import main
-from helpers import (SMOKE, ddp_flags, events, free_port, metrics, read_jsonl, read_wandb_offline_history, smoke_flags,
-                     stderr_excerpt, torchrun)
+from helpers import (SMOKE, ddp_flags, events, free_port, metrics, read_jsonl, read_wandb_offline_history, run_files,
+                     smoke_flags, stderr_excerpt, torchrun)
 
 
 # --- 1. the plan a checkpoint was written for ---
@@ -291,12 +291,41 @@ def test_a_run_whose_checkpoints_are_all_damaged_stops_instead_of_starting_from_
     capsys.readouterr()
     assert main([*flags, "--resume", "auto"]) == 2
     err = capsys.readouterr().err
-    assert "none of the step checkpoints" in err and "step_0000006.pt.unreadable-" in err
-    assert "without --resume" in err and "another --run_name" in err
+    assert "no step checkpoint to continue it from" in err and "step_0000006.pt.unreadable-" in err
+    assert "--resume restart" in err and "another --run_name" in err
     assert (run_dir / "metrics.jsonl").read_bytes() == metrics_before
     assert main([*flags, "--resume", "auto"]) == 2  # and again: the set-aside files still say a run was here
-    assert main(flags) == 0  # started over on purpose
+    assert main([*flags, "--resume", "restart"]) == 0  # started over on purpose
     assert [r["step"] for r in metrics(run_dir)] == list(range(1, 7))
+    (restarted,) = {Path(e["moved_to"]).parent for e in events(run_dir, "restarted")
+                    if e["path"].endswith("metrics.jsonl")}
+    assert (restarted / "metrics.jsonl").read_bytes() == metrics_before  # the old history kept beside it
+
+
+def test_resume_without_step_checkpoints_refuses_instead_of_starting_over(tmp_path, smoke_phantoms, capsys):
+    elsewhere = tmp_path / "elsewhere"
+    flags = smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "4")
+    assert main([*flags, "--ckpt_dir", str(elsewhere)]) == 0
+    run_dir = tmp_path / "runs" / "r"
+    history = {**run_files(run_dir), **{f"ckpt/{k}": v for k, v in run_files(elsewhere).items()}}
+    capsys.readouterr()
+    assert main([*flags, "--resume", "auto"]) == 2  # a relaunch that forgot its --ckpt_dir
+    err = capsys.readouterr().err
+    assert "metrics.jsonl (up to update 4)" in err and f"config.yaml says --ckpt_dir {elsewhere}" in err
+    for path in elsewhere.glob("step_*.pt"):  # step files deleted to save space, best.pt kept
+        path.unlink()
+    for resume in (["--resume", "auto"], []):
+        assert main([*flags, "--ckpt_dir", str(elsewhere), *resume]) == 2
+        err = capsys.readouterr().err
+        assert "holds the history of an earlier run" in err and f"--resume {elsewhere}/best.pt" in err
+        assert "--resume restart" in err and "Traceback" not in err
+    assert run_files(run_dir) == {k: v for k, v in history.items() if not k.startswith("ckpt/")}
+    assert run_files(elsewhere) == {"best.pt": history["ckpt/best.pt"]}  # best.pt of the old run untouched
+    assert main([*flags, "--ckpt_dir", str(elsewhere), "--resume", "restart"]) == 0
+    moved = {Path(e["path"]).name: Path(e["moved_to"]) for e in events(run_dir, "restarted")}
+    assert moved["metrics.jsonl"].read_bytes() == history["metrics.jsonl"]
+    assert moved["best.pt"].read_bytes() == history["ckpt/best.pt"] and moved["best.pt"].parent.parent == elsewhere
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3, 4]
 
 
 def test_a_metrics_line_cut_short_is_dropped_with_a_warning_when_the_run_resumes(tmp_path, smoke_phantoms, capsys):

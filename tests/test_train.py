@@ -295,7 +295,8 @@ def test_ckpt_dir_null_disables_checkpoints(tmp_path, smoke_phantoms, capsys, mo
 def test_rerunning_a_finished_run_name_needs_resume(tmp_path, smoke_phantoms, capsys):
     assert main(smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "4")) == 0
     assert main(smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "4")) == 2
-    assert "--resume auto" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--resume auto" in err and "--resume restart" in err and "step_0000004.pt" in err
 
 
 @pytest.mark.slow

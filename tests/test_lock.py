@@ -1,0 +1,207 @@
+"""One process at a time in a run folder, however processes meet it: two trainers racing for a dead holder's lock,
+a live holder in another PID namespace, a holder on another machine (a relaunched pod), a lock file left empty or
+damaged, a holder whose lease was taken over while it was suspended, and the same on gs:// (real processes, real
+files, a real GCS emulator with GCS's generation preconditions)."""
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import lock
+from checkpoint import list_checkpoints, step_of
+from config import ConfigError
+from helpers import REPO, events, smoke_flags, train_process, wait_for
+from train import main
+
+
+def dead_pid() -> int:
+    """The pid of a process of this machine that has ended."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    return gone.pid
+
+
+def write_lock(folder: Path, **holder) -> Path:
+    """A lock record in `folder` as another process would leave it: this process's identity, with `holder`'s."""
+    path = folder / lock.LOCK_NAME
+    folder.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**lock.lock_holder(), **holder}))
+    return path
+
+
+@pytest.mark.slow
+def test_two_trainers_racing_for_a_dead_holders_lock_one_trains_and_the_other_exits_2(tmp_path, smoke_phantoms):
+    for attempt in range(3):
+        run_dir = tmp_path / f"runs{attempt}" / "r"
+        write_lock(run_dir, pid=dead_pid())  # same machine and PID namespace, its process gone: free at once
+        flags = smoke_flags(tmp_path, smoke_phantoms, "--out_dir", str(run_dir.parent), "--max_steps", "3")
+        ready, go = tmp_path / f"ready{attempt}", tmp_path / f"go{attempt}"
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "OCTJEPA_TEST_READY": str(ready), "OCTJEPA_TEST_GO": str(go)}
+        racers = [subprocess.Popen([sys.executable, str(REPO / "tests" / "faults.py"), "race_lock", *flags], cwd=REPO,
+                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in "ab"]
+        try:
+            while len(list(tmp_path.glob(f"ready{attempt}.*"))) < 2:  # both at the lock, then both go at once
+                assert all(r.poll() is None for r in racers), [r.communicate() for r in racers]
+                time.sleep(0.05)
+            go.touch()
+            results = {r.pid: (r.communicate(timeout=600)[1], r.returncode)[::-1] for r in racers}
+        finally:
+            for r in racers:
+                r.kill()
+        assert sorted(code for code, _ in results.values()) == [0, 2], results
+        (winner,) = [pid for pid, (code, _) in results.items() if code == 0]
+        (loser_err,) = [err for code, err in results.values() if code == 2]
+        assert f"is in use by process {winner} on" in loser_err and "Traceback" not in loser_err
+        assert [e["step"] for e in events(run_dir, "checkpoint")] == [3]  # one run's checkpoints, not two
+        assert not (run_dir / lock.LOCK_NAME).exists()
+
+
+def unshare_works() -> bool:
+    """Whether this machine lets a process start in its own PID namespace (root, or user namespaces allowed)."""
+    return bool(shutil.which("unshare")) and subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.slow
+def test_a_live_holder_in_another_pid_namespace_keeps_its_run_folder(tmp_path, smoke_phantoms):
+    if not unshare_works():
+        pytest.skip("unshare --pid --fork --mount-proc is not allowed here (it needs root or user namespaces)")
+    flags = smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "400", "--ckpt_every_steps", "2")
+    run_dir = tmp_path / "runs" / "r"
+    holder = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", sys.executable,
+                               str(REPO / "train.py"), *flags], cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: list_checkpoints(str(run_dir / "checkpoints")), holder, "its first checkpoint")
+        record = json.loads((run_dir / lock.LOCK_NAME).read_text())
+        assert record["pid_namespace"] != lock.this_machine()["pid_namespace"] and record["pid"] < 10
+        second = train_process([*flags, "--resume", "auto"], popen={"stdout": subprocess.PIPE,
+                                                                   "stderr": subprocess.PIPE})
+        try:
+            err = second.communicate(timeout=300)[1]
+        finally:
+            second.kill()
+        assert second.returncode == 2, err[-2000:]
+        assert f"in use by process {record['pid']}" in err and "another PID namespace of this machine" in err
+        assert holder.poll() is None  # the holder trains on
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_holder_on_another_machine_blocks_a_relaunch_until_its_lease_runs_out(tmp_path, smoke_phantoms, capsys):
+    flags = smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "3")
+    assert main(flags) == 0
+    run_dir = tmp_path / "runs" / "r"
+    other_pod = {"host": "octjepa-worker-0", "boot_id": "another-machine", "pid": 1}
+    path = write_lock(run_dir, **other_pod, expires=time.time() + 300)  # killed (SIGKILL) a moment ago
+    relaunch = [*flags, "--max_steps", "5", "--extend", "true", "--resume", "auto"]
+    capsys.readouterr()
+    assert main(relaunch) == 2
+    err = capsys.readouterr().err
+    assert "in use by process 1 on octjepa-worker-0 (another machine" in err and "its lease runs out at" in err
+    assert "a relaunch with --resume auto then takes the folder over" in err
+    write_lock(run_dir, **other_pod, expires=time.time() - 1)  # not renewed for a lease: gone
+    assert main(relaunch) == 0
+    assert [e["step"] for e in events(run_dir, "resume")] == [3] and not path.exists()
+
+
+def test_an_empty_lock_file_is_free_and_a_damaged_one_names_the_way_out(tmp_path):
+    path = tmp_path / lock.LOCK_NAME
+    path.write_text("")  # a take whose writer stopped before writing its record
+    lock.release_lock(lock.take_lock(str(tmp_path)))
+    path.write_text("{not json")
+    with pytest.raises(ConfigError) as refused:
+        lock.take_lock(str(tmp_path))
+    assert "holds no lock record" in str(refused.value) and f"delete {path}" in str(refused.value)
+    written = time.time() - lock.LEASE_SECONDS - 60
+    os.utime(path, (written, written))  # untouched for a lease: taken over
+    lock.release_lock(lock.take_lock(str(tmp_path)))
+    assert not path.exists()
+
+
+@pytest.mark.slow
+def test_a_trainer_whose_lease_was_taken_over_stops_before_writing_another_checkpoint(tmp_path, smoke_phantoms):
+    flags = smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "400", "--ckpt_every_steps", "2")
+    run_dir = tmp_path / "runs" / "r"
+    first = train_process(flags, popen={"stdout": subprocess.DEVNULL, "stderr": subprocess.PIPE})
+    try:
+        wait_for(lambda: list_checkpoints(str(run_dir / "checkpoints")), first, "its first checkpoint")
+        first.send_signal(signal.SIGSTOP)  # suspended past its lease; another process took the folder over
+        new_holder = write_lock(run_dir, pid=os.getpid(), host="new-holder")
+        last = step_of(list_checkpoints(str(run_dir / "checkpoints"))[0])
+        first.send_signal(signal.SIGCONT)
+        err = first.communicate(timeout=300)[1]
+    finally:
+        first.kill()
+    assert first.returncode == 2, err[-2000:]
+    assert "no longer names this process" in err and "Traceback" not in err
+    assert json.loads(new_holder.read_text())["host"] == "new-holder"  # never overwritten nor removed
+    # No checkpoint begun after the takeover: at most the one being written when the process was suspended.
+    assert max(map(step_of, list_checkpoints(str(run_dir / "checkpoints")))) <= last + 2
+
+
+def test_a_gcs_lease_taken_over_is_never_overwritten_by_the_old_holders_renewal(gcs_emulator, monkeypatch):
+    monkeypatch.setattr(lock, "RENEW_SECONDS", 0.2)
+    held = lock.take_lock(f"gs://{gcs_emulator.bucket}/renewed")
+    try:
+        for _ in range(2):  # renewals while it holds the lease
+            generation = held["generation"]
+            deadline = time.monotonic() + 60
+            while held["generation"] == generation and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert held["generation"] != generation and not held["lost"].is_set()
+        taker = {**lock.lock_holder(), "host": "new-holder"}  # its lease ran out; another process took it over
+        while True:
+            with contextlib.suppress(FileExistsError):  # a renewal came first: taken over at the next generation
+                taken = lock._write_lease(held["path"], taker, lock._read_lease(held["path"])[1])
+                break
+        assert held["lost"].wait(timeout=60)  # the renewal found it and stopped
+        time.sleep(1)
+        content, generation, _ = lock._read_lease(held["path"])
+        assert generation == taken and json.loads(content)["host"] == "new-holder"
+        assert not lock.lock_is_held(held)
+    finally:
+        lock.release_lock(held)
+    assert lock._read_lease(held["path"])[1] == taken  # the release leaves the new holder's lease alone
+
+
+RACE = """
+import os, sys, time
+sys.path.insert(0, {repo!r})
+import lock
+from config import ConfigError
+open({go!r} + f".ready.{{os.getpid()}}", "w").close()
+while not os.path.exists({go!r}):
+    time.sleep(0.01)
+try:
+    lock.take_lock({folder!r})
+    print("took it", flush=True)
+    time.sleep(3)
+except ConfigError as e:
+    print("refused:", e, flush=True)
+"""
+
+
+@pytest.mark.parametrize("attempt", range(3))
+def test_two_processes_racing_for_an_expired_gcs_lease_one_takes_it(tmp_path, gcs_emulator, attempt):
+    folder = f"gs://{gcs_emulator.bucket}/race{attempt}"
+    lock._write_lease(f"{folder}/{lock.LOCK_NAME}", {**lock.lock_holder(), "host": "gone-pod", "boot_id": "x",
+                                                    "expires": time.time() - 1}, "0")
+    go = tmp_path / "go"
+    racers = [subprocess.Popen([sys.executable, "-c", RACE.format(repo=str(REPO), go=str(go), folder=folder)],
+                               env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, text=True)
+              for _ in "ab"]
+    while len(list(tmp_path.glob("go.ready.*"))) < 2:  # both imported (torch) and waiting
+        assert all(r.poll() is None for r in racers)
+        time.sleep(0.05)
+    go.touch()
+    outputs = sorted(r.communicate(timeout=300)[0].split(":")[0].strip() for r in racers)
+    assert outputs == ["refused", "took it"]
