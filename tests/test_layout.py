@@ -81,7 +81,8 @@ def test_loading_an_exported_encoder_loads_neither_the_training_loop_nor_the_rea
 
 
 def test_the_training_loop_loads_neither_the_probe_suite_nor_the_dense_task():
-    assert not loaded_with("train") & {"probe", "dense", "references", "finetune", "encoder", "export"}, \
+    """train.py's probes (runprobe.py: the in-training probe, the verdict beside hand-made features) are its own."""
+    assert not loaded_with("train") & {"probe", "dense", "finetune", "encoder", "export"}, \
         sorted(loaded_with("train"))
 
 def test_storage_is_low_it_loads_neither_torch_nor_the_reader():

@@ -1,22 +1,25 @@
 """Issue 46's arms on one GPU in one lease: which recipe the configs ship, measured over pretraining seeds.
 
-    python experiments/gpu/recipe.py OUT [--budget 420] [--arms demo,geometry,splits,long] [--smoke]
+    python experiments/gpu/recipe.py OUT [--train_seconds 210] [--probe_seconds 120] [--go FILE] [--smoke]
 
-Every arm is train.py with configs/learn.yaml (or configs/demo.yaml) and a few flags, as a user runs it; all runs of a
-phase go at once (one GPU, OMP_NUM_THREADS=1 each), and probe.py probes each run's last checkpoint:
+Every arm is train.py with configs/learn.yaml (or configs/demo.yaml) and a few flags, as a user runs it; all runs go
+at once (one GPU, OMP_NUM_THREADS=1 each), and probe.py probes each run's last checkpoint as soon as the run ends:
 
-  demo      configs/demo.yaml, seeds 0-2: the old recipe (linear stem, no local loss), the recipe (hmlp stem, local
-            loss 0.5 on depth quarters), the recipe on varied phantoms; each run's own end-of-run verdict (summary_probe)
-  geometry  the production tubelet (4x16x16) on 16x128x128 inputs from the same 32x128x128 phantoms (learn.yaml's 4x8x8
-            token grid), 3000 updates, seeds 0-2: the old recipe, the recipe with local_loss_split 1,4,1 and 1,8,1
-  splits    learn.yaml (hmlp stem) with local_loss_split 1,1,1 / 1,2,1 / 1,4,1, seeds 0-2: is the split tuned to where the
-            suite's drusen and fluid sit? (probed on lesion and the tasks beyond it)
-  long      learn.yaml with 4x the updates (12000), seeds 0-2: the JEPA half's length lever
+  geometry  the production tubelet (4x16x16) on 16x128x128 inputs from the same 32x128x128 phantoms (learn.yaml's
+            4x8x8 token grid), 3000 updates, seeds 0-2: the old recipe (linear stem, no local loss), the recipe (hmlp
+            stem, local loss 0.5) with local_loss_split 1,4,1 and 1,8,1
+  splits    learn.yaml (hmlp stem) with local_loss_split 1,1,1 / 1,2,1 / 1,4,1, seeds 0-2: is the split tuned to where
+            the suite's drusen and fluid sit? (probed on lesion and on the tasks beyond it)
+  demo      configs/demo.yaml with the recipe, on its plain phantoms and on varied ones, seeds 0-2: each run's own
+            end-of-run verdict (summary_probe)
 
-A phase's runs still going when its share of --budget seconds is spent get SIGTERM (train.py saves the update it is
-on; the report says which update was probed). OUT gets reports.tar.gz (probe JSON, verdict events, timings, the
-commands), logs.tar.gz, and slim checkpoints (target encoder only) of the runs, for probing elsewhere. --smoke: tiny
-phantom sets and runs on whatever device is there (the CPU here), to check the script end to end.
+The phantom sets and caches are written first (with --go, the runs then wait for that file: another job can time the
+GPU meanwhile). Runs still going after --train_seconds get SIGTERM (train.py saves the update it is on; the report says
+which update was probed); probes not done after --probe_seconds more are cut. Probes here read `lesion` and the tasks
+beyond it with the attentive (on the GPU) and linear read-outs, beside each run's random init; the hand-made features
+and the CNN once per geometry; the dense task is left to the slim checkpoints. OUT gets reports.tar.gz (probe JSON,
+the demo runs' events, timings, commands), logs.tar.gz, and ckpts_K.tar.gz (the target encoders, for probing
+elsewhere). --smoke: tiny runs on whatever device is there (the CPU here), to check the script end to end.
 """
 import argparse
 import json
@@ -41,11 +44,10 @@ def arms(smoke: bool) -> dict:
     seeds = [0] if smoke else [0, 1, 2]
     learn = ["--config", "configs/learn.yaml"] + (["--max_steps", "20", "--phantom_count", "24"] if smoke else [])
     demo = ["--config", "configs/demo.yaml"] + (["--max_steps", "20"] if smoke else [])
-    out = {"demo": [], "geometry": [], "splits": [], "long": []}
+    out = {"geometry": [], "splits": [], "demo": []}
     for s in seeds:
         seed = ["--seed", str(s)]
-        out["demo"] += [(f"demo_old_s{s}", demo + OLD + seed),
-                        (f"demo_recipe_s{s}", demo + RECIPE + ["--local_loss_split", "1,4,1"] + seed),
+        out["demo"] += [(f"demo_recipe_s{s}", demo + RECIPE + ["--local_loss_split", "1,4,1"] + seed),
                         (f"demo_varied_s{s}", demo + RECIPE + ["--local_loss_split", "1,4,1", "--phantom_varied",
                                                                "true", "--phantom_dir", "data/phantoms_varied"] + seed)]
         out["geometry"] += [(f"geo_old_s{s}", learn + GEOMETRY + OLD + seed),
@@ -53,8 +55,6 @@ def arms(smoke: bool) -> dict:
                             (f"geo_e_s{s}", learn + GEOMETRY + RECIPE + ["--local_loss_split", "1,8,1"] + seed)]
         out["splits"] += [(f"split{''.join(sp.split(','))}_s{s}", learn + RECIPE + ["--local_loss_split", sp] + seed)
                           for sp in ("1,1,1", "1,2,1", "1,4,1")]
-        out["long"] += [(f"long_s{s}", learn + RECIPE + ["--local_loss_split", "1,4,1", "--max_steps",
-                                                         "80" if smoke else "12000"] + seed)]
     return out
 
 
@@ -91,61 +91,76 @@ def prepare(out: str, smoke: bool) -> None:
         list(pool.map(run_chain, chains))
 
 
-def train_all(out: str, runs: list, budget: float, smoke: bool) -> dict:
-    """Start every run at once; SIGTERM those still going after `budget` seconds; {name: seconds, rc}."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    procs, started = {}, time.time()
-    os.makedirs(RUNS, exist_ok=True)
-    for name, flags in runs:
-        command = [sys.executable, "train.py", *flags, "--out_dir", RUNS, "--run_name", name, "--workers", "1",
-                   "--probe_every_steps", "none", "--ckpt_every_steps", "1000000"] + \
-                  ([] if name.startswith("demo") else ["--summary_probe", "false"])
-        with open(os.path.join(out, "commands.log"), "a") as f:
-            f.write(" ".join(command) + "\n")
-        procs[name] = subprocess.Popen(command, cwd=REPO, env=env, stdout=open(os.path.join(RUNS, f"{name}.log"), "w"),
-                                       stderr=subprocess.STDOUT)
-    while any(p.poll() is None for p in procs.values()) and time.time() - started < budget:
-        time.sleep(2)
-    for name, p in procs.items():
-        if p.poll() is None:
-            log(out, f"{name}: still going at the phase budget, SIGTERM")
-            p.send_signal(signal.SIGTERM)
-    for p in procs.values():
-        p.wait()
-    return {name: {"rc": p.returncode, "seconds": round(time.time() - started)} for name, p in procs.items()}
+def train_command(out: str, name: str, flags: list) -> list:
+    """train.py of one arm, into RUNS/name, written to OUT/commands.log."""
+    command = [sys.executable, "train.py", *flags, "--out_dir", RUNS, "--run_name", name, "--workers", "1",
+               "--probe_every_steps", "none", "--ckpt_every_steps", "1000000"] + \
+              ([] if name.startswith("demo") else ["--summary_probe", "false"])
+    with open(os.path.join(out, "commands.log"), "a") as f:
+        f.write(" ".join(command) + "\n")
+    return command
 
 
-def probe_all(out: str, names: list, budget: float, smoke: bool) -> dict:
-    """probe.py on each run's last checkpoint and its random init (lesion and every task beyond it; the hand-made
-    features and the CNN once per geometry), at most 12 at once; {name: rc}."""
+def probe_command(out: str, name: str, smoke: bool) -> list:
+    """probe.py of a run's last checkpoint (lesion and the tasks beyond it; no dense task, no references), or for
+    reference_learn / reference_geometry the hand-made features and the CNN on a random init of that geometry."""
     import probe
-    tasks = [t.name for kind, ts in probe.SUITE.items() if kind != "plain" for t in ts]
+    tasks = ",".join(t.name for kind, ts in probe.SUITE.items() if kind != "plain" for t in ts if not t.dense)
     seeds = "2" if smoke else "10"
-    jobs = [(n, ["--ckpt", os.path.join(RUNS, n, "checkpoints"), "--vs_random", "--no_reference",
-                 "--readouts", "attentive,mean_pool,depth_rows", "--tasks", ",".join(tasks)]) for n in names
-            if not n.startswith("demo")]
-    for ref, flags in (("reference_learn", []), ("reference_geometry", GEOMETRY)):
-        jobs.append((ref, ["--ckpt", "random", "--config", "configs/learn.yaml", *flags, "--tasks", ",".join(tasks)]
-                     + (["--phantom_count", "24"] if smoke else [])))
-    started = time.time()
+    if name.startswith("reference"):
+        flags = ["--ckpt", "random", "--config", "configs/learn.yaml", *(GEOMETRY if name.endswith("geometry") else [])]
+        flags += ["--phantom_count", "24"] if smoke else []
+    else:
+        flags = ["--ckpt", os.path.join(RUNS, name, "checkpoints"), "--vs_random", "--no_reference",
+                 "--readouts", "attentive,mean_pool,depth_rows"]
+    command = [sys.executable, "probe.py", *flags, "--tasks", tasks, "--seeds", seeds,
+               "--json", os.path.join(out, f"{name}.json")]
+    with open(os.path.join(out, "commands.log"), "a") as f:
+        f.write(" ".join(command) + "\n")
+    return command
 
-    def run(job):
-        name, flags = job
-        left = budget - (time.time() - started)
-        if left < 20:
-            return name, "skipped: no time left"
-        command = [sys.executable, "probe.py", *flags, "--seeds", seeds, "--json", os.path.join(out, f"{name}.json")]
-        try:
-            result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=left,
-                                    env={**os.environ, "OMP_NUM_THREADS": "1"})
-        except subprocess.TimeoutExpired:
-            return name, "timed out"
-        with open(os.path.join(RUNS, f"{name}.probe.log"), "w") as f:
-            f.write(result.stdout + result.stderr)
-        return name, result.returncode
 
-    with ThreadPoolExecutor(12) as pool:
-        return dict(pool.map(run, jobs))
+def pipeline(out: str, runs: list, train_seconds: float, probe_seconds: float, smoke: bool) -> dict:
+    """Every run at once, each probed as soon as it ends (at most 10 probes at a time, the references first); runs
+    still going after train_seconds get SIGTERM, probes still going probe_seconds later are killed. {name: what
+    happened} (train.py's and probe.py's return codes, seconds)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    os.makedirs(RUNS, exist_ok=True)
+    start = time.time()
+    training = {name: subprocess.Popen(train_command(out, name, flags), cwd=REPO, env=env, stderr=subprocess.STDOUT,
+                                       stdout=open(os.path.join(RUNS, f"{name}.log"), "w")) for name, flags in runs}
+    waiting, probing, report = ["reference_geometry", "reference_learn"], {}, {}
+    stopped = False
+    while training or waiting or probing:
+        now = time.time() - start
+        for name, p in list(training.items()):
+            if p.poll() is not None:
+                report[name] = {"train_rc": p.returncode, "train_seconds": round(now)}
+                del training[name]
+                if not name.startswith("demo"):
+                    waiting.append(name)
+        if not stopped and now > train_seconds and training:
+            log(out, f"training budget spent: SIGTERM to {sorted(training)}")
+            for p in training.values():
+                p.send_signal(signal.SIGTERM)
+            stopped = True
+        for name, p in list(probing.items()):
+            if p.poll() is not None:
+                report.setdefault(name, {}).update(probe_rc=p.returncode, probe_done=round(now))
+                del probing[name]
+        while waiting and len(probing) < 10:
+            name = waiting.pop(0)
+            probing[name] = subprocess.Popen(probe_command(out, name, smoke), cwd=REPO, env=env,
+                                             stderr=subprocess.STDOUT,
+                                             stdout=open(os.path.join(RUNS, f"{name}.probe.log"), "w"))
+        if now > train_seconds + probe_seconds:
+            for name, p in probing.items():
+                p.kill()
+                report.setdefault(name, {}).update(probe_rc="cut at the probe budget")
+            report.update({name: {"probe_rc": "not started"} for name in waiting})
+            break
+        time.sleep(2)
+    return report
 
 
 def slim(name: str) -> str:
@@ -196,25 +211,26 @@ def pack(out: str, names: list) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out")
-    parser.add_argument("--budget", type=float, default=420, help="seconds for the training and probing phases")
-    parser.add_argument("--arms", default="demo,geometry,splits,long")
+    parser.add_argument("--train_seconds", type=float, default=210)
+    parser.add_argument("--probe_seconds", type=float, default=120)
+    parser.add_argument("--go", default=None, help="after writing the data, wait for this file before training")
+    parser.add_argument("--arms", default="geometry,splits,demo")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    start = time.time()
     prepare(args.out, args.smoke)
+    while args.go and not os.path.exists(args.go):
+        time.sleep(1)
     plan = arms(args.smoke)
     runs = [run for phase in args.arms.split(",") for run in plan[phase]]
-    left = args.budget - (time.time() - start)
-    log(args.out, f"{len(runs)} runs at once, {left * 0.6:.0f} s for them")
-    timings = train_all(args.out, runs, left * 0.6, args.smoke)
+    log(args.out, f"{len(runs)} runs at once")
+    report = pipeline(args.out, runs, args.train_seconds, args.probe_seconds, args.smoke)
     with open(os.path.join(args.out, "timings.json"), "w") as f:
-        json.dump(timings, f, indent=1)
-    names = [name for name, _ in runs]
-    probed = probe_all(args.out, names, args.budget - (time.time() - start) - 30, args.smoke)
-    log(args.out, f"probes: {probed}")
-    pack(args.out, names)
+        json.dump(report, f, indent=1)
+    log(args.out, f"runs and probes: {report}")
+    pack(args.out, [name for name, _ in runs])
     log(args.out, "done")
+    open(os.path.join(args.out, "DONE"), "w").close()
 
 
 if __name__ == "__main__":
