@@ -75,7 +75,8 @@ def prepare(out: str, smoke: bool) -> None:
               "for kind, tasks in [(k, t) for k, t in probe.SUITE.items() if k != 'plain']:\n"
               "    csv = probe.suite_sets(cfg, None, [t.name for t in tasks])[0][0]\n"
               "    import os; load_labelled_volumes(dataclasses.replace(cfg, cache_dir=os.path.dirname(csv) + '-cache'),"
-              " csv, columns=sorted({t.column for t in tasks}))\n")
+              " csv, columns=sorted({t.column for t in tasks}))\n"
+              "from runprobe import prepare_probe_set; prepare_probe_set(cfg)\n")  # the verdict's volumes, cached
     small = ["--phantom_count", "24"] if smoke else []
     chains = [[["--config", "configs/learn.yaml"] + small, ["--config", "configs/learn.yaml"] + GEOMETRY + small],
               [["--config", "configs/demo.yaml"]],
