@@ -254,11 +254,11 @@ RESUME_FREE_FIELDS = (
     "data_root", "manifest_path", "index_path", "phantom_dir", "phantom_count", "phantom_varied", "sop_classes",
     "val_fraction", "cache_dir", "workers", "max_bad_fraction", "global_batch_size", "per_core_batch_size",
     "grad_accum_steps", "epochs", "max_steps", "warmup_steps", "warmup_epochs", "grad_clip", "use_bf16", "compile",
-    "grad_checkpointing", "max_consecutive_nonfinite", "max_rollbacks", "rollback_lr_factor", "log_every_steps",
-    "val_every_steps", "val_batches", "probe_every_steps", "probe_labels", "summary_probe", "collapse_min_target_std",
-    "collapse_min_rankme", "collapse_window_steps", "ckpt_dir", "ckpt_every_steps", "ckpt_every_minutes",
-    "ckpt_retry_minutes", "keep_last", "resume", "extend", "extend_schedule", "ckpt_dir_shared", "wandb",
-    "wandb_project", "wandb_entity", "device", "shard", "fsdp_size", "out_dir", "run_name", "dry_run")
+    "compile_mode", "grad_checkpointing", "max_consecutive_nonfinite", "max_rollbacks", "rollback_lr_factor",
+    "log_every_steps", "val_every_steps", "val_batches", "probe_every_steps", "probe_labels", "summary_probe",
+    "collapse_min_target_std", "collapse_min_rankme", "collapse_window_steps", "ckpt_dir", "ckpt_every_steps",
+    "ckpt_every_minutes", "ckpt_retry_minutes", "keep_last", "resume", "extend", "extend_schedule", "ckpt_dir_shared",
+    "wandb", "wandb_project", "wandb_entity", "device", "shard", "fsdp_size", "out_dir", "run_name", "dry_run")
 
 
 def changed_settings(saved_config: dict, cfg: Config) -> List[str]:
