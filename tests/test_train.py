@@ -525,9 +525,22 @@ def test_bench_quick_mode_reports_every_figure(tmp_path):
     compiled = train["compiled"]  # eager and compiled, side by side
     assert 0 < compiled["mfu"] < 1 and compiled["compile_time_s"] > 0
     assert train["compiled_over_eager"]["step_time_median"] > 0
+    assert train["grad_checkpointing"] is False and train["mfu_card"] is None and train["card"] == "cpu"  # decided
+    for ops in (train["ops"], compiled["ops"]):  # the ops of one update, by train.py's phases
+        assert ops["aten_ops"]["forward_backward"] > 0 and ops["aten_ops"]["optimizer_step"] > 0
+    assert compiled["ops"]["aten_ops"]["forward_backward"] < train["ops"]["aten_ops"]["forward_backward"]
     data = report["data"]
     assert {"decode_vol_s", "uncached_vol_s", "cached_vol_s"} <= set(data["per_syntax"]["JPEG 2000 lossless 8-bit"])
     assert data["loader"]["vol_s"] > 0
+
+
+def test_bench_times_each_attention_kernel_or_says_why_it_does_not_run():
+    import bench
+    report = bench.bench_attention(load_config(["--config", SMOKE]), repeats=2)
+    assert set(report["shapes"]) == {"context encoder", "target encoder", "predictor"}
+    for row in report["shapes"].values():
+        assert row["auto"]["ms"] > 0 and "flash" in row["auto"]["kernel"]  # the CPU's: its flash kernel
+        assert "unsupported" in row["cudnn"] and row["math"]["ms"] > 0
 
 
 def test_probe_every_steps_logs_the_probe_auroc_during_pretraining(tmp_path, smoke_phantoms, phantom_dir):
