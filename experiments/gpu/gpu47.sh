@@ -56,7 +56,8 @@ else
   refargs=(--compile both --compile_style blocks --rounds 5 --warmup 2)
 fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  $py -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available())'; } >> "$out/gpu47.log" 2>&1
+  $py -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available())'
+} >> "$out/gpu47.log" 2>&1
 
 step small 170 $py bench.py train $small --variants eager,compiled,reduce-overhead --device $device \
   --repeats $reps --warmup 5 --json "$out/bench_small.json"

@@ -1,7 +1,7 @@
 """The tables of experiments/gpu/gpu47.sh's measurements (issue 47), from what its steps wrote.
 
-    python experiments/gpu/gpu47_summary.py fastest OUT/attention.json   # the SDPA kernel to time at ViT-L, if not auto's
-    python experiments/gpu/gpu47_summary.py table OUT WORK               # OUT/summary.md, bench_production.json, train_e2e.json
+    python experiments/gpu/gpu47_summary.py fastest OUT/attention.json  # the SDPA kernel to time, if not auto's
+    python experiments/gpu/gpu47_summary.py table OUT WORK  # OUT/summary.md, bench_production.json, train_e2e.json
 
 `table` merges the production benches (WORK/prod_*.json) into OUT/bench_production.json, reads the train.py run
 (WORK/runs/e2e: its metrics and checkpoint events) into OUT/train_e2e.json, and writes and prints OUT/summary.md.
@@ -45,19 +45,25 @@ def train_e2e(run_dir: str, bench_ms) -> dict:
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     events = [json.loads(line) for line in open(os.path.join(run_dir, "events.jsonl"))]
     train = [r for r in rows if r["split"] == "train"]
-    stalls = {e["step"] for e in events if e["event"] == "checkpoint"} | {r["step"] for r in rows if r["split"] == "val"}
+    stalls = ({e["step"] for e in events if e["event"] == "checkpoint"}
+              | {r["step"] for r in rows if r["split"] == "val"})
     quiet, previous = [], 0
     for r in train:
         if previous >= 10 and not any(previous <= s < r["step"] for s in stalls):
             quiet.append(r)
         previous = r["step"]
     median = statistics.median(r["step_time_s"] for r in quiet) if quiet else None
-    return {"steady_step_ms": median and 1e3 * median, "steady_data_ms": quiet and 1e3 * statistics.median(
-                r["data_time_s"] for r in quiet), "updates_per_s": median and 1 / median, "bench_eager_ms": bench_ms,
-            "train_over_bench": median and bench_ms and 1e3 * median / bench_ms,
+    data = 1e3 * statistics.median(r["data_time_s"] for r in quiet) if quiet else None
+    return {"steady_step_ms": median and 1e3 * median, "steady_data_ms": data, "updates_per_s": median and 1 / median,
+            "bench_eager_ms": bench_ms, "train_over_bench": median and bench_ms and 1e3 * median / bench_ms,
             "checkpoints": [{"step": e["step"], "seconds": e.get("seconds")} for e in events
-                            if e["event"] == "checkpoint"], "windows": [{k: r[k] for k in ("step", "step_time_s",
-                                                                                            "data_time_s")} for r in train]}
+                            if e["event"] == "checkpoint"],
+            "windows": [{k: r[k] for k in ("step", "step_time_s", "data_time_s")} for r in train]}
+
+
+def number(x, spec: str) -> str:
+    """x in `spec`, or '-' for None."""
+    return "-" if x is None else format(x, spec)
 
 
 def bench_rows(name: str, report: dict) -> list:
@@ -69,8 +75,9 @@ def bench_rows(name: str, report: dict) -> list:
             ops = f.get("ops") or {}
             card = f"{100 * f['mfu_card']:.1f}%" if f.get("mfu_card") is not None else "unknown"
             compile_s = "-" if f.get("compile_time_s") is None else f"{f['compile_time_s']:.0f}"
-            rows.append(f"| {name} | {size} | {variant} | {f['step_time_s_median'] * 1e3:.2f} | {100 * f['mfu']:.1f}% / "
-                        f"{card} | {(f['peak_memory_bytes'] or 0) / 2 ** 30:.2f} | "
+            memory = "-" if f["peak_memory_bytes"] is None else f"{f['peak_memory_bytes'] / 2 ** 30:.2f}"
+            rows.append(f"| {name} | {size} | {variant} | {f['step_time_s_median'] * 1e3:.2f} | "
+                        f"{100 * f['mfu']:.1f}% / {card} | {memory} | "
                         f"{'on' if o['grad_checkpointing'] else 'off'} | {o['sdpa']} | {compile_s} | "
                         f"{ops.get('total_aten_ops', '-')} / {ops.get('total_launches', '-')} | {f['loss']:.5f} |")
     return rows
@@ -94,15 +101,16 @@ def table(out: str, work: str) -> str:
             cells = [f"{n} {r['ms']:.2f}/{r['tflops']:.0f}" if "ms" in r else f"{n} -" for n, r in row.items()
                      if isinstance(r, dict)]
             lines.append(f"- {where} {row['shape']}: {', '.join(cells)}; auto runs {row['auto'].get('kernel')}")
-    auto = (production.get("auto") or {}).get("train", {}).get("production")
+    auto = next(iter((production.get("auto") or {}).get("train", {}).values()), None)  # production (smoke: smoke)
     run_dir = os.path.join(work, "runs", "e2e")
     if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
         e2e = train_e2e(run_dir, auto and 1e3 * auto["step_time_s_median"])
         with open(os.path.join(out, "train_e2e.json"), "w") as f:
             json.dump(e2e, f, indent=2)
-        lines += ["", f"train.py end to end: {e2e['steady_step_ms']} ms/update in steady windows (data "
-                      f"{e2e['steady_data_ms']} ms), bench eager {e2e['bench_eager_ms']} ms: train/bench "
-                      f"{e2e['train_over_bench']}; checkpoints {e2e['checkpoints']}"]
+        lines += ["", f"train.py end to end: {number(e2e['steady_step_ms'], '.1f')} ms/update in steady windows (data "
+                      f"{number(e2e['steady_data_ms'], '.1f')} ms), bench eager {number(e2e['bench_eager_ms'], '.1f')} "
+                      f"ms: train/bench {number(e2e['train_over_bench'], '.3f')}; checkpoints (update: seconds) "
+                      + ", ".join(f"{c['step']}: {c['seconds']}" for c in e2e["checkpoints"])]
     reference = load(os.path.join(out, "reference.json"))
     for size, entry in ((reference or {}).get("sizes") or {}).items():
         for phase, res in entry["phases"].items():
