@@ -257,7 +257,7 @@ class VJEPA3D(nn.Module):
             self.local_head = (nn.Linear(embed_dim, LOCAL_FEATURES * math.prod(local_loss_split))
                                if local_loss_weight > 0 else None)
         self.loss_fn = jepa_loss  # compile_parts() swaps in a compiled version
-        self.cudagraphs = False  # compile_parts(mode="reduce-overhead"): each training forward starts a CUDA graph step
+        self.cudagraphs = False  # compiled in mode reduce-overhead: train.train_update marks each update's CUDA graphs
 
     @classmethod
     def from_config(cls, cfg) -> "VJEPA3D":
@@ -328,8 +328,6 @@ class VJEPA3D(nn.Module):
         [B, Nt], or [B, M, Nc] and [B, M, Nt] for M mask sets per volume, each predicted on its own (pred and
         target are then [B*M, Nt, E]; the loss is their mean)."""
         self.check_inputs(volume, context_idx, target_idx)
-        if self.cudagraphs and torch.is_grad_enabled():  # a new training step: the graphs' last outputs are consumed
-            torch.compiler.cudagraph_mark_step_begin()
         context_idx = context_idx.reshape(-1, context_idx.shape[-1])  # [B*M, Nc]
         target_idx = target_idx.reshape(-1, target_idx.shape[-1])  # [B*M, Nt]
         target = gather_tokens(self.all_target_features(volume, target_idx.shape[0]), target_idx)  # [B*M, Nt, E]

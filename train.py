@@ -179,6 +179,8 @@ def train_update(model, optimizer, micro_batches: list, hp: Hyperparameters, cfg
         lr, wd, ema = torch.tensor([lr, wd, ema], dtype=torch.float32).to(rt.device).unbind()
     for group in optimizer.param_groups:
         group["lr"] = lr
+    if raw_model.cudagraphs:  # compile_mode reduce-overhead: the last update's graph outputs are consumed, not its
+        torch.compiler.cudagraph_mark_step_begin()  # micro-batches' gradients (their graphs stay apart within one)
     loss, target_std = forward_backward(model, micro_batches, cfg, rt)
     loss, target_std = reduce_mean(torch.stack([loss, target_std]).float(), rt).unbind()  # same on all ranks
     grad_norm = clip_and_measure(raw_model, cfg)  # before optimizer.step() and zero_grad (incident 1)

@@ -61,9 +61,9 @@ def test_a_compiled_update_gives_the_eager_loss_and_grad_norm_without_graph_brea
 
 
 @pytest.mark.slow
-def test_the_reduce_overhead_mode_gives_the_eager_update_and_marks_each_training_step(monkeypatch):
+def test_the_reduce_overhead_mode_gives_the_eager_update_and_marks_each_update(monkeypatch):
     """compile_mode reduce-overhead: CUDA graphs on a GPU; on the CPU the default mode, which this checks: the same loss,
-    grad norm and weights as eager, and each training forward starts a CUDA-graph step (validation does not)."""
+    grad norm and weights as eager, and each update (not each micro-batch, nor validation) starts a CUDA-graph step."""
     cfg = load_config(["--config", SMOKE, "--compile_mode", "reduce-overhead"])
     batch = synthetic_batch(cfg, cfg.per_core_batch_size)
     torch._dynamo.reset()
@@ -76,7 +76,8 @@ def test_the_reduce_overhead_mode_gives_the_eager_update_and_marks_each_training
     assert model.cudagraphs and not eager_model.cudagraphs
     steps = []
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: steps.append(1))
-    model(batch["volume"], batch["context_idx"], batch["target_idx"])
+    halves = [{k: v[i::2] for k, v in batch.items()} for i in (0, 1)]  # two micro-batches: their gradients add up
+    train_update(model, make_optimizer(model, cfg, CPU), halves, Hyperparameters(1e-3, 0.05, 0.99), cfg, CPU)
     validate(model, [synthetic_batch(cfg, 1, seed=2)], 1, cfg, CPU)
     assert steps == [1]
 

@@ -26,8 +26,8 @@ t0=$(date +%s)
 log() { echo "[$(( $(date +%s) - t0 )) s] $*" | tee -a "$out/gpu47.log"; }
 export PYTHONUNBUFFERED=1
 if [ -d .whl ]; then  # pydicom and the JPEG plugins, which the GPU machine's image lacks
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$work/site" \
+    .whl/*.whl && export PYTHONPATH=$work/site
 fi
 py=${PYTHON:-python3}
 
