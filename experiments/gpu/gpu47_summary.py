@@ -91,7 +91,8 @@ def table(out: str, work: str) -> str:
     lines = ["# issue 47 on the GPU (experiments/gpu/gpu47.sh)", "",
              "| run | size | variant | ms/update | MFU run peak / card | peak GiB | checkpointing | SDPA | compile s | "
              "torch ops / launches | loss |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    lines += bench_rows("small", load(os.path.join(out, "bench_small.json")))
+    for name in ("learn", "demo"):
+        lines += bench_rows(name, load(os.path.join(out, f"bench_{name}.json")))
     for name, report in production.items():
         lines += bench_rows(name, report)
     attention = load(os.path.join(out, "attention.json"))
