@@ -1,9 +1,9 @@
 #!/bin/bash
 # Issue 47's GPU measurements in one call (~6 minutes on one H100; docs/performance.md, "Issue 47's levers"):
-#   experiments/gpu/gpu47.sh OUT                 # on the GPU machine (.whl and .ref carried)
+#   experiments/gpu/gpu47.sh OUT                 # on the GPU machine (.whl and .ref carried): ~6 min
 #   SMOKE=1 SCALE=8 BUDGET=3000 experiments/gpu/gpu47.sh OUT   # the same steps on a CPU at the smoke size
-# Steps, most wanted first, each under its own timeout and all under BUDGET seconds (default 420): a step that fails
-# or runs out of time is logged and the next one runs.
+# Steps, most wanted first, each under its own timeout and all under BUDGET seconds (default 360; with 8 minutes of
+# wall, BUDGET=450): a step that fails or runs out of time is logged and the next one runs.
 #   1 learn   bench.py train at learn.yaml's size: eager, compiled and reduce-overhead (CUDA graphs): the small-model
 #             path (target <= 5 ms an update)
 #   2 attn    bench.py attention: each SDPA kernel at ViT-L's shapes (bf16, head dim 64, 9216 tokens)
@@ -22,7 +22,7 @@ cd "$(dirname "$0")/../.."
 out=$1
 mkdir -p "$out"
 work=$(mktemp -d)
-budget=${BUDGET:-420}
+budget=${BUDGET:-360}
 scale=${SCALE:-1}  # the steps' timeouts times this (a loaded CPU compiles for minutes: SMOKE=1 SCALE=8 BUDGET=3000)
 ref=${REF:-.ref/jepa}
 t0=$(date +%s)
