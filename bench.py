@@ -3,13 +3,17 @@
     python bench.py data [--quick] [--json OUT] [--config FILE] [config flags]   # the data pipeline
     python bench.py train [--quick] [--json OUT] [--config FILE] [config flags]  # the training update
     python bench.py all ...                                                      # data, then train
+    python bench.py train --sizes demo,learn,production --variants eager,compiled,reduce-overhead   # one table
+    python bench.py attention [--config FILE]      # each SDPA kernel at the config's shapes (default: ViT-L's)
 
 `train` times the full training update of train.py (context encoder on the visible tokens, target encoder,
 predictor, loss, backward, clipping, AdamW, EMA) on synthetic inputs at the config's size and device
-(default: the demo config; --quick: the smoke config), after warm-up, eager and compiled (compile: true's
-compile_parts; not on XLA) interleaved, and compares their model FLOP/s with the peak of a large matmul
-measured in the same run and dtype (MFU) and with a plain ViT encoder of the same width. Memory: CUDA max
-allocated; CPU peak RSS growth. Targets: CPU fp32 demo >= 70% of the matmul peak; GPU bf16 production
+(default: the demo config; --quick: the smoke config), after warm-up, eager and compiled (compile_parts, in the
+--variants' modes: compiled = default, reduce-overhead = CUDA graphs; not on XLA) interleaved, with compile and
+grad_checkpointing auto decided as train.py does, and compares their model FLOP/s with the peak of a large matmul
+measured in the same run and dtype (MFU), with the card's spec sheet (CARD_PEAKS) and with a plain ViT encoder of
+the same width; it counts the torch ops and CUDA launches of one update by phase (count_update_ops), and --sdpa
+picks the attention kernel. Memory: CUDA max allocated; CPU peak RSS growth. Targets: CPU fp32 demo >= 70% of the matmul peak; GPU bf16 production
 >= 40%. With --shard fsdp (under torchrun, or on XLA) the two interleaved updates are unsharded and sharded
 instead, each with the weights, EMA target and AdamW state it holds per device (measured on the tensors) and, on
 CUDA, the peak its update adds to them:
@@ -23,6 +27,7 @@ then the DataLoader with cfg.workers processes from the cache. The reference is 
 single-core memory copy bandwidth. Targets: uncached costs at most 1.5x decode for uncompressed
 data; the cache delivers at least 50 volumes/s per core at image_size [64,384,384].
 """
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -32,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import asdict, replace
 from typing import List
 
@@ -43,11 +49,11 @@ from pydicom.uid import JPEG2000, ExplicitVRLittleEndian, JPEG2000Lossless, JPEG
 import runtime
 import schedules
 import train
-from config import ScriptParser, given_flags, load_config, script_main
+from config import ConfigError, ScriptParser, given_flags, load_config, script_main
 from data import OCTDataset, load_prepared, make_loader
 from masks import mask_generator_from_config
 from model import VJEPA3D, activation_bytes_per_sample, training_flops_per_sample, transformer_flops
-from runlog import size_text
+from runlog import choose_auto_settings, size_text
 from phantom import STYLES, quantize, spacing_for, synth_reflectivity, write_oct
 
 SYNTAXES = (("uncompressed 8-bit", ExplicitVRLittleEndian, 8), ("uncompressed 16-bit", ExplicitVRLittleEndian, 16),
@@ -191,6 +197,79 @@ def matmul_peak_flops(rt: runtime.Runtime, dtype: torch.dtype, seconds: float) -
     return 2 * n ** 3 * done / (time.perf_counter() - start)
 
 
+# Dense (not sparse) peaks of a card's spec sheet, TFLOP/s: (a part of torch.cuda.get_device_name, bf16, fp32 without
+# tensor cores); the first that matches names the card. torch's fp32 matmuls do not use TF32 unless asked to.
+CARD_PEAKS = (("H100 PCIe", 756, 51), ("H100 NVL", 835, 60), ("H100", 989, 67), ("H200", 989, 67),
+              ("A100", 312, 19.5), ("L40S", 362, 91.6), ("L4", 121, 30.3))
+
+
+def card_peak_flops(rt: runtime.Runtime, dtype: torch.dtype):
+    """(FLOP/s of this device's spec sheet in `dtype`, or None where CARD_PEAKS does not know it; the device's name)."""
+    if rt.kind != "cuda":
+        return None, rt.kind
+    name = torch.cuda.get_device_name(rt.device)
+    for part, bf16, fp32 in CARD_PEAKS:
+        if part in name:
+            return (bf16 if dtype == torch.bfloat16 else fp32) * 1e12, name
+    return None, name
+
+
+# SDPA's kernels by name (bench.py train --sdpa, bench.py attention); auto: torch's own choice
+SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
+                 "math": "MATH"}
+
+
+def sdpa_backend(name: str):
+    """A context in which scaled_dot_product_attention runs only SDPA_BACKENDS[name] (auto: a null context)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return contextlib.nullcontext() if name == "auto" else sdpa_kernel([getattr(SDPBackend, SDPA_BACKENDS[name])])
+
+
+# train.py's functions that make up an update (count_update_ops's phases), innermost first
+UPDATE_PHASES = ("guarded_step", "optimizer_step", "update_target", "clip_and_measure", "forward_backward")
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaGraphLaunch")
+
+
+def count_update_ops(update, rt: runtime.Runtime) -> dict:
+    """What one call of `update` (a train_update) asks of the device, by the UPDATE_PHASES function it is in: torch
+    operators called from Python or autograd (aten ops not inside another), and on CUDA the kernel and CUDA-graph
+    launches. Ops with no Python frame run in autograd's device thread: backward, counted in forward_backward."""
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if rt.kind == "cuda"
+                                                          else [])
+    try:
+        with torch.profiler.profile(activities=activities, with_stack=True) as prof:
+            update()
+            synchronize(rt)
+    except RuntimeError as e:  # a profiler that cannot start here must not cost the benchmark
+        return {"error": repr(e)}
+    ops, launches = Counter(), Counter()
+    for e in prof.events():
+        chain, parent = [], e.cpu_parent
+        while parent is not None:
+            chain.append(parent.name)
+            parent = parent.cpu_parent
+        frames = [name for name in chain if ".py(" in name]
+        phase = next((p for p in UPDATE_PHASES if any(f.endswith(f": {p}") for f in frames)),
+                     "forward_backward" if not frames else "rest")
+        if e.name.startswith("aten::") and not any(name.startswith("aten::") for name in chain):
+            ops[phase] += 1
+        elif e.name in LAUNCHES:
+            launches["graphs" if e.name == "cudaGraphLaunch" else phase] += 1
+    return {"aten_ops": dict(ops), "launches": dict(launches), "total_aten_ops": sum(ops.values()),
+            "total_launches": sum(launches.values())}
+
+
+def ops_text(ops: dict) -> str:
+    """count_update_ops's figures in a line."""
+    if "error" in ops:
+        return f"not counted ({ops['error']})"
+    text = (f"{ops['total_aten_ops']} torch ops (" + ", ".join(f"{k} {v}" for k, v in ops["aten_ops"].items()) + ")")
+    if ops["total_launches"]:
+        text += (f", {ops['total_launches']} launches ("
+                 + ", ".join(f"{k} {v}" for k, v in ops["launches"].items()) + ")")
+    return text
+
+
 def synthetic_batch(cfg, size: int, seed: int = 0) -> dict:
     """A batch of normalized-noise volumes with real masks from the config's mask generator."""
     rng = np.random.default_rng(seed)
@@ -226,21 +305,27 @@ def plain_vit_flops(model: VJEPA3D, volume: torch.Tensor, cfg, rt: runtime.Runti
     return flops * repeats / (time.perf_counter() - start)
 
 
-def time_updates(cfg, rt: runtime.Runtime, batch: dict, warmup: int, repeats: int) -> dict:
+# bench's variants of the update: their compile mode (None: eager)
+VARIANTS = {"eager": None, "compiled": "default", "reduce-overhead": "reduce-overhead",
+            "max-autotune-no-cudagraphs": "max-autotune-no-cudagraphs"}
+
+
+def time_updates(cfg, rt: runtime.Runtime, batch: dict, warmup: int, repeats: int, names: List[str]) -> dict:
     """{variant: its model, first update time (compiled: compilation included), peak memory, step and CPU times
-    of `repeats` updates and the last loss} for eager and (except on XLA) compiled training updates, or for
-    unsharded and sharded ones when rt is sharded (with the state each holds per device), timed interleaved so
-    that a change in the machine's load hits both alike; plus the load averages around the timing."""
+    of `repeats` updates, the ops and launches of one more (count_update_ops) and the last loss} for the `names` of
+    VARIANTS (compiled ones with compile_parts in their mode), or for unsharded and sharded updates when rt is sharded
+    (with the state each holds per device), timed interleaved so that a change in the machine's load hits all alike;
+    plus the load averages around the timing."""
     rss_before = peak_rss_bytes()
-    names = ["unsharded", "sharded"] if rt.sharded else ["eager"] if rt.kind == "xla" else ["eager", "compiled"]
+    names = ["unsharded", "sharded"] if rt.sharded else ["eager"] if rt.kind == "xla" else names
     variants = {name: {} for name in names}
     hp = schedules.Hyperparameters(cfg.base_lr, cfg.weight_decay, cfg.ema_base)
     for name, v in variants.items():
         torch.manual_seed(cfg.seed)
         variant_rt = replace(rt, fsdp_size=1) if name == "unsharded" else rt
         model = runtime.place_model(VJEPA3D.from_config(cfg), variant_rt)
-        if name == "compiled":
-            model.compile_parts()
+        if VARIANTS.get(name) is not None:
+            model.compile_parts(VARIANTS[name])
         optimizer = train.make_optimizer(model, cfg, variant_rt)
         wrapped = runtime.wrap_ddp(model, variant_rt)
 
@@ -280,26 +365,34 @@ def time_updates(cfg, rt: runtime.Runtime, batch: dict, warmup: int, repeats: in
         v["loss"] = float(runtime.fetch_to_host([v["last"].stats], rt)[0][0])
         if rt.kind == "cuda":  # the last update alone: what it added to the memory already held
             v["update_peak_bytes"] = torch.cuda.max_memory_allocated() - v["resident"]
+        v["ops"] = count_update_ops(v["update"], rt) if rt.kind != "xla" else None
     return {"variants": variants, "load_average_1min": [load_before[0], load_after[0]]}
 
 
-def bench_train(cfg, warmup: int, repeats: int) -> dict:
-    """Step time, samples/s, tokens/s, model FLOP/s and MFU, and peak memory of train.py's training update, eager
-    and (except on XLA, which compiles anyway) with compile_parts(), or unsharded and sharded (cfg.shard fsdp).
-    Top-level figures are the first one's (eager, unsharded); "compiled" ("sharded") holds the same figures for the
-    second and compiled_over_eager (sharded_over_unsharded) the ratios."""
+def bench_train(cfg, warmup: int, repeats: int, names: List[str] = ("eager", "compiled"), sdpa: str = "auto") -> dict:
+    """Step time, samples/s, tokens/s, model FLOP/s and MFU (of the same-run matmul peak and of the card's spec), peak
+    memory and the ops of one update of train.py's training update, for the `names` of VARIANTS (XLA: eager, it
+    compiles anyway), or unsharded and sharded (cfg.shard fsdp), with compile and grad_checkpointing auto decided for
+    this device as train.py does and SDPA's kernel `sdpa` (SDPA_BACKENDS). Top-level figures are the first one's
+    (eager, unsharded); each other variant's name holds the same figures and NAME_over_FIRST the ratios."""
     rt = runtime.setup_runtime(cfg)
+    cfg, notes = choose_auto_settings(cfg, rt, cfg.per_core_batch_size)
+    if rt.is_master:
+        print("\n".join(notes), flush=True)
     dtype = torch.bfloat16 if cfg.use_bf16 else torch.float32
     batch = runtime.to_device(synthetic_batch(cfg, cfg.per_core_batch_size * rt.local_replicas), rt)
     batch_size = len(batch["path"])
-    timed = time_updates(cfg, rt, batch, warmup, repeats)
+    with sdpa_backend(sdpa):
+        timed = time_updates(cfg, rt, batch, warmup, repeats, list(names))
     variants = timed["variants"]
     first, *second = variants  # eager or unsharded; compiled or sharded (none on XLA unsharded)
     step = {name: float(np.median(v["times"])) for name, v in variants.items()}
     flops = training_flops_per_sample(cfg)["total"]
     peak = matmul_peak_flops(rt, dtype, seconds=max(1.0, 3 * step[first]) if repeats > 3 else 0.5)
+    card_peak, card = card_peak_flops(rt, dtype)
     eager = variants[first]
-    plain = plain_vit_flops(eager["model"], batch["volume"], cfg, rt, warmup, repeats)
+    with sdpa_backend(sdpa):
+        plain = plain_vit_flops(eager["model"], batch["volume"], cfg, rt, warmup, repeats)
     n_context, n_target = cfg.token_counts()
     tokens = n_context + n_target
 
@@ -311,13 +404,16 @@ def bench_train(cfg, warmup: int, repeats: int) -> dict:
                 "cpu_time_s_median": float(np.median(v["cpu_times"])),
                 "first_update_s": v["first_update_s"], "samples_per_s": batch_size / step[name],
                 "tokens_per_s": batch_size * tokens / step[name], "achieved_flops": achieved, "mfu": achieved / peak,
+                "mfu_card": achieved / card_peak if card_peak else None, "ops": v["ops"],
                 "share_of_plain_vit_flops": achieved / plain, "peak_memory_bytes": v["memory"], "loss": v["loss"],
-                "state_bytes_per_device": v["state_bytes"], "update_peak_bytes": v.get("update_peak_bytes")}
+                "state_bytes_per_device": v["state_bytes"], "update_peak_bytes": v.get("update_peak_bytes"),
+                "compile_time_s": v["first_update_s"] - step[name] if VARIANTS.get(name) else None}
 
     out = {"device": rt.kind, "dtype": str(dtype).replace("torch.", ""), "batch_size": batch_size,
            "parameters": eager["model"].num_trainable_params(), "tokens_per_sample": tokens,
            "context_tokens": n_context, "target_tokens": n_target, "repeats": repeats, "warmup": warmup,
            "model_flops_per_sample": flops, "matmul_peak_flops": peak, "plain_vit_flops": plain,
+           "card": card, "card_peak_flops": card_peak, "sdpa": sdpa, "auto_notes": notes,
            "plain_vit_mfu": plain / peak, "shard": cfg.shard, "fsdp_size": rt.fsdp_size, "variants": list(variants),
            **figures(first),
            "peak_memory_bytes_per_sample": eager["memory"] / batch_size,
@@ -328,8 +424,6 @@ def bench_train(cfg, warmup: int, repeats: int) -> dict:
     for name in second:
         times, first_times = variants[name]["times"], eager["times"]
         out[name] = figures(name)
-        if name == "compiled":
-            out[name]["compile_time_s"] = variants[name]["first_update_s"] - step[name]
         out[f"{name}_over_{first}"] = {
             "step_time_median": step[name] / step[first],
             "step_time_paired_median": float(np.median(np.array(times) / np.array(first_times))),
@@ -346,59 +440,171 @@ def format_train_report(out: dict) -> str:
     """The console report of bench_train's figures."""
     load_before, load_after = out["load_average_1min"]
     lines = [f"train update on {out['device']} ({out['dtype']}, batch {out['batch_size']}, {out['tokens_per_sample']} "
-             f"tokens/sample, {out['parameters']:,} params, {out['model_flops_per_sample'] / 1e9:.2f} GFLOP/sample), "
-             f"{out['repeats']} interleaved repeats, load average {load_before:.1f} -> {load_after:.1f}:"]
+             f"tokens/sample, {out['parameters']:,} params, {out['model_flops_per_sample'] / 1e9:.2f} GFLOP/sample, "
+             f"grad_checkpointing {out['grad_checkpointing']}, SDPA {out['sdpa']}), {out['repeats']} interleaved "
+             f"repeats, load average {load_before:.1f} -> {load_after:.1f}:"]
     first, *second = out["variants"]
     for name, f in [(first, out)] + [(name, out[name]) for name in second]:
+        card = f"{100 * f['mfu_card']:.1f}%" if f["mfu_card"] is not None else "unknown"
         lines.append(f"  {name:<9}{f['step_time_s_median'] * 1e3:9.1f} ms median ({f['step_time_s_min'] * 1e3:.1f}-"
                      f"{f['step_time_s_max'] * 1e3:.1f}), CPU time {f['cpu_time_s_median'] * 1e3:.1f} ms, "
                      f"{f['samples_per_s']:.2f} samples/s, {f['achieved_flops'] / 1e9:.1f} GFLOP/s = "
-                     f"{100 * f['mfu']:.1f}% MFU, {100 * f['share_of_plain_vit_flops']:.0f}% of the plain ViT's FLOP/s")
+                     f"{100 * f['mfu']:.1f}% MFU ({card} of the card's spec), "
+                     f"{100 * f['share_of_plain_vit_flops']:.0f}% "
+                     f"of the plain ViT's FLOP/s, loss {f['loss']:.5f}")
         held = f["state_bytes_per_device"]
         lines.append(f"{'':11}per device: weights {size_text(held['weights'])}, EMA target "
                      f"{size_text(held['ema_target'])}, AdamW {size_text(held['adamw'])}"
                      + (f", its update adds {size_text(f['update_peak_bytes'])} at peak" if f["update_peak_bytes"]
                         is not None else ""))
-    if "sharded" in out:
-        ratio = out["sharded_over_unsharded"]
-        lines.append(f"  sharded / unsharded over {out['fsdp_size']} devices: {ratio['step_time_median']:.3f}x median "
-                     f"time (paired {ratio['step_time_paired_median']:.3f}x, min {ratio['step_time_min']:.3f}x), "
-                     f"{ratio['state_bytes_per_device']:.3f}x the state per device")
-    if "compiled" in out:
-        ratio = out["compiled_over_eager"]
-        lines.append(f"  compiled / eager: {ratio['step_time_median']:.3f}x median time "
-                     f"(paired {ratio['step_time_paired_median']:.3f}x, min {ratio['step_time_min']:.3f}x, CPU time "
-                     f"{ratio['cpu_time_median']:.3f}x); compile time {out['compiled']['compile_time_s']:.1f} s (first "
-                     f"compiled update less a median one)")
+        if f["ops"]:
+            lines.append(f"{'':11}one update: {ops_text(f['ops'])}")
+    for name in second:
+        ratio = out[f"{name}_over_{first}"]
+        over = f" over {out['fsdp_size']} devices" if name == "sharded" else ""
+        lines.append(f"  {name} / {first}{over}: {ratio['step_time_median']:.3f}x median time (paired "
+                     f"{ratio['step_time_paired_median']:.3f}x, min {ratio['step_time_min']:.3f}x, CPU time "
+                     f"{ratio['cpu_time_median']:.3f}x), "
+                     f"{ratio['state_bytes_per_device']:.3f}x the state per device"
+                     + (f"; compile time {out[name]['compile_time_s']:.1f} s (first update less a median one)"
+                        if out[name]["compile_time_s"] is not None else ""))
     memory = out["peak_memory_bytes"]
-    lines.append(f"reference: {out['matmul_peak_flops'] / 1e9:.1f} GFLOP/s {out['dtype']} matmul peak; a plain ViT "
-                 f"encoder of this width {out['plain_vit_flops'] / 1e9:.1f} GFLOP/s = {100 * out['plain_vit_mfu']:.1f}% "
-                 f"MFU\npeak memory ({first}) {memory / 2 ** 30:.2f} GiB ({out['memory_measure']}), "
-                 f"{out['peak_memory_bytes_per_sample'] / 2 ** 30:.2f} GiB/sample; one materialised attention matrix "
-                 f"would be {out['one_layer_attention_matrix_bytes'] / 2 ** 30:.2f} GiB per layer")
+    card = (f"{out['card']} spec {out['card_peak_flops'] / 1e12:.0f} TFLOP/s" if out["card_peak_flops"]
+            else f"{out['card']}: spec unknown")
+    lines.append(f"reference: {out['matmul_peak_flops'] / 1e9:.1f} GFLOP/s {out['dtype']} matmul peak ({card}); a "
+                 f"plain ViT encoder of this width {out['plain_vit_flops'] / 1e9:.1f} GFLOP/s = "
+                 f"{100 * out['plain_vit_mfu']:.1f}% MFU\npeak memory ({first}) {memory / 2 ** 30:.2f} GiB "
+                 f"({out['memory_measure']}), {out['peak_memory_bytes_per_sample'] / 2 ** 30:.2f} GiB/sample "
+                 f"(estimated activations {out['activation_bytes_per_sample_estimate'] / 2 ** 30:.2f} GiB/sample); one "
+                 f"materialised attention matrix would be {out['one_layer_attention_matrix_bytes'] / 2 ** 30:.2f} GiB "
+                 f"per layer")
     return "\n".join(lines)
+
+
+# bench.py train --sizes: the config flags of each size (production: ViT-L at batch 2, unsharded, on one device)
+SIZES = {"smoke": ["--config", "configs/smoke.yaml"], "demo": ["--config", "configs/demo.yaml"],
+         "learn": ["--config", "configs/learn.yaml"],
+         "production": ["--config", "configs/pretrain_vitl.yaml", "--shard", "none", "--per_core_batch_size", "2",
+                        "--global_batch_size", "2", "--grad_accum_steps", "none"]}
+
+
+def bench_sizes(sizes: List[str], flags: List[str], warmup: int, repeats: int, names: List[str], sdpa: str) -> dict:
+    """bench_train at each of `sizes` (SIZES, then `flags`) in this process; prints one table of them all."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = {}
+    for size in sizes:
+        args = [os.path.join(here, a) if a.startswith("configs/") else a for a in SIZES[size]]
+        print(f"== {size}: {' '.join(SIZES[size] + flags)}", flush=True)
+        out[size] = {"config": asdict(load_config(args + flags)), **bench_train(load_config(args + flags), warmup,
+                                                                                 repeats, names, sdpa)}
+    print(format_sizes_table(out), flush=True)
+    return out
+
+
+def format_sizes_table(out: dict) -> str:
+    """One markdown table of bench_sizes' figures: a row per size and variant."""
+    rows = ["| size | variant | ms/update (min-max) | samples/s | MFU: run peak / card | peak memory | checkpointing | "
+            "compile s | torch ops / launches | loss |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for size, o in out.items():
+        for name in o["variants"]:
+            f = o if name == o["variants"][0] else o[name]
+            card = f"{100 * f['mfu_card']:.1f}%" if f["mfu_card"] is not None else "unknown"
+            ops = f["ops"] or {}
+            rows.append(f"| {size} | {name} | {f['step_time_s_median'] * 1e3:.1f} ({f['step_time_s_min'] * 1e3:.1f}-"
+                        f"{f['step_time_s_max'] * 1e3:.1f}) | {f['samples_per_s']:.1f} | {100 * f['mfu']:.1f}% / "
+                        f"{card} | {size_text(f['peak_memory_bytes']) if f['peak_memory_bytes'] else '-'} | "
+                        f"{'on' if o['grad_checkpointing'] else 'off'} | "
+                        f"{'-' if f['compile_time_s'] is None else format(f['compile_time_s'], '.0f')} | "
+                        f"{ops.get('total_aten_ops', '-')} / {ops.get('total_launches', '-')} | {f['loss']:.5f} |")
+    return "\n".join(rows)
+
+
+def bench_attention(cfg, repeats: int) -> dict:
+    """Each SDPA kernel (SDPA_BACKENDS, and auto: torch's choice, named) at the config's attention shapes and
+    dtype: the context encoder's and the predictor's forward and backward, the target encoder's forward; median
+    time and TFLOP/s (4 B H N^2 D a forward, twice that a backward), or why it does not run."""
+    rt = runtime.setup_runtime(cfg)
+    dtype = torch.bfloat16 if cfg.use_bf16 else torch.float32
+    n_context, n_target = cfg.token_counts()
+    batch, n = cfg.per_core_batch_size, n_context + n_target
+    shapes = {"context encoder": (cfg.num_heads, n_context, cfg.embed_dim // cfg.num_heads, True),
+              "target encoder": (cfg.num_heads, n, cfg.embed_dim // cfg.num_heads, False),
+              "predictor": (cfg.pred_num_heads, n, cfg.pred_embed_dim // cfg.pred_num_heads, True)}
+    out = {"dtype": str(dtype).replace("torch.", ""), "batch": batch, "shapes": {}}
+    for where, (heads, tokens, dim, backward) in shapes.items():
+        q, k, v = (torch.randn(batch, heads, tokens, dim, device=rt.device, dtype=dtype, requires_grad=backward)
+                   for _ in range(3))
+        grad = torch.randn_like(q)
+        flops = 4 * batch * heads * tokens ** 2 * dim * (3 if backward else 1)
+        row = out["shapes"][where] = {"shape": [batch, heads, tokens, dim], "backward": backward}
+
+        def step(name):
+            with sdpa_backend(name), torch.set_grad_enabled(backward):
+                result = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+            if backward:
+                result.backward(grad)
+
+        for name in ("auto", *SDPA_BACKENDS):
+            try:
+                step(name)
+                times = []
+                for _ in range(repeats):
+                    synchronize(rt)
+                    start = time.perf_counter()
+                    step(name)
+                    synchronize(rt)
+                    times.append(time.perf_counter() - start)
+                row[name] = {"ms": 1e3 * float(np.median(times)), "tflops": flops / float(np.median(times)) / 1e12}
+            except RuntimeError as e:  # a kernel that does not take these shapes, dtype or device
+                row[name] = {"unsupported": str(e).splitlines()[0][:200]}
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            step("auto")
+        row["auto"]["kernel"] = next((e.name for e in prof.events() if e.name.startswith("aten::_scaled_dot")), None)
+        print(f"SDPA {where} {row['shape']} {'fwd+bwd' if backward else 'fwd'} {out['dtype']}: " + ", ".join(
+            f"{name} {r['ms']:.2f} ms ({r['tflops']:.1f} TFLOP/s)" if "ms" in r else f"{name} unsupported"
+            for name, r in row.items() if isinstance(r, dict)) + f"; auto runs {row['auto'].get('kernel')}", flush=True)
+    return out
 
 
 @script_main
 def main(argv: List[str]) -> int:
     parser = ScriptParser(__doc__, prog="bench.py")
-    parser.add_argument("mode", nargs="?", default="all", choices=("train", "data", "all"))
+    parser.add_argument("mode", nargs="?", default="all", choices=("train", "data", "all", "attention"))
     parser.add_argument("--json", help="write all figures, config, device, versions and git commit here")
     parser.add_argument("--quick", action="store_true", help="small volumes and short runs (CI)")
     parser.add_argument("--workdir", help="where the benchmark files go (default: a temporary folder)")
     parser.add_argument("--repeats", type=int, help="timed training updates (default 10; --quick 3)")
     parser.add_argument("--warmup", type=int, help="untimed training updates first (default 3; --quick 1)")
+    parser.add_argument("--variants", default="eager,compiled",
+                        help=f"train: the updates timed side by side, of {', '.join(VARIANTS)} (default "
+                             f"eager,compiled)")
+    parser.add_argument("--sizes", help=f"train: these sizes in one process, one table ({', '.join(SIZES)}; the "
+                                        f"config flags given apply to each), instead of one config")
+    parser.add_argument("--sdpa", default="auto", choices=("auto", *SDPA_BACKENDS),
+                        help="train: the attention kernel (default auto: torch's choice)")
     args, rest = parser.parse(argv)
+    names = [v.strip() for v in args.variants.split(",") if v.strip()]
+    sizes = [v.strip() for v in (args.sizes or "").split(",") if v.strip()]
+    if set(names) - set(VARIANTS) or set(sizes) - set(SIZES):
+        raise ConfigError(f"--variants {args.variants} / --sizes {args.sizes}: expected variants of "
+                          f"{', '.join(VARIANTS)} and sizes of {', '.join(SIZES)}.")
     plan = QUICK if args.quick else FULL
     cfg = load_config(rest, defaults={k: plan[k] for k in ("image_size", "patch_size")})
-    smoke = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs", "smoke.yaml")
-    train_cfg = load_config((["--config", smoke] if args.quick and "config" not in given_flags(rest) else []) + rest)
+    configs = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+    default = "smoke.yaml" if args.quick else "pretrain_vitl.yaml" if args.mode == "attention" else None
+    train_cfg = load_config((["--config", os.path.join(configs, default)] if default and "config" not in
+                             given_flags(rest) else []) + rest)
     report = {"mode": args.mode, "quick": args.quick, "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
               **environment()}
-    if args.mode in ("train", "all"):
+    warmup, repeats = args.warmup or (1 if args.quick else 3), args.repeats or (3 if args.quick else 10)
+    if args.mode in ("train", "all") and sizes:
+        report["train"] = bench_sizes(sizes, rest, warmup, repeats, names, args.sdpa)
+    elif args.mode in ("train", "all"):
         report["train_config"] = asdict(train_cfg)
-        report["train"] = bench_train(train_cfg, warmup=args.warmup or (1 if args.quick else 3),
-                                      repeats=args.repeats or (3 if args.quick else 10))
+        report["train"] = bench_train(train_cfg, warmup, repeats, names, args.sdpa)
+    if args.mode == "attention":
+        report["attention_config"] = asdict(train_cfg)
+        report["attention"] = bench_attention(train_cfg, repeats)
     if args.mode in ("data", "all"):
         report["data_config"] = asdict(cfg)
         workdir = args.workdir or tempfile.mkdtemp(prefix="octjepa-bench-")

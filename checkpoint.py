@@ -278,7 +278,7 @@ SCHEDULE_FIELDS = ("schedule", "base_lr", "min_lr", "weight_decay", "weight_deca
 RESUME_FREE_FIELDS = (
     "data_root", "manifest_path", "index_path", "phantom_dir", "phantom_count", "phantom_varied", "sop_classes",
     "val_fraction", "cache_dir", "workers", "max_bad_fraction", "global_batch_size", "per_core_batch_size",
-    "grad_accum_steps", "epochs", "max_steps", "warmup_steps", "warmup_epochs", "compile",
+    "grad_accum_steps", "epochs", "max_steps", "warmup_steps", "warmup_epochs", "compile", "compile_mode",
     "grad_checkpointing", "max_consecutive_nonfinite", "max_rollbacks", "rollback_lr_factor", "log_every_steps",
     "val_every_steps", "val_batches", "probe_every_steps", "probe_labels", "summary_probe", "collapse_min_target_std",
     "collapse_min_rankme", "collapse_window_steps", "ckpt_dir", "ckpt_every_steps", "ckpt_every_minutes",

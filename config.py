@@ -19,7 +19,7 @@ import sys
 import typing
 import warnings
 from dataclasses import dataclass, field
-from typing import Iterable, List, Optional, Set, Tuple
+from typing import Iterable, List, Optional, Set, Tuple, Union
 
 import yaml
 
@@ -110,7 +110,7 @@ class Config:
     loss: str = "l1"  # l1 | mse
     local_loss_weight: float = 0.0  # MaskFeat-style: + this x the error of a linear head reading each visible token's own voxel statistics (mean, std, histogram) from the context encoder
     local_loss_split: List[int] = field(default_factory=lambda: [1, 1, 1])  # the local loss's statistics per sub-block: each token cut into this many per axis (1,2,1: its two depth halves)
-    grad_checkpointing: bool = False  # recompute block activations in backward: less memory, ~1/3 more compute
+    grad_checkpointing: Union[bool, str] = "auto"  # recompute block activations in backward: less memory, ~1/3 more compute; auto = only where the memory estimate does not fit the device without it
     # --- optimization ---
     global_batch_size: Optional[int] = 8  # volumes per optimizer update, over all devices and micro-batches
     per_core_batch_size: Optional[int] = 8  # volumes per device per micro-batch
@@ -130,7 +130,8 @@ class Config:
     ema_schedule: str = "cosine"  # cosine | linear: the ramp from ema_base to ema_end
     grad_clip: Optional[float] = 1.0  # max total grad norm; None = no clipping (the norm is still logged)
     use_bf16: bool = False  # bf16 autocast (CUDA, XLA; CPU with AMX); weights and optimizer stay fp32
-    compile: bool = False  # torch.compile the encoders, predictor and loss (CPU, CUDA); XLA compiles the update anyway
+    compile: Union[bool, str] = "auto"  # torch.compile the encoders, predictor and loss (CPU, CUDA); auto = on CUDA only; XLA compiles the update anyway
+    compile_mode: str = "default"  # torch.compile mode: default | reduce-overhead (CUDA graphs of the compiled parts: small models) | max-autotune-no-cudagraphs
     max_consecutive_nonfinite: int = 3  # skipped updates in a row before a rollback
     max_rollbacks: int = 3  # rollbacks before giving up with exit 4
     rollback_lr_factor: float = 0.5  # LR multiplier applied at each rollback
@@ -190,7 +191,10 @@ CHOICES = {
     "wandb": ("auto", "online", "offline", "disabled"),
     "device": ("auto", "cpu", "cuda", "xla"),
     "extend_schedule": ("stretch", "rewarm"),
+    "compile_mode": ("default", "reduce-overhead", "max-autotune-no-cudagraphs"),
 }
+# true | false | auto: auto is decided where the run starts, from its device (train.py, runlog.choose_auto_settings)
+AUTO_FIELDS = ("grad_checkpointing", "compile")
 LIST_LENGTHS = {"image_size": 3, "patch_size": 3, "target_spacing": 3, "clip_percentiles": 2,
                 "adam_betas": 2, "local_loss_split": 3}
 # Fields naming a file, folder or URL: the string "None" there is a YAML/shell slip, never a path (incident 8).
@@ -292,6 +296,15 @@ def _convert_scalar(name: str, tp, value):
 
 def convert_value(name: str, value, from_cli: bool):
     """Convert a YAML value or a command-line string to the type of field `name`."""
+    if name in AUTO_FIELDS:  # true, false or the string auto
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        if not isinstance(value, (bool, str)):
+            raise ConfigError(f"{name}: expected true, false or auto, got {value!r}.")
+        try:
+            return _convert_scalar(name, bool, value)
+        except ConfigError:
+            raise ConfigError(f"{name}: expected true, false or auto, got {value!r}.") from None
     tp, optional = _unwrap_optional(FIELD_TYPES[name])
     if value is None or (from_cli and isinstance(value, str) and value.strip().lower() in NULL_WORDS):
         if not optional:
@@ -377,6 +390,9 @@ def validate(cfg: Config) -> None:
     for name, choices in CHOICES.items():
         if getattr(cfg, name) not in choices:
             raise ConfigError(f"{name}: {getattr(cfg, name)!r} is not one of {', '.join(choices)}.")
+    for name in AUTO_FIELDS:
+        if not isinstance(getattr(cfg, name), bool) and getattr(cfg, name) != "auto":
+            raise ConfigError(f"{name}: expected true, false or auto, got {getattr(cfg, name)!r}.")
     for name in PATH_FIELDS:
         value = getattr(cfg, name)
         if isinstance(value, str) and value.strip().lower() in NULL_WORDS:
@@ -451,9 +467,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError("weight_decay: must be >= 0.")
     if not all(0.0 <= b < 1.0 for b in cfg.adam_betas):
         raise ConfigError(f"adam_betas: {cfg.adam_betas} must be in [0, 1).")
-    if cfg.compile and cfg.device == "xla":
-        raise ConfigError("compile: XLA already compiles the whole update; use --compile false with --device xla "
-                          "(with --device auto, compile is ignored when the device turns out to be XLA).")
+    if cfg.compile is True and cfg.device == "xla":
+        raise ConfigError("compile: XLA already compiles the whole update; use --compile false (or auto) with --device "
+                          "xla (with --device auto, compile is ignored when the device turns out to be XLA).")
     if cfg.probe_every_steps is not None and cfg.probe_every_steps < 1:
         raise ConfigError(f"probe_every_steps: {cfg.probe_every_steps} must be >= 1, or none to turn probing off.")
     if min(cfg.collapse_min_target_std, cfg.collapse_min_rankme) < 0 or cfg.collapse_window_steps < 1:

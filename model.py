@@ -257,12 +257,14 @@ class VJEPA3D(nn.Module):
             self.local_head = (nn.Linear(embed_dim, LOCAL_FEATURES * math.prod(local_loss_split))
                                if local_loss_weight > 0 else None)
         self.loss_fn = jepa_loss  # compile_parts() swaps in a compiled version
+        self.cudagraphs = False  # compiled in mode reduce-overhead: train.train_update marks each update's CUDA graphs
 
     @classmethod
     def from_config(cls, cfg) -> "VJEPA3D":
-        """The model a Config describes (its MODEL_FIELDS), with its grad_checkpointing."""
+        """The model a Config describes (its MODEL_FIELDS), with its grad_checkpointing (auto, not yet decided for a
+        device: off; train.py and bench.py decide it first: runlog.choose_auto_settings)."""
         model = cls(**{name: getattr(cfg, name) for name in MODEL_FIELDS})
-        model.set_grad_checkpointing(cfg.grad_checkpointing)
+        model.set_grad_checkpointing(cfg.grad_checkpointing is True)
         return model
 
     def set_grad_checkpointing(self, enabled: bool, checkpoint_fn: Callable = recompute_in_backward) -> None:
@@ -275,13 +277,16 @@ class VJEPA3D(nn.Module):
         """Whether block activations are recomputed in backward (set_grad_checkpointing)."""
         return self.encoder.checkpoint_fn is not None
 
-    def compile_parts(self) -> None:
-        """torch.compile the encoders, the predictor and the loss in place. forward() itself stays eager, so its
-        input checks (which read the host) run outside the compiled code, and state_dict keys do not change.
-        Shapes are static (dynamic=False): one graph per part for the training update's shapes."""
+    def compile_parts(self, mode: str = "default") -> None:
+        """torch.compile the encoders, the predictor and the loss in place, in torch.compile's `mode`. forward()
+        itself stays eager, so its input checks (which read the host) run outside the compiled code, and state_dict
+        keys do not change. Shapes are static (dynamic=False): one graph per part for the training update's shapes.
+        mode "reduce-overhead" on CUDA replays each part's forward and backward as CUDA graphs (one launch each
+        instead of hundreds: small models are bound by launches); on CPU it is the default mode."""
         for part in (self.encoder, self.target_encoder, self.predictor):
-            part.compile(dynamic=False)
-        self.loss_fn = torch.compile(jepa_loss, dynamic=False)
+            part.compile(dynamic=False, mode=mode)
+        self.loss_fn = torch.compile(jepa_loss, dynamic=False, mode=mode)
+        self.cudagraphs = mode == "reduce-overhead"
 
     def num_trainable_params(self) -> int:
         """Parameters of the context encoder and predictor (the EMA target is not trained)."""
@@ -338,13 +343,18 @@ class VJEPA3D(nn.Module):
 
     @torch.no_grad()
     def update_target(self, momentum) -> None:
-        """EMA: target <- momentum * target + (1 - momentum) * context encoder. momentum: float or 0-d tensor."""
+        """EMA: target <- momentum * target + (1 - momentum) * context encoder. momentum: float, or a 0-d device tensor
+        (1 leaves the target exactly as it is: the NaN guard's skip)."""
         target_params = list(self.target_encoder.parameters())
         online_params = list(self.encoder.parameters())
-        weight = 1.0 - momentum
-        if isinstance(weight, torch.Tensor):  # the Scalar overload would read a 0-d tensor on the host every update
-            weight = [weight] * len(target_params)
-        torch._foreach_lerp_(target_params, online_params, weight)
+        if not isinstance(momentum, torch.Tensor):
+            torch._foreach_lerp_(target_params, online_params, 1.0 - momentum)
+            return
+        # target += (1 - momentum) * (online - target) in three multi-tensor ops, each a few kernels on CUDA: the lerp
+        # of a tensor weight runs one per parameter there, and its Scalar weight would be read on the host
+        delta = torch._foreach_sub(online_params, target_params)
+        torch._foreach_mul_(delta, 1.0 - momentum)
+        torch._foreach_add_(target_params, delta)
 
     @torch.no_grad()
     def encode(self, volume: torch.Tensor) -> torch.Tensor:

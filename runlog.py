@@ -10,8 +10,8 @@ import shlex
 import sys
 import time
 from collections import deque
-from dataclasses import asdict
-from typing import Dict, Iterator, List, Optional, Sequence
+from dataclasses import asdict, replace
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -20,7 +20,10 @@ from tqdm import tqdm
 
 from config import Config, RunPlan, phantom_labels_path
 from model import VJEPA3D, activation_bytes_per_sample, memory_per_device, training_flops_per_sample
+from masks import describe_masks, mask_generator_from_config, mask_stats
 from privacy import share_safe_config
+from runtime import device_memory_bytes
+from schedules import hyperparameters_at
 from storage import write_atomic
 
 
@@ -271,6 +274,19 @@ def describe_run(cfg: Config, plan: RunPlan, train_ds, val_ds, rt, schedules: li
     return "\n".join(lines)
 
 
+def dry_run_report(cfg: Config, plan: RunPlan, train_ds, val_ds, rt, run_dir: str, notes: List[str]) -> None:
+    """The dry run (incident 9): print the preflight report (the auto settings' `notes`, then describe_run's) and
+    save schedules.png and mask.png in run_dir; nothing trains."""
+    os.makedirs(run_dir, exist_ok=True)
+    schedules = [hyperparameters_at(step, cfg, plan) for step in range(plan.total_steps)]
+    masks = mask_generator_from_config(cfg)
+    print("\n".join(notes + [describe_run(cfg, plan, train_ds, val_ds, rt, schedules, describe_masks(masks))]))
+    save_schedule_plot({"lr": [s.lr for s in schedules], "weight decay": [s.wd for s in schedules],
+                        "EMA momentum": [s.ema for s in schedules]}, os.path.join(run_dir, "schedules.png"))
+    save_mask_plot(train_ds[(0, 0)], cfg, mask_stats(masks), os.path.join(run_dir, "mask.png"))
+    print(f"dry run: nothing trained; schedule and mask pictures in {run_dir}/")
+
+
 # Memory of some accelerators (GiB), for the dry run's "fits / will not fit".
 DEVICE_MEMORY_GIB = {"TPU v5e": 16, "L4": 24, "TPU v4": 32, "TPU v6e": 32, "A100 40GB": 40, "H100": 80,
                      "TPU v5p": 95, "H200": 141}
@@ -298,6 +314,43 @@ def describe_memory(cfg: Config, model, fsdp: int, batch: int) -> str:
         f"({size_text(activation_bytes_per_sample(cfg))}/sample)",
         f"                  {verdict}",
         f"by fsdp size      per device at batch {batch}: {others}"])
+
+
+# The activation estimate was 0.7x the measured peak at ViT-L without checkpointing (14.5 GiB against 20.2 GiB, bf16,
+# batch 2, one H100; shared/gpu-figures.md): auto plans with the estimate times this.
+AUTO_MEMORY_MARGIN = 1.5
+
+
+def choose_auto_settings(cfg: Config, rt, batch: int) -> Tuple[Config, List[str]]:
+    """cfg with `compile` and `grad_checkpointing` decided where they say auto, for this run's device (rt) at `batch`
+    volumes per device, and a console line for each decision saying what and why. compile: on CUDA only (fewer,
+    fused kernels; on the CPU it bought 3-9% for minutes of compiling; XLA compiles the update itself).
+    grad_checkpointing: off where the memory estimate without it (memory_per_device, times AUTO_MEMORY_MARGIN) fits
+    HEADROOM of the device's memory (a device that does not say: the smallest of DEVICE_MEMORY_GIB), else on."""
+    notes, changes = [], {}
+    if cfg.compile == "auto":
+        changes["compile"] = rt.kind == "cuda"
+        why = {"cuda": "on CUDA: fused kernels, fewer launches", "cpu": "on the CPU it buys 3-9% for its compile time",
+               "xla": "XLA compiles the whole update itself"}[rt.kind]
+        notes.append(f"compile auto -> {'on' if changes['compile'] else 'off'} ({why}; --compile true/false to choose)")
+    if cfg.grad_checkpointing == "auto":
+        with torch.device("meta"):
+            model = VJEPA3D.from_config(cfg)
+        need = {on: sum(memory_per_device(replace(cfg, grad_checkpointing=on), model, rt.fsdp_size, batch).values())
+                for on in (False, True)}
+        memory, device = device_memory_bytes(rt)
+        if memory is None:
+            name, size = min(DEVICE_MEMORY_GIB.items(), key=lambda item: item[1])
+            memory, device = size * 2 ** 30, f"{device}, planned as a {name}"
+        budget = HEADROOM * memory
+        changes["grad_checkpointing"] = on = AUTO_MEMORY_MARGIN * need[False] > budget
+        verdict = (f"{'does not fit' if on else 'fits'} {HEADROOM:.0%} of {device} ({size_text(memory)})"
+                   + (f"; with it ~{size_text(need[True])}" + (" (will NOT fit either: shard, or a smaller batch)"
+                                                               if need[True] > budget else "") if on else ""))
+        notes.append(f"grad_checkpointing auto -> {'on' if on else 'off'}: ~{size_text(need[False])} per device "
+                     f"without it at batch {batch} (x{AUTO_MEMORY_MARGIN} margin: "
+                     f"{size_text(AUTO_MEMORY_MARGIN * need[False])}) {verdict}")
+    return replace(cfg, **changes), notes
 
 
 def duration_text(seconds: float) -> str:

@@ -500,6 +500,19 @@ def global_value(value: torch.Tensor) -> torch.Tensor:
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 
+def device_memory_bytes(rt: Runtime) -> Tuple[Optional[int], str]:
+    """(the memory of one device of this run in bytes, or None when it cannot be asked; what it is): a GPU's total
+    memory, the host's physical RAM for the CPU, an XLA device's bytes_limit."""
+    if rt.kind == "cuda":
+        return torch.cuda.get_device_properties(rt.device).total_memory, torch.cuda.get_device_name(rt.device)
+    if rt.kind == "cpu":
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "the host's RAM"
+    try:
+        return int(xla_modules().xm.get_memory_info(rt.device)["bytes_limit"]), "the XLA device"
+    except Exception:  # torch_xla versions and PJRT devices differ in what they tell
+        return None, "an XLA device that does not tell its memory"
+
+
 def state_bytes_per_device(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rt: Runtime) -> dict:
     """Measured bytes of the trained weights, the EMA target and AdamW's moments on the fullest device (over every
     process and device): what sharding divides by fsdp_size."""

@@ -27,12 +27,12 @@ from tqdm import tqdm
 from config import (DEMO_FLAGS, EXIT_OK, Config, Diverged, NoUsableData, Preempted, RunPlan, ScriptParser,
                     StorageFailed, load_config, plan_run, save_config, script_main)
 from data import build_datasets, format_reason_table, make_loader, make_val_loader
-from masks import describe_masks, mask_generator_from_config, mask_stats
+from masks import mask_generator_from_config
 from model import VJEPA3D
 from health import position_share_of_sums, position_sums, rankme
 from runprobe import prepare_probe_set, probe_auroc, verdict
-from runlog import (RunLog, Throughput, describe_run, format_train_line, json_number, save_mask_plot,
-                    save_schedule_plot, save_training_plot, summary)
+from runlog import (RunLog, Throughput, choose_auto_settings, dry_run_report, format_train_line, json_number,
+                    save_training_plot, summary)
 from checkpoint import (check_checkpoint_folder, checkpoint_everywhere, checkpoint_path, load_resume_checkpoint,
                         plan_record, read_checkpoint, resolve_run_dir, restore, resumed_plan, split_fingerprint)
 from lock import lease_lost, run_folder_lock, stop_if_taken_over
@@ -84,27 +84,30 @@ def make_optimizer(model: VJEPA3D, cfg: Config, rt: Runtime) -> torch.optim.Opti
 
 
 @torch.no_grad()
-def optimizer_step(optimizer: torch.optim.Optimizer, lr, wd) -> None:
+def optimizer_step(optimizer: torch.optim.Optimizer, lr, wd, skip: Optional[torch.Tensor] = None) -> None:
     """AdamW's decoupled weight decay (p *= 1 - lr * wd on the groups the model marks apply_wd), then
     optimizer.step(). Decayed here rather than by AdamW: on XLA a scheduled wd is a device tensor, which AdamW would
-    read on the host once per parameter."""
+    read on the host once per parameter. `skip` (a 0-d bool device tensor; the fused AdamW of CPU and CUDA): where
+    True, nothing changes, decided on the device: the decay multiplies by 1 and AdamW skips its kernel and step count
+    (found_inf, as torch's GradScaler has it skip)."""
     decay = [p for group in optimizer.param_groups if group["apply_wd"] for p in group["params"] if p.grad is not None]
     if decay:
-        torch._foreach_mul_(decay, 1 - lr * wd)
+        torch._foreach_mul_(decay, 1 - lr * wd if skip is None else torch.where(skip, 1.0, 1 - lr * wd))
+    optimizer.found_inf = None if skip is None else skip.float()
     optimizer.step()
 
 
 def compile_model(model: VJEPA3D, batch_size: int, cfg: Config, rt: Runtime, log: RunLog) -> None:
-    """With cfg.compile: compile the model's parts now, on inputs of the training update's shapes and dtypes
-    (a forward and backward whose gradients are dropped), and print how long that took. Ignored on XLA, which
-    compiles the whole update by itself."""
+    """With cfg.compile: compile the model's parts now in cfg.compile_mode, on inputs of the training update's shapes
+    and dtypes (a forward and backward whose gradients are dropped), and print how long that took. Ignored on XLA,
+    which compiles the whole update by itself."""
     if not cfg.compile:
         return
     if rt.kind == "xla":
         log.print("compile: ignored on xla (XLA compiles the whole update by itself)")
         return
     start = time.perf_counter()
-    model.compile_parts()
+    model.compile_parts(cfg.compile_mode)
     context, target = mask_generator_from_config(cfg)(np.random.default_rng(0))  # [Nc], [Nt] or [M, Nc], [M, Nt]
     volume = torch.zeros(batch_size, 1, *cfg.image_size, device=rt.device)
     context_idx, target_idx = (torch.from_numpy(i).to(rt.device).expand(batch_size, *i.shape) for i in (context, target))
@@ -112,7 +115,8 @@ def compile_model(model: VJEPA3D, batch_size: int, cfg: Config, rt: Runtime, log
         out = model(volume, context_idx.contiguous(), target_idx.contiguous())
     out.loss.backward()
     model.zero_grad(set_to_none=True)
-    log.print(f"compile: encoders, predictor and loss compiled in {time.perf_counter() - start:.1f} s")
+    log.print(f"compile: encoders, predictor and loss compiled in {time.perf_counter() - start:.1f} s (mode "
+              f"{cfg.compile_mode})")
 
 
 def forward_backward(model, micro_batches: list, cfg: Config, rt: Runtime):
@@ -166,7 +170,8 @@ class UpdateResult:
 def train_update(model, optimizer, micro_batches: list, hp: Hyperparameters, cfg: Config,
                  rt: Runtime) -> UpdateResult:
     """One optimizer update of `model` (VJEPA3D, or DDP around it): accumulate gradients, measure and clip the grad
-    norm, step the optimizer and the EMA target. A non-finite loss or grad norm changes nothing (NaN guard)."""
+    norm, step the optimizer and the EMA target. A non-finite loss or grad norm changes nothing (NaN guard, decided
+    on the device: the update reads nothing on the host)."""
     raw_model = model.module if isinstance(model, DistributedDataParallel) else model
     lr, wd, ema = hp.lr, hp.wd, hp.ema
     if rt.kind == "xla":
@@ -174,16 +179,17 @@ def train_update(model, optimizer, micro_batches: list, hp: Hyperparameters, cfg
         lr, wd, ema = torch.tensor([lr, wd, ema], dtype=torch.float32).to(rt.device).unbind()
     for group in optimizer.param_groups:
         group["lr"] = lr
+    if raw_model.cudagraphs:  # compile_mode reduce-overhead: the last update's graph outputs are consumed, not its
+        torch.compiler.cudagraph_mark_step_begin()  # micro-batches' gradients (their graphs stay apart within one)
     loss, target_std = forward_backward(model, micro_batches, cfg, rt)
     loss, target_std = reduce_mean(torch.stack([loss, target_std]).float(), rt).unbind()  # same on all ranks
     grad_norm = clip_and_measure(raw_model, cfg)  # before optimizer.step() and zero_grad (incident 1)
     finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
-    if rt.kind == "xla":  # no host sync inside the XLA step: select old or new values on the device
+    if rt.kind == "xla":  # XLA's AdamW (capturable, not fused) cannot skip itself: select old or new values
         guarded_step(optimizer, finite, lambda: optimizer_step(optimizer, lr, wd))
-        raw_model.update_target(torch.where(finite, ema, 1.0))
-    elif finite:  # CPU/CUDA read the verdict (the loop reads every update anyway): cheaper than undoing a step
-        optimizer_step(optimizer, lr, wd)
-        raw_model.update_target(ema)
+    else:  # the fused AdamW skips itself: no copies, no host sync (a CUDA update runs ahead of the host)
+        optimizer_step(optimizer, lr, wd, skip=~finite)
+    raw_model.update_target(torch.where(finite, ema, 1.0))  # momentum 1 (no change) when skipped, on the device
     optimizer.zero_grad(set_to_none=True)
     stats = torch.stack([loss, target_std, grad_norm.float(), finite.float()])  # before the XLA sync (no recompile)
     return UpdateResult(loss, target_std, grad_norm, finite, stats)
@@ -289,25 +295,6 @@ def validate(model: VJEPA3D, loader, volumes: int, cfg: Config, rt: Runtime, max
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Dry run (preflight, incident 9)
-# ----------------------------------------------------------------------------------------------------------
-
-def dry_run(run: "Run") -> int:
-    """Print the preflight report and save schedules.png and mask.png; train nothing."""
-    if run.rt.is_master:
-        cfg, plan = run.cfg, run.plan
-        os.makedirs(run.run_dir, exist_ok=True)
-        schedules = [hyperparameters_at(step, cfg, plan) for step in range(plan.total_steps)]
-        masks = mask_generator_from_config(cfg)
-        print(describe_run(cfg, plan, run.train_ds, run.val_ds, run.rt, schedules, describe_masks(masks)))
-        save_schedule_plot({"lr": [s.lr for s in schedules], "weight decay": [s.wd for s in schedules],
-                            "EMA momentum": [s.ema for s in schedules]}, os.path.join(run.run_dir, "schedules.png"))
-        save_mask_plot(run.train_ds[(0, 0)], cfg, mask_stats(masks), os.path.join(run.run_dir, "mask.png"))
-        print(f"dry run: nothing trained; schedule and mask pictures in {run.run_dir}/")
-    return EXIT_OK
-
-
-# ----------------------------------------------------------------------------------------------------------
 # The run
 # ----------------------------------------------------------------------------------------------------------
 
@@ -332,6 +319,7 @@ class Run:
     failed_ckpts: int = 0  # checkpoints in a row that could not be written
     bad_files: dict = field(default_factory=dict)  # path -> reason, of every process
     recent_grad_norms: List[float] = field(default_factory=list)
+    auto_notes: List[str] = field(default_factory=list)  # what compile and grad_checkpointing auto chose, and why
 
     @property
     def run_dir(self) -> str:
@@ -363,8 +351,10 @@ def prepare_run(cfg: Config, rt: Runtime) -> Run:
     train_ds, val_ds = build_datasets(cfg)
     check_ranks_agree(split_fingerprint(train_ds, val_ds), "the train/val split (use an index_path)", rt)
     plan = plan_run(cfg, rt.world_size, len(train_ds))
+    cfg, notes = choose_auto_settings(cfg, rt, plan.per_core_batch_size)  # decided for this device
     model = None if cfg.dry_run else place_model(VJEPA3D.from_config(cfg), rt)  # whole, or sharded (shard: fsdp)
-    return Run(cfg, rt, plan, train_ds, val_ds, model, None if cfg.dry_run else make_optimizer(model, cfg, rt))
+    return Run(cfg, rt, plan, train_ds, val_ds, model, None if cfg.dry_run else make_optimizer(model, cfg, rt),
+               auto_notes=notes)
 
 
 def resume(run: Run) -> Tuple[Optional[dict], List[dict]]:
@@ -388,6 +378,8 @@ def open_log(run: Run, ckpt: Optional[dict], set_aside: List[dict]) -> RunLog:
     only the updates before the resumed one (all of them on a start from scratch): the run logs the rest again."""
     cfg, rt, state, plan = run.cfg, run.rt, run.state, run.plan
     log = RunLog(run.run_dir, cfg, active=rt.is_master)
+    for note in run.auto_notes:
+        log.print(note)
     for found in set_aside:  # stale tmp files removed, checkpoints set aside
         log.event(found["event"], state.step, **{k: v for k, v in found.items() if k != "event"})
         log.print(f"{found['path']}: {found['why']}")
@@ -423,12 +415,14 @@ def open_log(run: Run, ckpt: Optional[dict], set_aside: List[dict]) -> RunLog:
 def train(cfg: Config, rt: Runtime) -> int:
     """Pretrain for the run's plan (or only print the dry run's report); returns the exit code, or raises ExitError."""
     run = prepare_run(cfg, rt)
-    if cfg.dry_run:
-        return dry_run(run)
+    if cfg.dry_run:  # preflight (incident 9): the report and pictures; nothing trains
+        if rt.is_master:
+            dry_run_report(run.cfg, run.plan, run.train_ds, run.val_ds, rt, run.run_dir, run.auto_notes)
+        return EXIT_OK
     ckpt, set_aside = resume(run)
     run.log = open_log(run, ckpt, set_aside)
     with StopSignals() as signals:  # from here on a preemption loses no completed update
-        compile_model(run.model, run.local_batch, cfg, rt, run.log)
+        compile_model(run.model, run.local_batch, run.cfg, rt, run.log)  # its compile decided for this device
         run.ddp_model = wrap_ddp(run.model, rt)  # after the restore: DDP starts every process from the same weights
         if cfg.probe_every_steps is not None and probes_in_this_process(rt):
             run.probe_set = prepare_probe_set(cfg)  # loaded once; features recomputed at each probe
@@ -569,13 +563,13 @@ def save(run: Run, best: bool, final: bool = False) -> None:
     after ckpt_retry_minutes of retries, a permanent one at once) is skipped (checkpoint_failed event); a second
     failure in a row, or a failed `final` checkpoint (end of run, preemption), stops every process (exit 74)."""
     cfg, state, log = run.cfg, run.state, run.log
-    path = checkpoint_path(cfg.ckpt_dir, state.step)
+    path, start = checkpoint_path(cfg.ckpt_dir, state.step), time.monotonic()
     error = checkpoint_everywhere(path, run.model, run.optimizer, state, run.plan_record, cfg, run.rt, best,
                                   lambda e, pause: log.print(f"checkpoint {path}: {e!r}; again in {pause:.0f} s"))
     run.last_ckpt_time = time.monotonic()
     if error is None:
         run.last_ckpt, run.failed_ckpts = path, 0
-        log.event("checkpoint", state.step, path=path, best=best)
+        log.event("checkpoint", state.step, path=path, best=best, seconds=round(run.last_ckpt_time - start, 2))
         return
     run.failed_ckpts += 1
     log.event("checkpoint_failed", state.step, path=path, error=error)

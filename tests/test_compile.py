@@ -27,11 +27,11 @@ def train_losses(run_dir) -> dict:
     return {r["step"]: (r["loss"], r["grad_norm"]) for r in train_lines(run_dir)}
 
 
-def one_update(cfg, batch, compiled: bool):
+def one_update(cfg, batch, compiled: bool, mode: str = "default"):
     torch.manual_seed(0)
     model = VJEPA3D.from_config(cfg)
     if compiled:
-        model.compile_parts()
+        model.compile_parts(mode)
     optimizer = make_optimizer(model, cfg, CPU)
     return model, optimizer, train_update(model, optimizer, [batch], Hyperparameters(1e-3, 0.05, 0.99), cfg, CPU)
 
@@ -58,6 +58,28 @@ def test_a_compiled_update_gives_the_eager_loss_and_grad_norm_without_graph_brea
     model.encode(synthetic_batch(cfg, 3)["volume"])
     assert np.isfinite(val["loss"])
     assert counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.slow
+def test_the_reduce_overhead_mode_gives_the_eager_update_and_marks_each_update(monkeypatch):
+    """compile_mode reduce-overhead: CUDA graphs on a GPU; on the CPU the default mode, which this checks: the same loss,
+    grad norm and weights as eager, and each update (not each micro-batch, nor validation) starts a CUDA-graph step."""
+    cfg = load_config(["--config", SMOKE, "--compile_mode", "reduce-overhead"])
+    batch = synthetic_batch(cfg, cfg.per_core_batch_size)
+    torch._dynamo.reset()
+    eager_model, _, eager = one_update(cfg, batch, compiled=False)
+    model, _, compiled = one_update(cfg, batch, compiled=True, mode=cfg.compile_mode)
+    torch.testing.assert_close(compiled.loss, eager.loss, rtol=1e-5, atol=0)
+    torch.testing.assert_close(compiled.grad_norm, eager.grad_norm, rtol=1e-5, atol=0)
+    for a, b in zip(model.state_dict().values(), eager_model.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert model.cudagraphs and not eager_model.cudagraphs
+    steps = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: steps.append(1))
+    halves = [{k: v[i::2] for k, v in batch.items()} for i in (0, 1)]  # two micro-batches: their gradients add up
+    train_update(model, make_optimizer(model, cfg, CPU), halves, Hyperparameters(1e-3, 0.05, 0.99), cfg, CPU)
+    validate(model, [synthetic_batch(cfg, 1, seed=2)], 1, cfg, CPU)
+    assert steps == [1]
 
 
 def test_compile_with_device_xla_is_a_config_error_that_says_what_to_do():

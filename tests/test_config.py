@@ -43,6 +43,23 @@ def test_every_field_type_parses_from_the_command_line():
     assert cfg.max_steps == 1000 and isinstance(cfg.max_steps, int)
 
 
+@pytest.mark.parametrize("field", ["compile", "grad_checkpointing"])
+def test_the_auto_fields_take_true_false_and_auto_from_flags_and_yaml_and_nothing_else(tmp_path, field):
+    assert getattr(Config(), field) == "auto"
+    for argv, expected in (([f"--{field}"], True), ([f"--{field}", "false"], False), ([f"--{field}=Auto"], "auto"),
+                           ([f"--{field}", "yes"], True)):
+        assert getattr(load_config(argv), field) == expected, argv
+    for text, expected in (("true", True), ("false", False), ("auto", "auto")):
+        assert getattr(load_config(["--config", write_yaml(tmp_path, f"{field}: {text}")]), field) == expected
+    for bad in (["--config", write_yaml(tmp_path, f"{field}: null")], [f"--{field}", "sometimes"],
+                ["--config", write_yaml(tmp_path, f"{field}: 2")]):
+        with pytest.raises(ConfigError, match=f"{field}: expected true, false or auto"):
+            load_config(bad)
+    with pytest.raises(ConfigError, match=f"{field}: expected true, false or auto"):
+        load_config([], **{field: "maybe"})
+    assert getattr(load_config(["--config", write_yaml(tmp_path, f"{field}: auto")], **{field: True}), field) is True
+
+
 @pytest.mark.parametrize("argv", [["--ckpt_dir", "None"], ["--ckpt_dir", "null"], ["--ckpt_dir=NONE"]])
 def test_ckpt_dir_none_on_the_command_line_disables_checkpoints(argv):
     assert load_config(argv).ckpt_dir is None
@@ -241,6 +258,9 @@ def test_production_config_has_the_documented_settings():
     assert cfg.image_size == [64, 384, 384] and cfg.patch_size == [4, 16, 16] and cfg.mask_ratio == 0.6
     assert cfg.global_batch_size == 32 and cfg.base_lr == 1e-4 and cfg.weight_decay == 0.05
     assert cfg.ema_base == 0.996 and cfg.epochs == 150 and cfg.use_bf16
+    for name in ("pretrain_single_domain", "pretrain_multi_domain", "pretrain_vitl", "pretrain_vitg"):
+        cfg = load_config(["--config", str(REPO / "configs" / f"{name}.yaml")])
+        assert cfg.grad_checkpointing == "auto" and cfg.compile == "auto", name  # decided on the device they run on
 
 
 def test_fsdp_size_must_divide_the_devices_of_the_run_except_in_a_dry_run_planning_for_more():

@@ -102,7 +102,7 @@ def test_sanity_fails_when_gradients_are_zeroed_before_measuring(capsys, tmp_pat
 
 
 def test_sanity_fails_when_the_optimizer_never_steps(capsys, tmp_path, smoke_phantoms, monkeypatch):
-    monkeypatch.setattr(train, "optimizer_step", lambda optimizer, lr, wd: None)
+    monkeypatch.setattr(train, "optimizer_step", lambda optimizer, lr, wd, skip=None: None)
     monkeypatch.setattr(sanity, "OVERFIT_UPDATES", 30)  # shorter runs, same verdict: the loss never moves
     monkeypatch.setattr(sanity, "EMA_UPDATES", 30)
     code, out = run_sanity(capsys, tmp_path, smoke_phantoms, "--checks", "overfit,ema_training")

@@ -1,4 +1,5 @@
 """train.py on real short runs: incidents 1-3 and 7-10, resume, NaN guard, exit codes, DDP, W&B, gs://."""
+import dataclasses
 import json
 import math
 import os
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+import runlog
 import train
 from config import load_config, plan_run
 from checkpoint import list_checkpoints, read_checkpoint
@@ -156,10 +158,48 @@ def test_device_side_guard_keeps_weights_and_adam_state_exactly_when_told_to_ski
         assert torch.equal(a, b)
 
 
+def test_the_fused_adamw_skips_itself_on_the_device_exactly_and_otherwise_is_the_plain_step():
+    """CPU/CUDA's NaN guard: optimizer_step's `skip` (found_inf of the fused AdamW), with no copies and no host read."""
+    after = {}
+    for skip in (None, False, True):
+        cfg, model, optimizer, batch, rt = tiny_update_setup()
+        model(batch["volume"], batch["context_idx"], batch["target_idx"]).loss.backward()
+        before = [t.clone() for t in tensors_of(model, optimizer)]
+        optimizer_step(optimizer, 1e-3, 0.05, None if skip is None else torch.tensor(skip))
+        after[skip] = tensors_of(model, optimizer)
+    assert all(torch.equal(a, b) for a, b in zip(after[False], after[None]))  # bitwise the plain step
+    assert all(torch.equal(a, b) for a, b in zip(after[True], before))  # weights, moments and step counts
+
+
+def tensors_of(model, optimizer) -> list:
+    """Every weight (EMA target included) and every AdamW state tensor (step counts included)."""
+    return [*model.state_dict().values(), *(v for s in optimizer.state.values() for v in s.values())]
+
+
+def test_an_update_decided_on_the_device_is_the_update_the_host_decided_before():
+    """train_update (the NaN guard, weight decay and EMA as device tensors) against the plain update it replaced
+    (optimizer_step and the EMA's lerp with Python floats, after reading the verdict on the host)."""
+    cfg, model, optimizer, batch, rt = tiny_update_setup()
+    for _ in range(3):
+        update = train_update(model, optimizer, [batch], Hyperparameters(1e-3, 0.05, 0.99), cfg, rt)
+    cfg, plain, plain_optimizer, _, _ = tiny_update_setup()
+    for _ in range(3):
+        for group in plain_optimizer.param_groups:
+            group["lr"] = 1e-3
+        plain(batch["volume"], batch["context_idx"], batch["target_idx"]).loss.backward()
+        assert bool(torch.isfinite(train.clip_and_measure(plain, cfg)))
+        optimizer_step(plain_optimizer, 1e-3, 0.05)
+        plain.update_target(0.99)
+        plain_optimizer.zero_grad(set_to_none=True)
+    assert update.applied
+    for a, b in zip(tensors_of(model, optimizer), tensors_of(plain, plain_optimizer)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
 # --- collapse ---
 
 def test_a_collapsed_target_encoder_is_flagged_by_target_std_and_rankme(tmp_path):
-    from probe import rankme
+    from health import rankme
     from runlog import RunLog
     cfg, model, _, batch, _ = tiny_update_setup()
     with torch.no_grad():  # constant features: the target encoder's last norm outputs zeros
@@ -381,11 +421,25 @@ def test_dry_run_prints_the_preflight_and_saves_pictures(tmp_path, smoke_phantom
     assert main(smoke_flags(tmp_path, smoke_phantoms, "--dry_run")) == 0
     out = capsys.readouterr().out
     for word in ("parameters", "tokens/sample", "FLOPs/sample", "memory/device", "activations", "by fsdp size",
-                 "schedule"):
+                 "schedule", "compile auto -> off", "grad_checkpointing auto -> off"):
         assert word in out
     run_dir = tmp_path / "runs" / "r"
     assert (run_dir / "schedules.png").exists() and (run_dir / "mask.png").exists()
     assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "checkpoints").exists()
+
+
+def test_auto_settings_weigh_the_memory_estimate_against_the_device_and_say_why(monkeypatch):
+    cfg = load_config(["--config", SMOKE])  # compile and grad_checkpointing: auto
+    cpu = Runtime(torch.device("cpu"), "cpu", 1, 0, 1, 1)
+    chosen, notes = runlog.choose_auto_settings(cfg, cpu, 2)
+    assert chosen.compile is False and chosen.grad_checkpointing is False
+    assert notes[0].startswith("compile auto -> off") and notes[1].startswith("grad_checkpointing auto -> off: ~")
+    monkeypatch.setattr(runlog, "device_memory_bytes", lambda rt: (2 ** 20, "a 1 MiB GPU"))
+    chosen, notes = runlog.choose_auto_settings(cfg, dataclasses.replace(cpu, kind="cuda"), 2)
+    assert chosen.compile is True and chosen.grad_checkpointing is True
+    assert "does not fit 90% of a 1 MiB GPU" in notes[1] and "will NOT fit either" in notes[1]
+    fixed = load_config(["--config", SMOKE, "--compile", "false", "--grad_checkpointing", "true"])
+    assert runlog.choose_auto_settings(fixed, cpu, 2) == (fixed, [])
 
 
 @pytest.mark.slow
@@ -474,9 +528,22 @@ def test_bench_quick_mode_reports_every_figure(tmp_path):
     compiled = train["compiled"]  # eager and compiled, side by side
     assert 0 < compiled["mfu"] < 1 and compiled["compile_time_s"] > 0
     assert train["compiled_over_eager"]["step_time_median"] > 0
+    assert train["grad_checkpointing"] is False and train["mfu_card"] is None and train["card"] == "cpu"  # decided
+    for ops in (train["ops"], compiled["ops"]):  # the ops of one update, by train.py's phases
+        assert ops["aten_ops"]["forward_backward"] > 0 and ops["aten_ops"]["optimizer_step"] > 0
+    assert compiled["ops"]["aten_ops"]["forward_backward"] < train["ops"]["aten_ops"]["forward_backward"]
     data = report["data"]
     assert {"decode_vol_s", "uncached_vol_s", "cached_vol_s"} <= set(data["per_syntax"]["JPEG 2000 lossless 8-bit"])
     assert data["loader"]["vol_s"] > 0
+
+
+def test_bench_times_each_attention_kernel_or_says_why_it_does_not_run():
+    import bench
+    report = bench.bench_attention(load_config(["--config", SMOKE]), repeats=2)
+    assert set(report["shapes"]) == {"context encoder", "target encoder", "predictor"}
+    for row in report["shapes"].values():
+        assert row["auto"]["ms"] > 0 and "flash" in row["auto"]["kernel"]  # the CPU's: its flash kernel
+        assert "unsupported" in row["cudnn"] and row["math"]["ms"] > 0
 
 
 def test_probe_every_steps_logs_the_probe_auroc_during_pretraining(tmp_path, smoke_phantoms, phantom_dir):
