@@ -448,8 +448,8 @@ def run_history(cfg: Config) -> List[str]:
     run_dir = os.path.join(cfg.out_dir, cfg.run_name)
     found = [os.path.join(run_dir, name) for name in HISTORY_FILES if os.path.exists(os.path.join(run_dir, name))]
     if cfg.ckpt_dir is not None:
-        found += sorted(glob_paths(f"{cfg.ckpt_dir.rstrip('/')}/best.pt*"))
-        found += sorted(glob_paths(f"{cfg.ckpt_dir.rstrip('/')}/step_*.pt*"))
+        for pattern in ("best.pt*", "step_*.pt*"):  # a local folder of that name holds no checkpoint
+            found += [p for p in sorted(glob_paths(f"{cfg.ckpt_dir.rstrip('/')}/{pattern}")) if not os.path.isdir(p)]
     return found
 
 

@@ -359,7 +359,7 @@ def check_checkpoint(setup: Setup) -> Check:
         torch.manual_seed(setup.cfg.seed + 1)  # other initial weights: only the checkpoint can make them equal
         model2 = VJEPA3D.from_config(setup.small)
         optimizer2, state2 = train.make_optimizer(model2, setup.small, setup.rt), train.TrainState()
-        checkpoint.restore(checkpoint.read_checkpoint(path), model2, optimizer2, state2, setup.rt)
+        checkpoint.restore(checkpoint.read_checkpoint(path), model2, optimizer2, state2, setup.rt, path)
     expected, got = two_updates(model, optimizer), two_updates(model2, optimizer2)
     same_updates = all(torch.equal(a.loss, b.loss) and torch.equal(a.grad_norm, b.grad_norm)
                        for a, b in zip(expected, got))

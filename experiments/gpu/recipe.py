@@ -95,7 +95,7 @@ def prepare(out: str, smoke: bool) -> None:
 def train_command(out: str, name: str, flags: list) -> list:
     """train.py of one arm, into RUNS/name, written to OUT/commands.log."""
     command = [sys.executable, "train.py", *flags, "--out_dir", RUNS, "--run_name", name, "--workers", "1",
-               "--probe_every_steps", "none", "--ckpt_every_steps", "1000000"] + \
+               "--probe_every_steps", "none", "--ckpt_every_steps", "1000000", "--compile", "false"] + \
               ([] if name.startswith("demo") else ["--summary_probe", "false"])
     with open(os.path.join(out, "commands.log"), "a") as f:
         f.write(" ".join(command) + "\n")
