@@ -9,7 +9,6 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `pytest` run from anywhere imports the repo's flat modules
-from helpers import GCSEmulator  # noqa: E402
 
 # The patient-key secret of the tests' "site" (privacy.py), never the user's own ~/.config/octjepa/site.key. It is
 # fixed: pretraining's train/val split is drawn from patient keys, so a new secret per session would give every
@@ -22,7 +21,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # A worker per core (pytest.ini's -n): torch's threads in each worker, and in the runs its tests start, would
     # contend for the cores, where torch's spinning threads slow training many times over (measured on two busy
     # cores: test_frozen_target_overfits_one_batch 131 s with two threads, 7 s with one).
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported (by helpers, below): it reads it once
+
+from helpers import GCSEmulator  # noqa: E402
 
 
 def pytest_collection_modifyitems(items):
