@@ -44,9 +44,10 @@ def phantom_dir(tmp_path_factory) -> str:
 def smoke_phantoms(tmp_path_factory) -> str:
     """The smoke config's phantom set, written once for the session."""
     from config import load_config
-    from data import build_datasets
+    from phantom import ensure_builtin_phantoms
     phantom_dir = str(tmp_path_factory.mktemp("smoke_phantoms"))
-    build_datasets(load_config(["--config", str(REPO / "configs" / "smoke.yaml"), "--phantom_dir", phantom_dir]))
+    ensure_builtin_phantoms(load_config(["--config", str(REPO / "configs" / "smoke.yaml"),
+                                         "--phantom_dir", phantom_dir]))
     return phantom_dir
 
 
