@@ -23,7 +23,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # cores: test_frozen_target_overfits_one_batch 131 s with two threads, 7 s with one).
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported (by helpers, below): it reads it once
 
-from helpers import GCSEmulator  # noqa: E402
+from helpers import GCSEmulator, phantom_flags  # noqa: E402
 
 
 def pytest_collection_modifyitems(items):
@@ -42,12 +42,15 @@ def phantom_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def smoke_phantoms(tmp_path_factory) -> str:
-    """The smoke config's phantom set, written once for the session."""
+    """The smoke config's phantom set, written and scanned once for the session: its index beside it
+    (helpers.index_beside), which the runs of helpers.phantom_flags reuse."""
     from config import load_config
+    from index import index_records
     from phantom import ensure_builtin_phantoms
     phantom_dir = str(tmp_path_factory.mktemp("smoke_phantoms"))
-    ensure_builtin_phantoms(load_config(["--config", str(REPO / "configs" / "smoke.yaml"),
-                                         "--phantom_dir", phantom_dir]))
+    cfg = load_config(["--config", str(REPO / "configs" / "smoke.yaml"), *phantom_flags(phantom_dir)])
+    ensure_builtin_phantoms(cfg)
+    index_records(cfg)  # scanned into cfg.index_path
     return phantom_dir
 
 
@@ -56,7 +59,7 @@ def trained_checkpoint(tmp_path_factory, smoke_phantoms) -> str:
     """The last checkpoint of a real 4-update training run of the smoke config."""
     import train
     tmp = tmp_path_factory.mktemp("encoder_run")
-    assert train.main(["--config", str(REPO / "configs" / "smoke.yaml"), "--phantom_dir", smoke_phantoms,
+    assert train.main(["--config", str(REPO / "configs" / "smoke.yaml"), *phantom_flags(smoke_phantoms),
                        "--out_dir", str(tmp / "runs"), "--run_name", "r", "--max_steps", "4",
                        "--ckpt_every_steps", "4"]) == 0
     return str(tmp / "runs" / "r" / "checkpoints" / "step_0000004.pt")

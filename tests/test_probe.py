@@ -15,7 +15,7 @@ from model import VJEPA3D
 from objectives import feature_std
 from phantom import VARIED_LABELS, Eye, draw_eye, synth_reflectivity, write_phantom_set
 from probe import rankme
-from helpers import one_thread  # noqa: F401 (autouse: tiny models, one thread)
+from helpers import one_thread, phantom_flags  # noqa: F401 (one_thread: autouse, tiny models in one thread)
 
 TINY = ["--image_size", "8,32,32", "--patch_size", "4,8,8", "--embed_dim", "24", "--depth", "1", "--num_heads", "2",
         "--pred_embed_dim", "12", "--pred_depth", "1", "--pred_num_heads", "2"]
@@ -277,7 +277,7 @@ def test_end_of_run_verdict_compares_with_a_random_init_on_the_same_splits(phant
 def test_train_summary_says_whether_the_encoder_beats_a_random_one(tmp_path, smoke_phantoms, phantom_dir, capsys):
     import train
     smoke = str(Path(__file__).parents[1] / "configs" / "smoke.yaml")
-    code = train.main(["--config", smoke, "--phantom_dir", smoke_phantoms, "--out_dir", str(tmp_path), "--run_name", "r",
+    code = train.main(["--config", smoke, *phantom_flags(smoke_phantoms), "--out_dir", str(tmp_path), "--run_name", "r",
                        "--max_steps", "3", "--summary_probe", "true",
                        "--probe_labels", f"{phantom_dir}/labels.csv"])
     assert code == 0
