@@ -24,7 +24,6 @@ from tqdm import tqdm
 
 from config import Config, ConfigError
 from dicom import REASONS, TRANSIENT_REASONS, UnusableFile, folder_files, inspect_file, is_candidate
-from phantom import ensure_phantom_set
 from privacy import KEY_PREFIX, check_index_key, is_keyed, key_fingerprint, site_secret
 from storage import exists, gcs_filesystem, read_bytes, write_atomic
 from volumes import Unit, units
@@ -207,12 +206,16 @@ def index_records(cfg: Config) -> List[dict]:
     data_root, manifest, sop_classes and listing; else only what is new, changed or failed in passing (read errors)
     is scanned again, and the index is rewritten; an index keyed with another secret is refused
     (privacy.check_index_key), one that records none is scanned again whole. With neither data_root nor
-    manifest_path: the built-in phantom set (or, when index_path exists, that index as it is)."""
+    manifest_path: the built-in phantom set in cfg.phantom_dir, which the scripts write first
+    (phantom.ensure_builtin_phantoms), or, when index_path exists, that index as it is."""
     root = cfg.data_root
     if root is None and cfg.manifest_path is None:
         if cfg.index_path is not None and exists(cfg.index_path):
             return read_index(cfg.index_path)
-        root = ensure_phantom_set(cfg.phantom_dir, cfg.phantom_count, varied=cfg.phantom_varied)
+        root = cfg.phantom_dir
+        if not os.path.isdir(root):
+            raise ConfigError(f"phantom_dir: {root} holds no phantom set; give a data_root, or write the set first "
+                              f"(train.py and sanity.py write it when data_root is null)")
     identities = list_sources(root, cfg.manifest_path)
     old_from, records = (None, [])
     if cfg.index_path is not None and exists(cfg.index_path):

@@ -46,8 +46,9 @@ from pydicom.tag import Tag
 from pydicom.uid import (JPEG2000, ExplicitVRBigEndian, ExplicitVRLittleEndian, ImplicitVRLittleEndian,
                          JPEG2000Lossless, JPEGBaseline8Bit, RLELossless, UID, generate_uid)
 
-from config import ConfigError, ScriptParser, script_main
+from config import Config, ConfigError, ScriptParser, script_main
 from dicom import OPT_SOP
+from storage import exists
 
 PHANTOM_VERSION = 3  # bump when the look or the files change: ensure_phantom_set then rewrites old sets
 DEFAULT_SIZE = (32, 128, 128)  # [D, H, W]: small so that the demo and CI stay fast
@@ -564,6 +565,14 @@ def ensure_phantom_set(directory: str, n: int, seed: int = 0, what: str = "phant
         except FileExistsError as e:
             raise ConfigError(f"phantom_dir: {e}") from None
     return directory
+
+
+def ensure_builtin_phantoms(cfg: Config) -> None:
+    """The built-in phantom set of a config that names no data (data_root, manifest_path, or an index_path that
+    exists), written once to cfg.phantom_dir: phantom_count volumes, varied eyes with phantom_varied. The scripts
+    call it before they index the data (index.index_records reads cfg.phantom_dir then)."""
+    if cfg.data_root is None and cfg.manifest_path is None and not (cfg.index_path and exists(cfg.index_path)):
+        ensure_phantom_set(cfg.phantom_dir, cfg.phantom_count, varied=cfg.phantom_varied)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from dicom import BENIGN_REASONS
 from index import find_files, format_reason_table, reason_counts, scan_files
 from masks import mask_generator_from_config
 from model import JEPAOutput, VJEPA3D
+from phantom import ensure_builtin_phantoms
 
 DEFAULT_SWEEP = [1e-5, 3e-5, 1e-4, 3e-4, 1e-3]
 SCALED_GRID = [2, 4, 4]  # tokens per axis of the scaled-down volume: milliseconds per update on one core
@@ -90,6 +91,7 @@ class Setup:
     @cached_property
     def train_ds(self):
         if not self.real_data:
+            ensure_builtin_phantoms(self.small)
             return build_datasets(self.small)[0]
         usable = [r for r in self.data_sample[1] if r["ok"]]
         if not usable:

@@ -40,6 +40,7 @@ from runtime import (PendingDeviceStats, Runtime, StopRequested, StopSignals, ad
                      check_ranks_agree, gather_objects, global_value, mark_step, master_decides, place_model,
                      probes_in_this_process, reduce_mean, setup_runtime, state_bytes_per_device, to_device, wrap_ddp,
                      xla_counters)
+from phantom import ensure_builtin_phantoms
 from schedules import Hyperparameters, describe_extension, hyperparameters_at
 
 # ----------------------------------------------------------------------------------------------------------
@@ -122,8 +123,7 @@ def compile_model(model: VJEPA3D, batch_size: int, cfg: Config, rt: Runtime, log
 def forward_backward(model, micro_batches: list, cfg: Config, rt: Runtime):
     """Accumulate gradients over the micro-batches; return (mean loss, mean target_std) as device tensors.
     `model`: VJEPA3D, or DDP around it (which then all-reduces the gradients in the last backward only)."""
-    loss_sum = torch.zeros((), device=rt.device)
-    std_sum = torch.zeros((), device=rt.device)
+    loss_sum, std_sum = torch.zeros((), device=rt.device), torch.zeros((), device=rt.device)
     for i, batch in enumerate(micro_batches):
         accumulating = isinstance(model, DistributedDataParallel) and i < len(micro_batches) - 1
         with model.no_sync() if accumulating else contextlib.nullcontext(), \
@@ -348,6 +348,7 @@ class Run:
 def prepare_run(cfg: Config, rt: Runtime) -> Run:
     """The data and train/val split (the same in every process), the plan, the model and optimizer (None: dry run)."""
     torch.manual_seed(cfg.seed)
+    ensure_builtin_phantoms(cfg)  # the demo's data (no data_root): written once, before the index reads it
     train_ds, val_ds = build_datasets(cfg)
     check_ranks_agree(split_fingerprint(train_ds, val_ds), "the train/val split (use an index_path)", rt)
     plan = plan_run(cfg, rt.world_size, len(train_ds))
@@ -508,14 +509,13 @@ def preempted(run: Run, signals: List[Optional[str]]) -> Preempted:
 def count_skipped_updates(read: list, run: Run) -> dict:
     """Count and log the updates the NaN guard skipped among those just read from the device ((notes, stats)
     pairs); returns the newest update's loss, target_std and grad_norm."""
-    state = run.state
     for notes, (loss, target_std, grad_norm, applied) in read:
         run.recent_grad_norms = (run.recent_grad_norms + [grad_norm])[-10:]
         if applied:
-            state.consecutive_nonfinite = 0
+            run.state.consecutive_nonfinite = 0
         else:  # the NaN guard left weights and optimizer state untouched; the data moved on
-            state.nonfinite_skipped += 1
-            state.consecutive_nonfinite += 1
+            run.state.nonfinite_skipped += 1
+            run.state.consecutive_nonfinite += 1
             run.log.event("nonfinite_skipped", notes["step"], lr=notes["lr"], loss=json_number(loss),
                           grad_norm=json_number(grad_norm), files=notes["files"])
     return {"loss": loss, "target_std": target_std, "grad_norm": grad_norm}

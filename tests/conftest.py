@@ -9,7 +9,6 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # `pytest` run from anywhere imports the repo's flat modules
-from helpers import GCSEmulator  # noqa: E402
 
 # The patient-key secret of the tests' "site" (privacy.py), never the user's own ~/.config/octjepa/site.key. It is
 # fixed: pretraining's train/val split is drawn from patient keys, so a new secret per session would give every
@@ -23,7 +22,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # A worker per core (pytest.ini's -n): torch's threads in each worker, and in the runs its tests start, would
     # contend for the cores, where torch's spinning threads slow training many times over (measured on two busy
     # cores: test_frozen_target_overfits_one_batch 131 s with two threads, 7 s with one).
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported (by helpers, below): it reads it once
+
+from helpers import GCSEmulator, phantom_flags  # noqa: E402
 
 
 def pytest_collection_modifyitems(items):
@@ -42,11 +43,15 @@ def phantom_dir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def smoke_phantoms(tmp_path_factory) -> str:
-    """The smoke config's phantom set, written once for the session."""
+    """The smoke config's phantom set, written and scanned once for the session: its index beside it
+    (helpers.index_beside), which the runs of helpers.phantom_flags reuse."""
     from config import load_config
-    from data import build_datasets
+    from index import index_records
+    from phantom import ensure_builtin_phantoms
     phantom_dir = str(tmp_path_factory.mktemp("smoke_phantoms"))
-    build_datasets(load_config(["--config", str(REPO / "configs" / "smoke.yaml"), "--phantom_dir", phantom_dir]))
+    cfg = load_config(["--config", str(REPO / "configs" / "smoke.yaml"), *phantom_flags(phantom_dir)])
+    ensure_builtin_phantoms(cfg)
+    index_records(cfg)  # scanned into cfg.index_path
     return phantom_dir
 
 
@@ -55,7 +60,7 @@ def trained_checkpoint(tmp_path_factory, smoke_phantoms) -> str:
     """The last checkpoint of a real 4-update training run of the smoke config."""
     import train
     tmp = tmp_path_factory.mktemp("encoder_run")
-    assert train.main(["--config", str(REPO / "configs" / "smoke.yaml"), "--phantom_dir", smoke_phantoms,
+    assert train.main(["--config", str(REPO / "configs" / "smoke.yaml"), *phantom_flags(smoke_phantoms),
                        "--out_dir", str(tmp / "runs"), "--run_name", "r", "--max_steps", "4",
                        "--ckpt_every_steps", "4"]) == 0
     return str(tmp / "runs" / "r" / "checkpoints" / "step_0000004.pt")

@@ -24,15 +24,28 @@ SHARD_FLAGS = ("--max_steps", "14", "--ckpt_every_steps", "4", "--keep_last", "5
 
 # --- train.py runs and what they write ---
 
+def index_beside(phantom_dir) -> str:
+    """Where the scan index of a phantom set is kept for the runs on it: beside it, as its decoded-volume cache."""
+    return str(phantom_dir).rstrip("/") + "-index.jsonl"
+
+
+def phantom_flags(phantom_dir, *flags):
+    """--phantom_dir, and --index_path of the set's index beside it unless `flags` name other data (--data_root,
+    --manifest_path): the first run on the set scans it into that index and the others reuse it, as a user's runs
+    reuse the index of `data.py scan --out` (conftest's smoke_phantoms writes it once a session)."""
+    other_data = {"--data_root", "--manifest_path"} & {str(f).split("=")[0] for f in flags}
+    return ["--phantom_dir", str(phantom_dir), *([] if other_data else ["--index_path", index_beside(phantom_dir)])]
+
+
 def smoke_flags(tmp_path, phantom_dir, *flags):
-    """train.py flags of a smoke-config run named r in tmp_path/runs on a phantom set, then `flags`."""
-    return ["--config", SMOKE, "--phantom_dir", phantom_dir, "--out_dir", str(tmp_path / "runs"),
+    """train.py flags of a smoke-config run named r in tmp_path/runs on a phantom set (phantom_flags), then `flags`."""
+    return ["--config", SMOKE, *phantom_flags(phantom_dir, *flags), "--out_dir", str(tmp_path / "runs"),
             "--run_name", "r", *flags]
 
 
 def ddp_flags(tmp_path, phantoms, *flags):
     """train.py flags of a smoke-config run in tmp_path/runs (unnamed: process 0 names it), 2 volumes a process."""
-    return ["--config", SMOKE, "--phantom_dir", phantoms, "--out_dir", str(tmp_path / "runs"),
+    return ["--config", SMOKE, *phantom_flags(phantoms, *flags), "--out_dir", str(tmp_path / "runs"),
             "--per_core_batch_size", "2", *flags]
 
 

@@ -1,5 +1,6 @@
 """Config: YAML + flags, typed values, and one clear error per problem (incidents 3, 4, 8)."""
 import dataclasses
+import json
 import subprocess
 import sys
 import textwrap
@@ -127,20 +128,48 @@ def test_every_exit_status_of_every_script_is_in_the_one_table_in_config():
     assert not elsewhere, f"exit codes set outside config.py: {elsewhere}"
 
 
+SCRIPTS = ["train.py", "data.py", "phantom.py", "probe.py", "sanity.py", "bench.py", "encoder.py", "finetune.py"]
+RUN_AS_PROGRAMS = """
+import contextlib, io, json, runpy, sys
+helps = {}
+for argv in json.loads(sys.argv[1]):
+    sys.argv, out, code = argv, io.StringIO(), 0
+    with contextlib.redirect_stdout(out):
+        try:
+            runpy.run_path(argv[0], run_name="__main__")
+        except SystemExit as stop:
+            code = stop.code
+    helps[" ".join(argv)] = [code, out.getvalue()]
+print(json.dumps(helps))
+"""
+
+
+@pytest.fixture(scope="module")
+def helps() -> dict:
+    """{command: [exit code, stdout]} of `python SCRIPT --help` for each script (and `encoder.py embed --help`), each
+    run as a program (its __main__), one after the other in one interpreter: the imports they share, once."""
+    commands = [[script, "--help"] for script in SCRIPTS] + [["encoder.py", "embed", "--help"]]
+    result = subprocess.run([sys.executable, "-c", RUN_AS_PROGRAMS, json.dumps(commands)], cwd=REPO,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.splitlines()[-1])
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("script", ["train.py", "data.py", "phantom.py", "probe.py", "sanity.py", "bench.py",
-                                    "encoder.py", "finetune.py"])
-def test_every_script_explains_itself_and_the_config_flags_with_help(script):
-    result = subprocess.run([sys.executable, str(REPO / script), "--help"], cwd=REPO, capture_output=True, text=True)
-    assert result.returncode == 0 and result.stdout.startswith("usage: ")
-    assert ("Every Config field is also a flag" in result.stdout) == (script not in ("phantom.py", "encoder.py"))
+@pytest.mark.xdist_group("helps")  # one worker runs the scripts once
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_script_explains_itself_and_the_config_flags_with_help(script, helps):
+    code, text = helps[f"{script} --help"]
+    assert code == 0 and text.startswith("usage: ")
+    assert ("Every Config field is also a flag" in text) == (script not in ("phantom.py", "encoder.py"))
 
 
-def test_each_encoder_command_lists_the_config_flags_it_takes_not_every_field():
-    result = subprocess.run([sys.executable, str(REPO / "encoder.py"), "embed", "--help"], cwd=REPO,
-                            capture_output=True, text=True)
-    assert result.returncode == 0 and "Every Config field" not in result.stdout
-    assert "The config flags it takes: --device, --cache_dir, --workers, --data_root" in result.stdout
+@pytest.mark.slow
+@pytest.mark.xdist_group("helps")
+def test_each_encoder_command_lists_the_config_flags_it_takes_not_every_field(helps):
+    code, text = helps["encoder.py embed --help"]
+    assert code == 0 and "Every Config field" not in text
+    assert "The config flags it takes: --device, --cache_dir, --workers, --data_root" in text
 
 
 @pytest.mark.parametrize("argv,field", [

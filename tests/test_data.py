@@ -25,7 +25,7 @@ from data import (EpochSampler, NoUsableData, OCTDataset, build_datasets, cache_
                   load_val_sample, make_loader, resample, split_by_patient)
 from dicom import UnusableFile
 from index import find_files, format_reason_table, read_index, scan_files, write_index
-from phantom import STYLES, quantize, synth_reflectivity, write_oct, write_phantom
+from phantom import STYLES, ensure_builtin_phantoms, quantize, synth_reflectivity, write_oct, write_phantom
 from volumes import read_volume
 
 REPO = Path(__file__).resolve().parents[1]
@@ -407,12 +407,16 @@ def test_index_path_is_reused_instead_of_scanning_again(phantom_dir, tmp_path):
     assert len(train) + len(val) == 4
 
 
-def test_built_in_phantoms_are_written_once(tmp_path):
+def test_built_in_phantoms_are_written_once_by_the_scripts_and_only_read_by_the_index(tmp_path):
     cfg = config(phantom_dir=str(tmp_path / "ph"), phantom_count=5)
+    with pytest.raises(ConfigError, match="phantom_dir: .* holds no phantom set"):
+        build_datasets(cfg)  # the reader writes nothing
+    ensure_builtin_phantoms(cfg)  # what train.py and sanity.py do first
     train, val = build_datasets(cfg)
     assert len(train) + len(val) == 5 and len(val) >= 1
     marker = next((tmp_path / "ph").glob(".*"))
     stamp = marker.stat().st_mtime_ns
+    ensure_builtin_phantoms(cfg)
     build_datasets(cfg)
     assert marker.stat().st_mtime_ns == stamp
 

@@ -58,10 +58,15 @@ def test_the_dense_task_reads_lesion_tokens_from_features_and_a_small_fcn_learns
     features = references.handmade_token_features(volumes, dense.target_grid(cfg.image_size))
     assert features["token_stats"].shape == (12, 256, 7) and features["token_histogram"].shape == (12, 256, 16)
     scores = dense.linear_token_probe(features["token_stats_histogram"], targets, train, test)
-    assert 0.0 <= scores["ap"] <= 1.0 and 0.0 <= scores["auroc"] <= 1.0
+    assert scores["auroc"] > 0.7  # measured 0.79 on the 211 scored tokens of the 4 test volumes (35 lesion tokens)
     fcn = dense.fit_token_cnn(volumes, targets, train, dense.target_grid(cfg.image_size), seed=0,
-                              budget=dataclasses.replace(references.TOKEN_CNN, steps=3))
-    assert fcn(volumes[:2]).shape == (2, 256)
+                              budget=dataclasses.replace(references.TOKEN_CNN, steps=40))
+    with torch.no_grad():
+        logits = fcn(volumes[test]).numpy()
+    keep = targets[test] >= 0
+    assert logits.shape == (4, 256)
+    # measured 0.77 after 40 updates (seeds 0-4: 0.68-0.77); the same FCN untrained: 0.40-0.60
+    assert dense.token_scores(logits[keep], targets[test][keep])["auroc"] > 0.65
     fine = torch.randn(12, 512, 5)  # 4x4x8 tubelets: a 4x16x8 grid pooled onto the 4x8x8 targets
     pooled = dense.tokens_on_grid(fine, [4, 16, 8], [4, 8, 8])
     assert pooled.shape == (12, 256, 5) and torch.allclose(pooled[:, 0], fine[:, [0, 8]].mean(1))

@@ -29,7 +29,7 @@ import pretrained
 import train
 from config import DEMO_FLAGS, ConfigError, load_config
 from data import load_val_sample
-from helpers import one_thread  # noqa: F401 (autouse: tiny models, one thread)
+from helpers import one_thread, phantom_flags  # noqa: F401 (one_thread: autouse, tiny models in one thread)
 from index import find_files, scan_files
 from labels import read_labels
 from model import Encoder
@@ -166,7 +166,7 @@ def test_monai_vit_holds_the_encoder_exactly_at_the_trained_and_another_size(exp
 def hmlp_export(tmp_path_factory, smoke_phantoms) -> str:
     """The export of a 3-update run of the smoke config with the hmlp tubelet stem."""
     tmp = tmp_path_factory.mktemp("hmlp")
-    assert train.main(["--config", str(REPO / "configs" / "smoke.yaml"), "--phantom_dir", smoke_phantoms,
+    assert train.main(["--config", str(REPO / "configs" / "smoke.yaml"), *phantom_flags(smoke_phantoms),
                        "--out_dir", str(tmp / "runs"), "--run_name", "r", "--max_steps", "3", "--ckpt_every_steps",
                        "3", "--patch_stem", "hmlp"]) == 0
     assert encoder_cli.main(["export", "--ckpt", str(tmp / "runs" / "r" / "checkpoints"), "--out",
@@ -515,7 +515,7 @@ def test_the_docs_commands_run_in_order(smoke_phantoms, tmp_path, capsys):
     labels.write_text("path,label,patient\n" + "".join(f"{smoke_phantoms}/{n},{'ab'[(i // 2) % 2]},p{i // 2}\n"
                                                        for i, n in enumerate(names)))
     runs = tmp_path / "runs"
-    flags = ["--config", str(REPO / "configs" / "smoke.yaml"), "--phantom_dir", smoke_phantoms, "--out_dir",
+    flags = ["--config", str(REPO / "configs" / "smoke.yaml"), *phantom_flags(smoke_phantoms), "--out_dir",
              str(runs), "--max_steps", "4", "--probe_labels", str(labels)]
     assert train.main(flags + DEMO_FLAGS) == 0  # the demo's run folder: runs/demo
     summary = capsys.readouterr().out

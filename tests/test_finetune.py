@@ -161,8 +161,9 @@ def test_random_init_is_the_architecture_initialised_as_pretraining_starts(expor
     encoder = load_encoder(export_dir)
     a, b = random_encoder(encoder.config, seed=0), random_encoder(encoder.config, seed=0)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
-    assert not torch.equal(a.norm.weight, encoder.norm.weight) or not torch.equal(a.blocks[0].attn.qkv.weight,
-                                                                                  encoder.blocks[0].attn.qkv.weight)
+    # 4 updates moved every tensor of the trained encoder off the init (its norm weights by about 2e-6)
+    assert not torch.equal(a.norm.weight, encoder.norm.weight)
+    assert not torch.equal(a.blocks[0].attn.qkv.weight, encoder.blocks[0].attn.qkv.weight)
     assert a.config["source"] == {"encoder": "random init", "seed": 0} and "weights" not in a.config
 
 

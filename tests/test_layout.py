@@ -75,6 +75,11 @@ def test_writing_a_checkpoint_or_a_log_line_does_not_load_the_dicom_reader():
         assert not loaded_with(name) & READER, (name, sorted(loaded_with(name)))
 
 
+def test_data_flows_down_the_reader_loads_no_writer_of_phantoms():
+    """train.py and sanity.py write the built-in phantoms before they index them; the reader only reads them."""
+    assert "phantom" not in loaded_with("data"), sorted(loaded_with("data"))
+
+
 def test_loading_an_exported_encoder_loads_neither_the_training_loop_nor_the_reader():
     loaded = loaded_with("pretrained")
     assert not loaded & (READER | {"train", "runtime", "probe", "checkpoint"}), sorted(loaded)

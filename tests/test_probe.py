@@ -1,5 +1,4 @@
 """probe.py: linear probes on frozen target-encoder features, the evidence that pretraining learned something."""
-import dataclasses
 import json
 import math
 from dataclasses import asdict
@@ -19,7 +18,7 @@ from health import rankme
 from model import VJEPA3D
 from objectives import feature_std
 from phantom import VARIED_LABELS, Eye, draw_eye, synth_reflectivity, write_phantom_set
-from helpers import one_thread  # noqa: F401 (autouse: tiny models, one thread)
+from helpers import one_thread, phantom_flags  # noqa: F401 (one_thread: autouse, tiny models in one thread)
 
 TINY = ["--image_size", "8,32,32", "--patch_size", "4,8,8", "--embed_dim", "24", "--depth", "1", "--num_heads", "2",
         "--pred_embed_dim", "12", "--pred_depth", "1", "--pred_num_heads", "2"]
@@ -286,7 +285,7 @@ def test_train_summary_says_whether_the_encoder_beats_a_random_init_and_hand_mad
                                                                                           phantom_dir, capsys):
     import train
     smoke = str(Path(__file__).parents[1] / "configs" / "smoke.yaml")
-    code = train.main(["--config", smoke, "--phantom_dir", smoke_phantoms, "--out_dir", str(tmp_path), "--run_name", "r",
+    code = train.main(["--config", smoke, *phantom_flags(smoke_phantoms), "--out_dir", str(tmp_path), "--run_name", "r",
                        "--max_steps", "3", "--summary_probe", "true",
                        "--probe_labels", f"{phantom_dir}/labels.csv"])
     assert code == 0

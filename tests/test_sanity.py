@@ -17,6 +17,7 @@ import checkpoint
 import sanity
 import schedules
 import train
+from helpers import phantom_flags
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = str(REPO / "configs" / "smoke.yaml")
@@ -24,7 +25,7 @@ SMOKE = str(REPO / "configs" / "smoke.yaml")
 
 def run_sanity(capsys, tmp_path, phantoms, *flags):
     """(exit code, stdout + stderr) of `python sanity.py --config smoke.yaml ...`, run in-process."""
-    code = sanity.main(["--config", SMOKE, "--phantom_dir", phantoms, "--out_dir", str(tmp_path), *flags])
+    code = sanity.main(["--config", SMOKE, *phantom_flags(phantoms, *flags), "--out_dir", str(tmp_path), *flags])
     out = capsys.readouterr()
     return code, out.out + out.err
 
@@ -227,7 +228,7 @@ def test_lr_sweep_takes_its_default_grid_without_a_value():
 @pytest.mark.slow
 def test_sanity_cli_passes_on_the_demo_config(tmp_path, smoke_phantoms):
     """`python sanity.py` as a user runs it: the demo config (only the phantom set is the tests' own)."""
-    proc = subprocess.run([sys.executable, str(REPO / "sanity.py"), "--phantom_dir", smoke_phantoms,
+    proc = subprocess.run([sys.executable, str(REPO / "sanity.py"), *phantom_flags(smoke_phantoms),
                            "--phantom_count", "16"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "all checks passed" in proc.stdout and "FAIL" not in proc.stdout
