@@ -110,8 +110,8 @@ INNER_REFLECTIVITY = (0.9, 0.02)  # as bright as the RPE before the eye's factor
 INNER_FILLS = (("inl", "opl", "onl"), ("inl", "opl", "onl"))  # the layers a focus / a cyst may paint over
 INNER_CENTRES = (("inl", "onl"), ("inl", "opl"))  # its centre lies between the top of the first and the bottom of
 # the second, at a depth share drawn per lesion that follows the layers (tilt, curvature, eye motion)
-INNER_COUNT = ((30, 60), (6, 12))  # [min, max) lesions per diseased eye; with these radii about as many voxels as the
-# drusen or fluid of an eye (~3000 of 32x128x128). A third as many voxels: the CNN read chance (experiments/NOTES.md 20)
+INNER_COUNT = ((30, 60), (6, 12))  # [min, max) lesions per diseased eye; with these radii ~3200 voxels of 32x128x128
+# (an eye's drusen or fluid: ~5300). A third as many: the supervised CNN read chance (experiments/NOTES.md, 20)
 INNER_RADIUS = (((0.10, 0.16), (0.015, 0.025), (0.04, 0.07)),  # a focus's semi-axes (z, y, x): across B-scans and
                 ((0.15, 0.30), (0.025, 0.045), (0.08, 0.16)))  # laterally volume width = 2, in depth scan depth = 1
 INNER_VARIED_LABELS = ("none", "foci", "none", "cysts")  # VARIED_LABELS of a set of inner lesions
