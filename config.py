@@ -206,10 +206,19 @@ NULL_WORDS = ("none", "null", "~")
 DEMO_FLAGS = ["--run_name", "demo", "--resume", "auto"]
 
 
+PHANTOM_SET_SUFFIXES = {"plain": "_probe", "varied": "_suite", "inner": "_inner"}  # labelled phantom sets by kind
+
+
+def phantom_set_labels_path(cfg: "Config", kind: str) -> str:
+    """The labels.csv of the built-in labelled phantom set of a kind (labels.phantom_set_labels writes it): beside
+    cfg.phantom_dir with the kind's suffix (PHANTOM_SET_SUFFIXES)."""
+    return os.path.join(cfg.phantom_dir.rstrip("/") + PHANTOM_SET_SUFFIXES[kind], "labels.csv")
+
+
 def phantom_labels_path(cfg: "Config", varied: bool = False) -> str:
     """The labels.csv of a built-in labelled phantom set (labels.phantom_labels writes it): the plain set beside
     cfg.phantom_dir with '_probe', the varied one with '_suite'."""
-    return os.path.join(cfg.phantom_dir.rstrip("/") + ("_suite" if varied else "_probe"), "labels.csv")
+    return phantom_set_labels_path(cfg, "varied" if varied else "plain")
 
 FIELD_TYPES = typing.get_type_hints(Config)
 FIELD_NAMES = [f.name for f in dataclasses.fields(Config)]

@@ -1,16 +1,22 @@
-"""The dense lesion task: which tokens of a held-out volume hold a lesion, read from each token on its own.
+"""The dense lesion tasks: which tokens of a held-out volume hold a lesion, read from each token on its own.
 
 The phantom generator knows where it drew every lesion (phantom.set_voxel_layers replays a set's geometry), so each
-token of the varied labelled set gets a target: 1 when at least LESION_SHARE of its voxels are drusen or fluid, 0
-otherwise. Only the tokens where a lesion could be are scored, those that hold RPE or lesion voxels (the RPE band):
-every other token is negative by its depth alone, which a position code would read without seeing any lesion. A
+token of a varied labelled set gets a target: 1 when at least a share of its voxels are lesion, 0 otherwise. Only the
+tokens where a lesion could be are scored, those that hold voxels of the task's band or of a lesion: every other
+token is negative by its depth alone, which a position code would read without seeing any lesion. Each task says
+which voxels are lesions and which layers make its band (TokenTask, TOKEN_TASKS): `lesion_tokens`, drusen or fluid
+in the RPE band (at least LESION_SHARE of a token); `inner_lesion_tokens`, foci or cysts (phantom.INNER_LAYERS) in
+the band of the INL, OPL and ONL (at least INNER_SHARE of a token; tokens holding fewer lesion voxels than that are
+not scored: the edge of a focus is a few voxels, neither clearly a lesion token nor clearly not). A
 logistic regression per token (the same for every token) reads each encoder's tokens, each token's own voxel
 statistics (references.handmade_token_features) and, as the supervised reference, references.SmallCNN with a logit per
 token (TOKEN_CNN) trained on the training volumes' token maps; AUROC and average precision over the scored tokens of the held-out volumes.
-probe.py runs it as the task `lesion_tokens` (probe.SUITE), on the volume splits of the `lesion` task.
+probe.py runs them as the tasks `lesion_tokens` and `inner_lesion_tokens` (probe.SUITE), on the volume splits of the
+`lesion` and `inner_lesion` tasks.
 """
 import os
 import warnings
+from dataclasses import dataclass
 from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
@@ -23,7 +29,7 @@ from sklearn.model_selection import GridSearchCV, GroupKFold
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
-from phantom import LAYERS
+from phantom import INNER_LAYERS, LAYERS
 from references import TOKEN_CNN, CNNBudget, SmallCNN, fit_cnn, handmade_token_features, per_token
 
 TARGET_GRID = (4, 8, 8)  # the token targets' grid over a volume, the same for every input size and tubelet ...
@@ -31,21 +37,42 @@ TARGET_PATCH = (4, 8, 8)  # ... unless it would cut fewer model-input voxels tha
 LESION_SHARE = 0.02  # a lesion token: at least this share of its voxels are drusen or fluid
 LESION_LAYERS = [i for i, (name, _, _) in enumerate(LAYERS) if name in ("drusen", "fluid")]
 RPE_LAYER = [name for name, _, _ in LAYERS].index("rpe")
+INNER_SHARE = 0.004  # an inner lesion token: at least this share of its voxels (8 of a 4x8x8 token's 2048 phantom
+# voxels at learn.yaml's geometry: one model-input voxel) are foci or cysts
 TOKEN_CS = (0.01, 0.1, 1.0)  # logistic regression: inverse L2 strengths tried by cross-validation over volumes
 
 
-def token_targets(layers: np.ndarray, grid: Sequence[int]) -> np.ndarray:
-    """The dense targets of one phantom from its voxel_layers [D, H, W]: int8 [N], 1 a lesion token (LESION_SHARE),
-    0 a token of the RPE band without a lesion, -1 a token that is not scored."""
+@dataclass(frozen=True)
+class TokenTask:
+    """Which tokens of a dense task are lesion tokens and which are scored, from phantom.voxel_layers ids."""
+    lesions: Tuple[int, ...]  # the voxel layer ids of its lesions
+    band: Tuple[int, ...]  # a token holding voxels of these layers (or lesion voxels) is scored
+    share: float  # a lesion token: at least this share of its voxels are lesion
+    partial_scored: bool = True  # False: a token holding lesion voxels, but fewer than `share`, is not scored
+
+
+INNER_BAND = tuple(i for i, (name, _, _) in enumerate(LAYERS) if name in ("inl", "opl", "onl"))
+TOKEN_TASKS = {"lesion_tokens": TokenTask(tuple(LESION_LAYERS), (RPE_LAYER,), LESION_SHARE),
+               "inner_lesion_tokens": TokenTask(tuple(range(len(LAYERS), len(LAYERS) + len(INNER_LAYERS))),
+                                                INNER_BAND, INNER_SHARE, partial_scored=False)}
+
+
+def token_targets(layers: np.ndarray, grid: Sequence[int], task: TokenTask = TOKEN_TASKS["lesion_tokens"]
+                  ) -> np.ndarray:
+    """The dense targets of one phantom from its voxel_layers [D, H, W]: int8 [N], 1 a lesion token (the task's
+    share), 0 a token of the task's band without a lesion, -1 a token that is not scored."""
     voxels = per_token(layers, grid)  # [N, v]
-    lesion = np.isin(voxels, LESION_LAYERS).mean(1)  # [N] share of lesion voxels
-    band = (voxels == RPE_LAYER).any(1) | (lesion > 0)
-    return np.where(lesion >= LESION_SHARE, 1, np.where(band, 0, -1)).astype(np.int8)
+    lesion = np.isin(voxels, task.lesions).mean(1)  # [N] share of lesion voxels
+    band = np.isin(voxels, task.band).any(1) | (lesion > 0)
+    if not task.partial_scored:
+        band &= (lesion == 0) | (lesion >= task.share)
+    return np.where(lesion >= task.share, 1, np.where(band, 0, -1)).astype(np.int8)
 
 
-def set_token_targets(voxel_layers: Dict[str, np.ndarray], paths: Sequence[str], grid: Sequence[int]) -> np.ndarray:
+def set_token_targets(voxel_layers: Dict[str, np.ndarray], paths: Sequence[str], grid: Sequence[int],
+                      task: TokenTask = TOKEN_TASKS["lesion_tokens"]) -> np.ndarray:
     """token_targets [M, N] of the volumes at `paths` (file names in the set of voxel_layers, any folder prefix)."""
-    return np.stack([token_targets(voxel_layers[os.path.basename(os.path.normpath(p))], grid) for p in paths])
+    return np.stack([token_targets(voxel_layers[os.path.basename(os.path.normpath(p))], grid, task) for p in paths])
 
 
 def tokens_on_grid(tokens: torch.Tensor, grid: Sequence[int], target_grid: Sequence[int]) -> torch.Tensor:

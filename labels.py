@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from config import Config, ConfigError, phantom_labels_path
+from config import Config, ConfigError, phantom_set_labels_path
 from data import load_val_sample
 from dicom import UnusableFile
 from phantom import ensure_phantom_set
@@ -25,6 +25,12 @@ PROBE_PHANTOMS = 240  # volumes of the plain labelled phantom set (plain_lesion,
 PROBE_PHANTOM_SEED = 1  # the pretraining phantoms use seed 0
 SUITE_PHANTOMS = 300  # volumes of the varied labelled phantom set (lesion, lesion_tokens)
 SUITE_PHANTOM_SEED = 2
+INNER_PHANTOMS = 300  # volumes of the varied labelled set of inner-retina lesions (inner_lesion, inner_lesion_tokens)
+INNER_PHANTOM_SEED = 3
+# The built-in labelled phantom sets by kind (probe.SUITE's keys): (volumes, seed, varied eyes, phantom lesions)
+PHANTOM_SETS = {"plain": (PROBE_PHANTOMS, PROBE_PHANTOM_SEED, False, "rpe"),
+                "varied": (SUITE_PHANTOMS, SUITE_PHANTOM_SEED, True, "rpe"),
+                "inner": (INNER_PHANTOMS, INNER_PHANTOM_SEED, True, "inner")}
 TOKEN_CHUNK_BYTES = 64 * 2 ** 20  # the probes read frozen tokens this many bytes at a time (token_chunks)
 
 
@@ -110,9 +116,16 @@ def read_labels(path: str, columns: Sequence[str] = ("label",)) -> List[Tuple[st
 def phantom_labels(cfg: Config, varied: bool = False) -> str:
     """labels.csv of a built-in labelled phantom set, written once: the plain set in cfg.phantom_dir + '_probe', or
     the varied one (varied eyes, balanced labels, retina_thickness) in cfg.phantom_dir + '_suite'."""
-    n, seed = (SUITE_PHANTOMS, SUITE_PHANTOM_SEED) if varied else (PROBE_PHANTOMS, PROBE_PHANTOM_SEED)
-    path = phantom_labels_path(cfg, varied)
-    ensure_phantom_set(os.path.dirname(path), n, seed, "labelled phantom volumes", varied)
+    return phantom_set_labels(cfg, "varied" if varied else "plain")
+
+
+def phantom_set_labels(cfg: Config, kind: str) -> str:
+    """labels.csv of the built-in labelled phantom set of a kind (PHANTOM_SETS), written once beside cfg.phantom_dir
+    (config.PHANTOM_SET_SUFFIXES): plain, varied (varied eyes, drusen or fluid in half, retina_thickness) or inner
+    (the same eyes with foci or cysts of the inner retina in half: phantom.INNER_LABELS)."""
+    n, seed, varied, lesions = PHANTOM_SETS[kind]
+    path = phantom_set_labels_path(cfg, kind)
+    ensure_phantom_set(os.path.dirname(path), n, seed, "labelled phantom volumes", varied, lesions)
     return path
 
 

@@ -5,8 +5,10 @@
 A phantom looks like a macular OCT cube: curved retinal layers of different reflectivity with a foveal pit,
 speckle, shadows under superficial vessels and, for some volumes, subtle pathology whose label is written to
 DIR/labels.csv (path,label: none/drusen/fluid): small domes scattered at random places, of drusen (the RPE
-lifted over medium-bright material) or of subretinal fluid (the retina lifted off the RPE by a dark gap). The
-lesions change no global statistic, and the same seed gives the same retina whatever the label.
+lifted over medium-bright material) or of subretinal fluid (the retina lifted off the RPE by a dark gap). A set of
+`--lesions inner` draws lesions of the inner and middle retina instead (labels none/foci/cysts): hyperreflective foci
+(bright dots of a few voxels in the INL, OPL and ONL) or intraretinal cysts (dark round spaces in the INL and OPL).
+The lesions change no global statistic, and the same seed gives the same retina whatever the label.
 Each volume is an Ophthalmic Tomography Image Storage object in the style of one device:
 
 | style           | maker, model                        | encoding                      | spacing tags          |
@@ -99,6 +101,24 @@ FOVEA_THINNED = ("rnfl", "gcl_ipl", "inl", "opl")  # the inner retina that the f
 RETINA = ("rnfl", "gcl_ipl", "inl", "opl", "onl", "is_os", "os", "fluid", "rpe")  # the layers Eye.thickness scales
 RETINA_SHARE = sum(share for name, share, _ in LAYERS if name in RETINA)  # their nominal thickness: 0.268
 CHOROID_SHARE = dict((name, share) for name, share, _ in LAYERS)["choroid"]
+# Lesions of the inner and middle retina (a set of `lesions="inner"`), one kind per diseased eye: hyperreflective foci
+# (bright dots of a few voxels in the INL, OPL and ONL, as in diabetic retinopathy) or intraretinal cysts (dark round
+# spaces centred in the INL and OPL, as in macular edema). Their voxels get layer ids past LAYERS' (LAYERS keeps its
+# length: draw_eye draws a reflectivity factor per entry); a lesion paints only voxels of the layers it may fill.
+INNER_LABELS = ("foci", "cysts")
+INNER_LAYERS = ("focus", "cyst")  # layer ids len(LAYERS), len(LAYERS) + 1: the voxels of each kind of lesion
+INNER_REFLECTIVITY = (0.9, 0.02)  # as bright as the RPE before the eye's factors / as dark as fluid
+INNER_FILLS = (("inl", "opl", "onl"), ("inl", "opl", "onl"))  # the layers a focus / a cyst may paint over
+INNER_CENTRES = (("inl", "onl"), ("inl", "opl"))  # its centre lies between the top of the first and the bottom of
+# the second, at a depth share drawn per lesion that follows the layers (tilt, curvature, eye motion)
+INNER_COUNT = ((30, 60), (6, 12))  # [min, max) lesions per diseased eye; with these radii ~3200 voxels of 32x128x128
+# (an eye's drusen or fluid: ~5300). A third as many: the supervised CNN read chance (experiments/NOTES.md, 20)
+INNER_RADIUS = (((0.10, 0.16), (0.015, 0.025), (0.04, 0.07)),  # a focus's semi-axes (z, y, x): across B-scans and
+                ((0.15, 0.30), (0.025, 0.045), (0.08, 0.16)))  # laterally volume width = 2, in depth scan depth = 1
+INNER_VARIED_LABELS = ("none", "foci", "none", "cysts")  # VARIED_LABELS of a set of inner lesions
+INNER_DEPTH_SHARE = (0.15, 0.85)  # where between INNER_CENTRES' boundaries a lesion's centre lies
+LESION_KINDS = {"rpe": LABELS, "inner": ("none",) + INNER_LABELS}  # a phantom set's labels by its `lesions`
+ALL_LABELS = LABELS + INNER_LABELS  # a label's index here seeds the phantom's generator (LABELS' stay theirs)
 
 
 @dataclass(frozen=True)
@@ -182,7 +202,7 @@ def retina_geometry(shape: Sequence[int], rng: np.random.Generator, label: str =
         drift = np.cumsum(rng.normal(0.0, eye.motion, D)).astype(np.float32)
         top = top + (drift - drift.mean())[:, None]
     k = {name: i for i, (name, _, _) in enumerate(LAYERS[1:-1])}  # thickness[k[n]]; lower boundary bounds[k[n] + 1]
-    if label != "none":  # RPE lifted over drusen, or the retina lifted off the RPE by fluid; the ONL gives way
+    if label in ("drusen", "fluid"):  # RPE lifted over drusen, or the retina lifted off the RPE by fluid; ONL gives way
         lesions = lesion_thickness(z, x, lesion_rng, eye.lesion_height)
         thickness[k[label]] += lesions
         thickness[k["onl"]] = np.maximum(thickness[k["onl"]] - lesions, 0.01)
@@ -192,7 +212,36 @@ def retina_geometry(shape: Sequence[int], rng: np.random.Generator, label: str =
     layer = np.zeros((D, H, W), np.int8)
     for b in bounds:
         layer += y >= b[:, None, :]
+    if label in INNER_LABELS:
+        inner_lesions(layer, bounds, k, lesion_rng, label)
     return layer, bounds, k
+
+
+def inner_lesions(layer: np.ndarray, bounds: np.ndarray, k: Dict[str, int], rng: np.random.Generator,
+                  label: str) -> None:
+    """Paint the lesions of an inner label (INNER_LABELS: foci or cysts) into a layer map [D, H, W] in place:
+    INNER_COUNT ellipsoids of INNER_RADIUS at random en-face places, each centred at a depth share of its own between
+    the boundaries of INNER_CENTRES (so that it follows the layers), filling only voxels of INNER_FILLS. bounds and k:
+    retina_geometry's."""
+    j = INNER_LABELS.index(label)
+    D, H, W = layer.shape
+    z, x = np.linspace(-1, 1, D, dtype=np.float32), np.linspace(-1, 1, W, dtype=np.float32)
+    y = np.linspace(0, 1, H, dtype=np.float32)[None, :, None]  # [1,H,1]
+    first, last = INNER_CENTRES[j]
+    upper, lower = bounds[k[first]], bounds[k[last] + 1]  # [D,W]
+    fill = np.isin(layer, [k[name] + 1 for name in INNER_FILLS[j]])  # the layer map counts the vitreous as 0
+    for _ in range(rng.integers(*INNER_COUNT[j])):
+        cz, cx = rng.uniform(-0.9, 0.9, 2)
+        rz, ry, rx = (rng.uniform(*r) for r in INNER_RADIUS[j])
+        share = rng.uniform(*INNER_DEPTH_SHARE)
+        zs, xs = np.flatnonzero(np.abs(z - cz) <= rz), np.flatnonzero(np.abs(x - cx) <= rx)
+        if not len(zs) or not len(xs):  # between two B-scans
+            continue
+        box = (slice(zs[0], zs[-1] + 1), slice(None), slice(xs[0], xs[-1] + 1))
+        centre = (upper + share * (lower - upper))[box[0], box[2]][:, None, :]  # [dz,1,dx] its depth there
+        inside = (((z[box[0]] - cz) / rz) ** 2)[:, None, None] + (((x[box[2]] - cx) / rx) ** 2)[None, None, :] \
+            + ((y - centre) / ry) ** 2 <= 1  # [dz,H,dx]
+        layer[box][inside & fill[box]] = len(LAYERS) + j
 
 
 def synth_reflectivity(shape: Sequence[int], rng: np.random.Generator, label: str = "none",
@@ -207,6 +256,7 @@ def synth_reflectivity(shape: Sequence[int], rng: np.random.Generator, label: st
     reflectivity = np.array([r for _, _, r in LAYERS], np.float32)
     if eye.reflectivity is not None:
         reflectivity *= np.array(eye.reflectivity, np.float32)
+    reflectivity = np.concatenate([reflectivity, np.array(INNER_REFLECTIVITY, np.float32)])  # INNER_LAYERS' ids
     refl = reflectivity[layer]  # [D,H,W]
     refl *= 1.0 + 0.15 * np.sin(40 * y + 6 * z[:, :, None])  # choroidal / layer texture
 
@@ -449,7 +499,7 @@ def write_phantom(path: str, style_name: str, shape: Sequence[int] = DEFAULT_SIZ
                   **write_kwargs) -> Tuple[np.ndarray, Tuple[float, float, float], list]:
     """One phantom volume in a maker's style: (voxels [D,H,W] as written, spacing (dz,dy,dx), paths)."""
     style = STYLES[style_name]
-    rng = np.random.default_rng([seed, LABELS.index(label)])
+    rng = np.random.default_rng([seed, ALL_LABELS.index(label)])
     voxels = quantize(synth_reflectivity(shape, rng, label, eye), bits or style.bits)
     spacing = spacing_for(style, shape)
     paths = write_oct(path, voxels, spacing, style, patient_id=patient_id, uid_seed=f"{style_name}-{seed}",
@@ -461,36 +511,40 @@ MARKER = ".phantom_set.json"  # written last: a folder without it is not a compl
 
 
 def phantom_set_complete(directory: str, n: int, shape: Sequence[int] = DEFAULT_SIZE, seed: int = 0,
-                          varied: bool = False) -> bool:
+                          varied: bool = False, lesions: str = "rpe") -> bool:
     """True when `directory` holds the complete phantom set of these parameters."""
     try:
         with open(os.path.join(directory, MARKER)) as f:
-            return json.load(f) == _set_spec(n, shape, seed, varied)
+            return json.load(f) == _set_spec(n, shape, seed, varied, lesions)
     except (OSError, ValueError):
         return False
 
 
-def _set_spec(n: int, shape: Sequence[int], seed: int, varied: bool) -> dict:
+def _set_spec(n: int, shape: Sequence[int], seed: int, varied: bool, lesions: str = "rpe") -> dict:
     spec = {"version": PHANTOM_VERSION, "n": n, "shape": list(shape), "seed": seed}
-    return {**spec, "varied": True} if varied else spec  # plain sets keep the marker (and the folder) they had
+    spec = {**spec, "varied": True} if varied else spec  # plain sets keep the marker (and the folder) they had
+    return {**spec, "lesions": lesions} if lesions != "rpe" else spec  # ... and so do sets of drusen and fluid
 
 
-def set_member(i: int, seed: int, varied: bool) -> Tuple[str, str, str, Eye]:
-    """(file name, style, label, eye) of the i-th volume of a phantom set (write_phantom_set); its phantom seed is
-    seed * 100003 + i."""
+def set_member(i: int, seed: int, varied: bool, lesions: str = "rpe") -> Tuple[str, str, str, Eye]:
+    """(file name, style, label, eye) of the i-th volume of a phantom set (write_phantom_set) of `lesions`
+    (LESION_KINDS); its phantom seed is seed * 100003 + i."""
     names = list(STYLES)
     style_name = names[i % len(names)]
     if varied:
-        label, eye = VARIED_LABELS[i % len(VARIED_LABELS)], draw_eye(np.random.default_rng([seed, i, 11]))
+        labels = VARIED_LABELS if lesions == "rpe" else INNER_VARIED_LABELS
+        label, eye = labels[i % len(labels)], draw_eye(np.random.default_rng([seed, i, 11]))
     else:
-        label, eye = LABELS[np.random.default_rng([seed, i, 7]).choice(3, p=[0.4, 0.3, 0.3])], Eye()
+        label = LESION_KINDS[lesions][np.random.default_rng([seed, i, 7]).choice(3, p=[0.4, 0.3, 0.3])]
+        eye = Eye()
     return f"{i:04d}_{style_name}" + ("" if STYLES[style_name].series else ".dcm"), style_name, label, eye
 
 
 def voxel_layers(shape: Sequence[int], seed: int, label: str, eye: Eye = Eye()) -> np.ndarray:
     """The layer of every voxel of write_phantom(seed, label, eye): int8 [D, H, W], indices into LAYERS (its lesions
-    are the voxels of the drusen or fluid layer, which only lesions give a thickness)."""
-    return retina_geometry(shape, np.random.default_rng([seed, LABELS.index(label)]), label, eye)[0]
+    are the voxels of the drusen or fluid layer, which only lesions give a thickness) or past it, INNER_LAYERS (the
+    voxels of foci or cysts)."""
+    return retina_geometry(shape, np.random.default_rng([seed, ALL_LABELS.index(label)]), label, eye)[0]
 
 
 def set_voxel_layers(directory: str) -> Dict[str, np.ndarray]:
@@ -503,24 +557,25 @@ def set_voxel_layers(directory: str) -> Dict[str, np.ndarray]:
         raise ValueError(f"{directory} holds no complete phantom set (no {MARKER}); write it with write_phantom_set")
     out = {}
     for i in range(spec["n"]):
-        name, _, label, eye = set_member(i, spec["seed"], spec.get("varied", False))
+        name, _, label, eye = set_member(i, spec["seed"], spec.get("varied", False), spec.get("lesions", "rpe"))
         out[name] = voxel_layers(spec["shape"], spec["seed"] * 100003 + i, label, eye)
     return out
 
 
 def write_phantom_set(directory: str, n: int, shape: Sequence[int] = DEFAULT_SIZE, seed: int = 0,
-                      varied: bool = False) -> str:
+                      varied: bool = False, lesions: str = "rpe") -> str:
     """Write n phantoms (makers in turn, three volumes per patient, random labels) and DIR/labels.csv.
     varied: every eye drawn by draw_eye (the nuisances of real scans), the labels none, drusen, none, fluid in turn,
     and labels.csv has two more columns: lesion (no for none, yes for drusen or fluid: balanced) and retina_thickness
-    (the regression target).
+    (the regression target). lesions="inner": foci and cysts of the inner retina (INNER_LABELS) in place of drusen
+    and fluid.
 
     Nothing is written when `directory` already holds this set. Otherwise the set is written to a sibling
     temp folder that replaces `directory` only when complete, so a killed writer never leaves a half set
     behind; an existing folder is replaced only if it is a phantom set of other parameters.
     """
     directory = os.path.abspath(directory)
-    if phantom_set_complete(directory, n, shape, seed, varied):
+    if phantom_set_complete(directory, n, shape, seed, varied, lesions):
         return directory
     if os.path.isdir(directory) and os.listdir(directory) and not os.path.exists(os.path.join(directory, MARKER)):
         raise FileExistsError(f"{directory} exists and is not a phantom set; choose an empty or new folder")
@@ -529,7 +584,7 @@ def write_phantom_set(directory: str, n: int, shape: Sequence[int] = DEFAULT_SIZ
     os.makedirs(tmp)
     rows = []
     for i in range(n):
-        name, style_name, label, eye = set_member(i, seed, varied)
+        name, style_name, label, eye = set_member(i, seed, varied, lesions)
         write_phantom(os.path.join(tmp, name), style_name, shape, seed=seed * 100003 + i, label=label,
                       patient_id=f"PHANTOM-{seed:02d}-{i // 3:03d}", eye=eye)
         rows.append((name, label, "no" if label == "none" else "yes", f"{retina_thickness(eye):.4f}") if varied
@@ -538,8 +593,8 @@ def write_phantom_set(directory: str, n: int, shape: Sequence[int] = DEFAULT_SIZ
     with open(os.path.join(tmp, "labels.csv"), "w", newline="") as f:
         csv.writer(f).writerows([header, *rows])
     with open(os.path.join(tmp, MARKER), "w") as f:
-        json.dump(_set_spec(n, shape, seed, varied), f)
-    if phantom_set_complete(directory, n, shape, seed, varied):  # another process finished first
+        json.dump(_set_spec(n, shape, seed, varied, lesions), f)
+    if phantom_set_complete(directory, n, shape, seed, varied, lesions):  # another process finished first
         shutil.rmtree(tmp)
         return directory
     if os.path.isdir(directory):
@@ -548,20 +603,20 @@ def write_phantom_set(directory: str, n: int, shape: Sequence[int] = DEFAULT_SIZ
         os.replace(tmp, directory)
     except OSError:  # another process renamed its complete set into place just now
         shutil.rmtree(tmp)
-        if not phantom_set_complete(directory, n, shape, seed, varied):
+        if not phantom_set_complete(directory, n, shape, seed, varied, lesions):
             raise
     return directory
 
 
 def ensure_phantom_set(directory: str, n: int, seed: int = 0, what: str = "phantom OCT volumes",
-                       varied: bool = False) -> str:
-    """`directory`, holding the phantom set of n volumes of this seed (varied: write_phantom_set's varied eyes):
-    written once (said on stderr), else left as it is. ConfigError (phantom_dir) when a folder that is not a phantom
-    set is in the way."""
-    if not phantom_set_complete(directory, n, seed=seed, varied=varied):
+                       varied: bool = False, lesions: str = "rpe") -> str:
+    """`directory`, holding the phantom set of n volumes of this seed (varied: write_phantom_set's varied eyes;
+    lesions: its kind of lesions): written once (said on stderr), else left as it is. ConfigError (phantom_dir) when
+    a folder that is not a phantom set is in the way."""
+    if not phantom_set_complete(directory, n, seed=seed, varied=varied, lesions=lesions):
         print(f"writing {n} {what} to {directory} (once)", file=sys.stderr)
         try:
-            write_phantom_set(directory, n, seed=seed, varied=varied)
+            write_phantom_set(directory, n, seed=seed, varied=varied, lesions=lesions)
         except FileExistsError as e:
             raise ConfigError(f"phantom_dir: {e}") from None
     return directory
@@ -589,6 +644,8 @@ def main(argv: List[str]) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--varied", action="store_true", help="varied eyes (draw_eye), balanced labels and "
                                                                  "retina_thickness: the probe suite's kind of set")
+    parser.add_argument("--lesions", default="rpe", choices=sorted(LESION_KINDS),
+                        help="rpe: drusen and fluid (default); inner: foci and cysts of the inner retina")
     args = parser.parse_args(argv)
     try:
         shape = [int(s) for s in args.size.split(",")]
@@ -597,7 +654,7 @@ def main(argv: List[str]) -> int:
     if len(shape) != 3 or min(shape) < 8 or args.n < 1:
         raise ConfigError(f"--size needs three sizes >= 8 like 32,128,128 (got {args.size!r}) and --n >= 1.")
     try:
-        write_phantom_set(args.dir, args.n, shape, args.seed, args.varied)
+        write_phantom_set(args.dir, args.n, shape, args.seed, args.varied, args.lesions)
     except FileExistsError as e:
         raise ConfigError(str(e)) from None
     print(f"wrote {args.n} phantom volumes of {shape[0]}x{shape[1]}x{shape[2]} to {args.dir} "

@@ -18,6 +18,10 @@ The built-in suite (SUITE), on labelled phantoms written once with other seeds t
   lesion         none / drusen / fluid on SUITE_PHANTOMS varied phantoms (PHANTOM_DIR_suite; phantom.draw_eye: depth
                  position, tilt, curvature, eye motion, layer thickness and reflectivity, brightness, speckle, vessels).
   lesion_tokens  which tokens hold lesion voxels, per token, on the varied phantoms (dense.py: the dense task).
+  inner_lesion   none / foci / cysts on INNER_PHANTOMS varied phantoms (PHANTOM_DIR_inner): lesions of another kind
+                 at another depth, in the same kind of eyes: hyperreflective foci (bright dots of a few voxels in the
+                 INL, OPL and ONL) or intraretinal cysts (dark round spaces in the INL and OPL), lesion yes / no.
+  inner_lesion_tokens  which tokens hold foci or cysts, per token, in the band of the INL, OPL and ONL (dense.py).
 Labels (labels.py): a CSV path,label (paths relative to its folder; a series folder is one volume) is one task,
 `label`. A checkpoint brings its own model, preprocessing and phantom folder; config flags shape the random model.
 The read-outs, metrics and intervals: readouts.py. Exit codes: config.EXIT_CODES.
@@ -36,7 +40,7 @@ import dense
 from checkpoint import read_model_checkpoint, resolve_checkpoint
 from config import Config, ConfigError, ScriptParser, given_flags, load_config, script_main
 from health import position_share
-from labels import encode_volumes, load_labelled_volumes, phantom_labels, task_targets
+from labels import encode_volumes, load_labelled_volumes, phantom_set_labels, task_targets
 from phantom import set_voxel_layers
 from readouts import READOUTS, TEST_FRACTION, Task, beats, intervals, paired_difference, probe_split, readout_scores
 from references import VALID_CEILING_MIN, VALID_SHORTCUT_MAX, handmade_scores, supervised_scores
@@ -44,8 +48,10 @@ from runprobe import random_model
 from runtime import probe_device
 
 CKPT_FIELDS = ("phantom_dir", "cache_dir", "device")  # the config flags that apply to a checkpoint
+# The built-in tasks, by the phantom set they use (labels.PHANTOM_SETS); a dense task's targets: dense.TOKEN_TASKS
 SUITE = {"plain": (Task("plain_lesion"),),
-         "varied": (Task("lesion", "lesion"), Task("lesion_tokens", "lesion", dense=True))}  # the built-in tasks, by the phantom set they use
+         "varied": (Task("lesion", "lesion"), Task("lesion_tokens", "lesion", dense=True)),
+         "inner": (Task("inner_lesion", "lesion"), Task("inner_lesion_tokens", "lesion", dense=True))}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -73,11 +79,12 @@ def task_report(labels: np.ndarray, tokens: Dict[str, torch.Tensor], grid: Seque
 
 def dense_report(labels: np.ndarray, paths: np.ndarray, labels_csv: str, tokens: Dict[str, torch.Tensor],
                  grid: Sequence[int], volumes: torch.Tensor, seeds: Sequence[int], reference: bool = True,
-                 device="cpu") -> dict:
-    """The dense task (dense.py) in task_report's layout, its one read-out `token_linear`, on the volume splits of
-    the volume labels [M] (the `lesion` task's), for the phantom set of labels_csv (the volumes' paths [M])."""
+                 device="cpu", task: dense.TokenTask = dense.TOKEN_TASKS["lesion_tokens"]) -> dict:
+    """A dense task (dense.py: which tokens the TokenTask says are lesion and scored) in task_report's layout, its one
+    read-out `token_linear`, on the volume splits of the volume labels [M] (the set's volume task's), for the phantom
+    set of labels_csv (the volumes' paths [M])."""
     targets = dense.set_token_targets(set_voxel_layers(os.path.dirname(labels_csv)), paths,
-                                      dense.target_grid(volumes.shape[2:]))
+                                      dense.target_grid(volumes.shape[2:]), task)
     runs = dense.stack_runs([dense.split_scores(tokens, grid, volumes, targets, *probe_split(labels, s),
                                                 s, reference, device) for s in seeds])
     report = {"metric": "auroc", "scored_tokens": int((targets >= 0).sum()),
@@ -138,7 +145,7 @@ def suite_sets(cfg: Config, labels_csv: Optional[str], names: Optional[Sequence[
     if names and set(names) - set(known):
         raise ConfigError(f"tasks: {','.join(names)!r} names a task that is not one of {', '.join(known)}.")
     picked = {kind: tuple(t for t in tasks if not names or t.name in names) for kind, tasks in SUITE.items()}
-    return [(phantom_labels(cfg, varied=kind == "varied"), tasks) for kind, tasks in picked.items() if tasks]
+    return [(phantom_set_labels(cfg, kind), tasks) for kind, tasks in picked.items() if tasks]
 
 
 @script_main
@@ -200,7 +207,7 @@ def main(argv: List[str]) -> int:
                 "labels": csv_path, "column": task.column, "volumes": len(volumes), "skipped": skipped,
                 "class_counts": {n: int((y == i).sum()) for i, n in enumerate(names)},
                 **(dense_report(y, values["path"], csv_path, tokens, model.grid, volumes, range(args.seeds),
-                                not args.no_reference, device) if task.dense else
+                                not args.no_reference, device, dense.TOKEN_TASKS[task.name]) if task.dense else
                    task_report(y, tokens, model.grid, volumes, range(args.seeds), readouts, not args.no_reference,
                                device))}
     print(format_report(report))

@@ -19,7 +19,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 from config import load_config  # noqa: E402  (the repo's flat modules)
 from checkpoint import read_model_checkpoint, resolve_checkpoint  # noqa: E402
-from labels import encode_volumes, load_labelled_volumes, phantom_labels, task_targets  # noqa: E402
+from labels import encode_volumes, load_labelled_volumes, phantom_set_labels, task_targets  # noqa: E402
 from probe import SUITE  # noqa: E402
 from readouts import READOUTS, readout_scores  # noqa: E402
 from runprobe import random_model  # noqa: E402
@@ -51,7 +51,7 @@ def main() -> None:
     kind, task = tasks[args.task]
     cfg = load_config(["--config", os.path.join(os.path.dirname(HERE), "configs/learn.yaml"),
                        "--phantom_dir", "data/phantoms256"])
-    labels = phantom_labels(cfg, varied=kind == "varied")
+    labels = phantom_set_labels(cfg, kind)
     volumes = None
     for spec in args.ckpts:
         model, model_cfg, _ = read_model_checkpoint(resolve_checkpoint(spec.removesuffix(":random")))

@@ -49,6 +49,21 @@ def test_token_targets_are_the_tokens_the_model_sees_holding_the_drawn_lesions(v
         assert (targets == 0).sum() > 0 and (targets == -1).sum() > (targets >= 0).sum()  # scored: the RPE band
 
 
+def test_inner_token_targets_score_the_inner_band_and_mark_the_tokens_of_foci_and_cysts(tmp_path):
+    inner = write_phantom_set(str(tmp_path / "inner"), n=4, shape=(16, 64, 64), seed=3, varied=True, lesions="inner")
+    layers, grid = set_voxel_layers(inner), dense.target_grid([16, 64, 64])
+    task, rpe = dense.TOKEN_TASKS["inner_lesion_tokens"], dense.TOKEN_TASKS["lesion_tokens"]
+    for i in range(4):
+        name, _, label, _ = set_member(i, 3, True, "inner")
+        targets = dense.token_targets(layers[name], grid, task)
+        voxels = references.per_token(layers[name], grid)
+        assert ((targets == 1).any()) == (label != "none"), name  # lesion tokens only where lesions were drawn
+        assert (targets == 0).sum() > (targets == 1).sum() and (targets == -1).sum() > (targets >= 0).sum()
+        assert np.isin(voxels[targets >= 0], dense.INNER_BAND + task.lesions).any(1).all()  # the inner band
+        assert not (dense.token_targets(layers[name], grid, rpe) == 1).any()  # no drusen or fluid there
+    assert set(task.band).isdisjoint({dense.RPE_LAYER}) and set(task.lesions).isdisjoint(dense.LESION_LAYERS)
+
+
 def test_the_dense_task_reads_lesion_tokens_from_features_and_a_small_fcn_learns_them(varied_set):
     cfg = load_config([], image_size=[16, 64, 64], patch_size=[4, 8, 8])
     paths = [os.path.join(varied_set, set_member(i, 0, True)[0]) for i in range(12)]
@@ -75,3 +90,5 @@ def test_the_dense_task_reads_lesion_tokens_from_features_and_a_small_fcn_learns
 def test_the_dense_task_is_in_the_suite_on_the_varied_set():
     task = next(t for t in probe.SUITE["varied"] if t.name == "lesion_tokens")
     assert task.dense and task.column == "lesion"
+    inner = next(t for t in probe.SUITE["inner"] if t.name == "inner_lesion_tokens")
+    assert inner.dense and inner.column == "lesion" and inner.name in dense.TOKEN_TASKS

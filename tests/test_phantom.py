@@ -1,5 +1,6 @@
 """phantom.py: synthetic OCT that looks like OCT, written as real DICOM in each maker's style, once and atomically."""
 import csv
+import hashlib
 import json
 import os
 import signal
@@ -14,7 +15,8 @@ import pytest
 from pydicom.encaps import generate_frames
 
 from dicom import JP2_SIGNATURE, OPT_SOP, unscramble_czm
-from phantom import (LABELS, MARKER, STYLES, draw_eye, phantom_set_complete, synth_reflectivity, write_phantom,
+from phantom import (INNER_LABELS, INNER_LAYERS, LABELS, LAYERS, MARKER, STYLES, draw_eye, phantom_set_complete,
+                     retina_geometry, set_member, set_voxel_layers, synth_reflectivity, voxel_layers, write_phantom,
                      write_phantom_set)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,6 +56,62 @@ def test_pathology_is_local_not_a_global_intensity_change():
         sick = synth_reflectivity((16, 96, 96), np.random.default_rng(3), label)
         assert 0 < (sick != none).mean() < 0.05  # the same retina: only the voxels of the lesions differ
         assert abs(float(sick.mean() - none.mean())) < 0.02  # no trivial global cue for a linear probe
+
+
+def test_inner_lesions_are_bright_foci_or_dark_cysts_of_the_inner_retina_and_nothing_else():
+    shape, eye = (16, 96, 96), draw_eye(np.random.default_rng(5))
+    none = synth_reflectivity(shape, np.random.default_rng(3), "none", eye)
+    plain_layers = retina_geometry(shape, np.random.default_rng(3), "none", eye)[0]
+    names = [name for name, _, _ in LAYERS]
+    for label, kind, sign in zip(INNER_LABELS, INNER_LAYERS, (1, -1)):
+        sick = synth_reflectivity(shape, np.random.default_rng(3), label, eye)
+        layers = retina_geometry(shape, np.random.default_rng(3), label, eye)[0]
+        lesion = layers == len(LAYERS) + INNER_LAYERS.index(kind)
+        assert 0 < lesion.mean() < 0.01 and (layers >= len(LAYERS)).sum() == lesion.sum()  # small, of one kind
+        assert np.array_equal(layers[~lesion], plain_layers[~lesion])  # the same retina around them ...
+        assert set(plain_layers[lesion].tolist()) <= {names.index(n) for n in ("inl", "opl", "onl")}  # ... inside
+        assert (sick != none).mean() < 0.01 and not (sick[~lesion] != none[~lesion]).any()  # only there
+        assert sign * (sick[lesion].mean() - none[lesion].mean()) > 0.1  # foci brighter, cysts darker
+        assert abs(float(sick.mean() - none.mean())) < 0.005  # no global cue
+
+
+# (set seed, varied, member, label, sha256[:16] of voxel_layers, sum of synth_reflectivity) at 8x32x32, as written
+# before the sets of inner lesions were added (commit d62dfd3): the RNG streams of existing sets never change
+EXISTING_SETS = (
+    (0, False, 0, "none", "dc9f75a4812a73fb", 2755.7569), (0, False, 1, "drusen", "b540e13989322566", 2741.7800),
+    (0, False, 3, "fluid", "3212d8f4dfc03b36", 2753.7754), (1, False, 0, "none", "60f339d6f6259942", 2712.6012),
+    (1, False, 1, "fluid", "d906e1cdc9471595", 2693.1095), (1, False, 3, "drusen", "cf7249c45fbb593b", 2717.9030),
+    (0, True, 0, "none", "b80a670d93c48c94", 2992.9185), (0, True, 1, "drusen", "bcbb9268e3ef91ad", 3063.4456),
+    (0, True, 3, "fluid", "392972c8d6c83d06", 2266.8141), (2, True, 0, "none", "4b5a46a4bef7e14d", 2103.4205),
+    (2, True, 1, "drusen", "9e2a3f5725569407", 1822.8566), (2, True, 3, "fluid", "36f6e928f71cce6c", 3426.1555))
+
+
+@pytest.mark.parametrize("seed,varied,i,label,layers_sha,total", EXISTING_SETS)
+def test_existing_phantom_sets_keep_their_volumes(seed, varied, i, label, layers_sha, total):
+    """The demo's and pretraining's sets (seed 0), the plain probe set (1) and the suite (2) draw what they drew: a
+    change here rewrites everyone's phantoms and breaks every recorded number (then bump PHANTOM_VERSION)."""
+    _, _, drawn_label, eye = set_member(i, seed, varied)
+    layers = voxel_layers((8, 32, 32), seed * 100003 + i, label, eye)
+    img = synth_reflectivity((8, 32, 32), np.random.default_rng([seed * 100003 + i, LABELS.index(label)]), label, eye)
+    assert drawn_label == label and hashlib.sha256(layers.tobytes()).hexdigest()[:16] == layers_sha
+    assert float(img.astype(np.float64).sum()) == pytest.approx(total, abs=1e-3)
+
+
+def test_a_set_of_inner_lesions_is_deterministic_balanced_and_apart_from_the_others(tmp_path):
+    first = write_phantom_set(str(tmp_path / "a"), n=8, shape=(8, 32, 32), seed=3, varied=True, lesions="inner")
+    again = write_phantom_set(str(tmp_path / "b"), n=8, shape=(8, 32, 32), seed=3, varied=True, lesions="inner")
+    rows = list(csv.DictReader(open(os.path.join(first, "labels.csv"))))
+    assert [r["label"] for r in rows] == ["none", "foci", "none", "cysts"] * 2
+    assert [r["lesion"] for r in rows].count("yes") == 4  # half without lesions
+    assert open(os.path.join(again, "labels.csv")).read() == open(os.path.join(first, "labels.csv")).read()
+    assert open(os.path.join(first, "0000_heidelberg.dcm"), "rb").read() == \
+        open(os.path.join(again, "0000_heidelberg.dcm"), "rb").read()
+    layers = set_voxel_layers(first)
+    assert [bool((layers[r["path"]] >= len(LAYERS)).any()) for r in rows] == [r["lesion"] == "yes" for r in rows]
+    assert phantom_set_complete(first, 8, (8, 32, 32), 3, varied=True, lesions="inner")
+    assert not phantom_set_complete(first, 8, (8, 32, 32), 3, varied=True)  # not a set of drusen and fluid
+    with open(os.path.join(first, MARKER)) as f:
+        assert json.load(f)["lesions"] == "inner"
 
 
 def test_varied_eyes_move_the_retina_and_change_its_look():

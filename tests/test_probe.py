@@ -17,7 +17,7 @@ from config import load_config
 from health import rankme
 from model import VJEPA3D
 from objectives import feature_std
-from phantom import VARIED_LABELS, Eye, draw_eye, synth_reflectivity, write_phantom_set
+from phantom import INNER_VARIED_LABELS, VARIED_LABELS, Eye, draw_eye, synth_reflectivity, write_phantom_set
 from helpers import one_thread, phantom_flags  # noqa: F401 (one_thread: autouse, tiny models in one thread)
 
 TINY = ["--image_size", "8,32,32", "--patch_size", "4,8,8", "--embed_dim", "24", "--depth", "1", "--num_heads", "2",
@@ -313,12 +313,12 @@ def test_the_verdict_never_says_beats_when_hand_made_features_do_better():
 # The suite: tasks that need 3D structure, the shortcut and the ceiling
 # ----------------------------------------------------------------------------------------------------------
 
-def lesion_volumes(eye_of, n=96):
+def lesion_volumes(eye_of, n=96, kinds=VARIED_LABELS):
     """n normalized volumes [n,1,16,64,64] with lesions in every other one (labels [n]: 1 = lesion), eye_of(i) the
-    eye of volume i."""
+    eye of volume i, the labels `kinds` in turn."""
     volumes, labels = [], []
     for i in range(n):
-        label = VARIED_LABELS[i % len(VARIED_LABELS)]
+        label = kinds[i % len(kinds)]
         v = torch.from_numpy(synth_reflectivity((16, 64, 64), np.random.default_rng([9, i]), label, eye_of(i)))
         volumes.append(((v - v.mean()) / v.std())[None])
         labels.append(int(label != "none"))
@@ -340,6 +340,27 @@ def test_handmade_features_are_near_chance_on_the_varied_lesion_task():
     """The same lesions in varied eyes (position, tilt, brightness, speckle...): no shortcut left."""
     volumes, labels = lesion_volumes(lambda i: draw_eye(np.random.default_rng([9, i, 11])))
     assert best_handmade_auroc(volumes, labels) < references.VALID_SHORTCUT_MAX
+
+
+def test_handmade_features_are_near_chance_on_the_inner_lesion_task():
+    """Foci and cysts of the inner retina in the same varied eyes: small and scattered, no global cue either."""
+    volumes, labels = lesion_volumes(lambda i: draw_eye(np.random.default_rng([9, i, 11])), kinds=INNER_VARIED_LABELS)
+    assert best_handmade_auroc(volumes, labels) < probe.VALID_SHORTCUT_MAX
+
+
+def test_the_inner_lesion_task_has_its_own_balanced_set_apart_from_the_others(tmp_path, monkeypatch):
+    n, seed, varied, lesions = labels.PHANTOM_SETS["inner"]
+    assert varied and lesions == "inner" and n == labels.INNER_PHANTOMS
+    assert len({s for _, s, _, _ in labels.PHANTOM_SETS.values()} | {0}) == 4  # no seed of another set or pretraining
+    assert [t.name for t in probe.SUITE["inner"]] == ["inner_lesion", "inner_lesion_tokens"]
+    monkeypatch.setitem(labels.PHANTOM_SETS, "inner", (8, seed, varied, lesions))
+    cfg = load_config(TINY + ["--phantom_dir", str(tmp_path / "phantoms")])
+    [(csv_path, tasks)] = probe.suite_sets(cfg, None, ["inner_lesion"])
+    assert csv_path == str(tmp_path / "phantoms_inner" / "labels.csv") and [t.name for t in tasks] == ["inner_lesion"]
+    rows = labels.read_label_rows(csv_path, "")
+    assert {r["label"] for r in rows} == {"none", "foci", "cysts"}
+    targets, names = labels.task_targets(np.array([r[tasks[0].column] for r in rows]))
+    assert names == ["no", "yes"] and list(np.bincount(targets)) == [4, 4]
 
 
 @pytest.fixture(scope="module")

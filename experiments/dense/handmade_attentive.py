@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from config import phantom_labels_path  # noqa: E402
 from references import handmade_token_features  # noqa: E402
-from labels import phantom_labels_path  # noqa: E402
 from readouts import readout_scores  # noqa: E402
 from suite import lesion_suite  # noqa: E402  (experiments/dense/suite.py)
 
