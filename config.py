@@ -99,7 +99,7 @@ class Config:
     mask_block_scale: List[float] = field(default_factory=lambda: [0.1, 0.3])  # block size as share of tokens: [min, max] per mask set; more pairs = more mask sets per sample (V-JEPA short/long range)
     mask_block_aspect: float = 1.5  # max aspect ratio distortion of a block per axis pair
     # --- model ---
-    patch_stem: str = "linear"  # linear (ViT's: one linear map of each tubelet) | hmlp (three non-overlapping convolutions with GELU: a nonlinear map of the tubelet's own voxels; patch_size [even, 4k, 4k])
+    patch_stem: str = "hmlp"  # linear (ViT's: one linear map of each tubelet) | hmlp (three non-overlapping convolutions with GELU: a nonlinear map of the tubelet's own voxels; patch_size [even, 4k, 4k])
     embed_dim: int = 96  # context/target encoder width
     depth: int = 4  # encoder blocks
     num_heads: int = 4  # encoder attention heads (embed_dim must divide by it)
@@ -108,8 +108,8 @@ class Config:
     pred_num_heads: int = 4  # predictor attention heads
     mlp_ratio: float = 4.0  # MLP hidden width / block width
     loss: str = "l1"  # l1 | mse
-    local_loss_weight: float = 0.0  # MaskFeat-style: + this x the error of a linear head reading each visible token's own voxel statistics (mean, std, histogram) from the context encoder
-    local_loss_split: List[int] = field(default_factory=lambda: [1, 1, 1])  # the local loss's statistics per sub-block: each token cut into this many per axis (1,2,1: its two depth halves)
+    local_loss_weight: float = 0.5  # 0: none. MaskFeat-style: + this x the error of a linear head reading each visible token's own voxel statistics (mean, std, histogram) from the context encoder
+    local_loss_split: List[int] = field(default_factory=lambda: [1, 4, 1])  # the local loss's statistics per sub-block: each token cut into this many per axis (1,4,1: its four depth quarters; patch_size[1] must divide by it)
     grad_checkpointing: Union[bool, str] = "auto"  # recompute block activations in backward: less memory, ~1/3 more compute; auto = only where the memory estimate does not fit the device without it
     # --- optimization ---
     global_batch_size: Optional[int] = 8  # volumes per optimizer update, over all devices and micro-batches

@@ -169,7 +169,10 @@ class Encoder(nn.Module):
     def forward(self, volume: torch.Tensor, keep_idx: Optional[torch.Tensor] = None) -> torch.Tensor:
         """volume [B,1,D,H,W] -> features [B,N,E], or [B*M,K,E] for only the tokens in keep_idx [B*M,K]
         (M mask sets per volume, volume-major)."""
-        x = self.patch_embed(volume)  # [B, E, gd, gh, gw]
+        if self.checkpoint_fn is not None and isinstance(self.patch_embed, nn.Sequential):  # hmlp's inner maps
+            x = self.checkpoint_fn(self.patch_embed, volume)  # are the largest activations at production sizes
+        else:
+            x = self.patch_embed(volume)  # [B, E, gd, gh, gw]
         x = x.flatten(2).transpose(1, 2) + self.positions(x.shape[2:])  # [B, N, E]
         if keep_idx is not None:
             x = gather_tokens(x.repeat_interleave(keep_idx.shape[0] // x.shape[0], dim=0), keep_idx)
@@ -411,7 +414,7 @@ def training_flops_per_sample(cfg) -> dict:
 
     Trained parts cost forward + backward (3x forward); the target encoder runs forward only; the first convolution
     of the tubelet embedding needs no input gradient (2x forward). The embedding reads every token's voxels, masked
-    or not."""
+    or not; the local loss's head reads the visible tokens (its voxel statistics are a few passes over the volume)."""
     n_context, n_target = cfg.token_counts()
     n = n_context + n_target
     patch_voxels = math.prod(cfg.patch_size)
@@ -419,6 +422,8 @@ def training_flops_per_sample(cfg) -> dict:
     first = 2 * n * patch_voxels * (cfg.embed_dim // 2 if hmlp else cfg.embed_dim)  # hmlp: 4 voxels -> E/2 per cell
     embed = first + (n * patch_voxels * cfg.embed_dim ** 2 * 5 / 32 if hmlp else 0)  # its 2x2x2 and last convolutions
     context = transformer_flops(n_context, cfg.embed_dim, cfg.depth, cfg.mlp_ratio)
+    if cfg.local_loss_weight > 0:  # its linear head on the visible tokens
+        context += 2 * n_context * cfg.embed_dim * LOCAL_FEATURES * math.prod(cfg.local_loss_split)
     predictor = (transformer_flops(n, cfg.pred_embed_dim, cfg.pred_depth, cfg.mlp_ratio)
                  + 2 * n * cfg.embed_dim * cfg.pred_embed_dim)  # its embedding (of Nc) and projection (to Nt tokens)
     target = embed + transformer_flops(n, cfg.embed_dim, cfg.depth, cfg.mlp_ratio)
@@ -433,7 +438,8 @@ def activation_bytes_per_sample(cfg) -> float:
     Per pre-norm block and token: norm in/out (2), qkv (3), attention out, residual, norm2 in/out (2) and the
     MLP hidden before and after GELU (2 x mlp_ratio) values of the width, in the compute dtype; with
     grad_checkpointing only the block inputs are kept, plus all of one block's while backward recomputes it. The hmlp
-    stem keeps its two inner maps before and after GELU for every token: 9/32 x E values per voxel."""
+    stem keeps its two inner maps before and after GELU for every token: 9/32 x E values per voxel; with
+    grad_checkpointing it recomputes them at the end of backward, when the blocks' are freed."""
     n_context, n_target = cfg.token_counts()
     bytes_per_value = 2 if cfg.use_bf16 else 4
     full_block = 9 + 2 * cfg.mlp_ratio  # values per token and width
@@ -441,7 +447,8 @@ def activation_bytes_per_sample(cfg) -> float:
     values = widths[0] * cfg.depth + widths[1] * cfg.pred_depth
     values = values + max(widths) * full_block if cfg.grad_checkpointing else values * full_block
     if cfg.patch_stem == "hmlp":
-        values += math.prod(cfg.image_size) * cfg.embed_dim * 9 / 32
+        stem = math.prod(cfg.image_size) * cfg.embed_dim * 9 / 32
+        values = max(values, stem) if cfg.grad_checkpointing else values + stem
     return values * bytes_per_value + math.prod(cfg.image_size) * 4
 
 

@@ -263,6 +263,8 @@ def describe_run(cfg: Config, plan: RunPlan, train_ds, val_ds, rt, schedules: li
         f"target {flops['target_encoder'] / 1e9:.2f})",
         describe_memory(cfg, model, fsdp, plan.per_core_batch_size),
     ]
+    if cfg.patch_stem != "linear" or cfg.local_loss_weight > 0:
+        lines.append(describe_recipe_cost(cfg))
     lines.append(masks)
     geometry = getattr(train_ds, "geometry_report", None)
     if callable(geometry):
@@ -272,6 +274,17 @@ def describe_run(cfg: Config, plan: RunPlan, train_ds, val_ds, rt, schedules: li
         s = schedules[step]
         lines.append(f"                  {step:<9d} {s.lr:<10.3g} {s.wd:<8.3g} {s.ema:.5f}")
     return "\n".join(lines)
+
+
+def describe_recipe_cost(cfg: Config) -> str:
+    """The dry run's line of what the recipe (the hmlp stem, the local loss) costs over a linear stem without the local
+    loss at the same sizes: FLOPs per sample and the activations kept for backward per sample."""
+    plain = replace(cfg, patch_stem="linear", local_loss_weight=0.0)
+    flops, plain_flops = training_flops_per_sample(cfg)["total"], training_flops_per_sample(plain)["total"]
+    extra = activation_bytes_per_sample(cfg) - activation_bytes_per_sample(plain)
+    return (f"recipe cost       {cfg.patch_stem} stem, local loss {cfg.local_loss_weight:g}: {flops / plain_flops:.2f}x "
+            f"the FLOPs (+{(flops - plain_flops) / 1e9:.1f} GFLOP) and +{extra / 2 ** 30:.2f} GiB of activations per "
+            f"sample over a linear stem without the local loss")
 
 
 def dry_run_report(cfg: Config, plan: RunPlan, train_ds, val_ds, rt, run_dir: str, notes: List[str]) -> None:

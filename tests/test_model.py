@@ -185,11 +185,12 @@ def test_the_counted_flops_of_the_target_encoder_are_what_torch_counts_besides_a
     assert training_flops_per_sample(cfg)["target_encoder"] - attention == counted > 0
 
 
-def test_grad_checkpointing_gives_the_same_gradients():
+@pytest.mark.parametrize("stem", ["linear", "hmlp"])  # hmlp: its inner maps recomputed too
+def test_grad_checkpointing_gives_the_same_gradients(stem):
     x = torch.randn(2, 1, *IMAGE)
     grads = []
     for enabled in (False, True):
-        model = tiny_model()
+        model = tiny_model(patch_stem=stem, local_loss_weight=0.5, local_loss_split=[1, 4, 1])
         model.set_grad_checkpointing(enabled)
         ctx, tgt = masks(model, 2)
         model(x, ctx, tgt).loss.backward()

@@ -70,6 +70,7 @@ def prepare(out: str, smoke: bool) -> None:
     script = ("import sys, dataclasses; from config import load_config; from data import prepare_cache; "
               "from labels import phantom_labels, load_labelled_volumes; import probe\n"
               "cfg = load_config(sys.argv[1:])\n"
+              "from phantom import ensure_builtin_phantoms; ensure_builtin_phantoms(cfg)\n"
               "print(prepare_cache(dataclasses.replace(cfg, cache_dir=cfg.phantom_dir + '-cache', workers=4), "
               "progress=False))\n"
               "for kind, tasks in [(k, t) for k, t in probe.SUITE.items() if k != 'plain']:\n"
