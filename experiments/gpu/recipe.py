@@ -2,8 +2,8 @@
 
     python experiments/gpu/recipe.py OUT [--train_seconds 210] [--probe_seconds 120] [--go FILE] [--smoke]
 
-Every arm is train.py with configs/learn.yaml (or configs/demo.yaml) and a few flags, as a user runs it; all runs go
-at once (one GPU, OMP_NUM_THREADS=1 each), and probe.py probes each run's last checkpoint as soon as the run ends:
+Every arm is train.py with configs/learn.yaml (or configs/demo.yaml) and a few flags, as a user runs it; --parallel
+runs go at once (one GPU, OMP_NUM_THREADS=1 each), and probe.py probes each run's last checkpoint as soon as the run ends:
 
   geometry  the production tubelet (4x16x16) on 16x128x128 inputs from the same 32x128x128 phantoms (learn.yaml's
             4x8x8 token grid), 3000 updates, seeds 0-2: the old recipe (linear stem, no local loss), the recipe (hmlp
@@ -122,19 +122,24 @@ def probe_command(out: str, name: str, smoke: bool) -> list:
     return command
 
 
-def pipeline(out: str, runs: list, train_seconds: float, probe_seconds: float, smoke: bool) -> dict:
-    """Every run at once, each probed as soon as it ends (at most 10 probes at a time, the references first); runs
+def pipeline(out: str, runs: list, train_seconds: float, probe_seconds: float, smoke: bool, parallel: int) -> dict:
+    """At most `parallel` runs at once (the next starts when one ends), each probed as soon as it ends (at most 10
+    probes at a time, the references first); runs
     still going after train_seconds get SIGTERM, probes still going probe_seconds later are killed. {name: what
     happened} (train.py's and probe.py's return codes, seconds)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     os.makedirs(RUNS, exist_ok=True)
     start = time.time()
-    training = {name: subprocess.Popen(train_command(out, name, flags), cwd=REPO, env=env, stderr=subprocess.STDOUT,
-                                       stdout=open(os.path.join(RUNS, f"{name}.log"), "w")) for name, flags in runs}
+    pending, training = list(runs), {}
     waiting, probing, report = ["reference_geometry", "reference_learn"], {}, {}
     stopped = False
-    while training or waiting or probing:
+    while pending or training or waiting or probing:
         now = time.time() - start
+        while pending and len(training) < parallel and not stopped:
+            name, flags = pending.pop(0)
+            training[name] = subprocess.Popen(train_command(out, name, flags), cwd=REPO, env=env,
+                                              stderr=subprocess.STDOUT,
+                                              stdout=open(os.path.join(RUNS, f"{name}.log"), "w"))
         for name, p in list(training.items()):
             if p.poll() is not None:
                 report[name] = {"train_rc": p.returncode, "train_seconds": round(now)}
@@ -160,6 +165,7 @@ def pipeline(out: str, runs: list, train_seconds: float, probe_seconds: float, s
                 p.kill()
                 report.setdefault(name, {}).update(probe_rc="cut at the probe budget")
             report.update({name: {"probe_rc": "not started"} for name in waiting})
+            report.update({name: {"train_rc": "not started"} for name, _ in pending})
             break
         time.sleep(2)
     return report
@@ -217,6 +223,8 @@ def main() -> None:
     parser.add_argument("--probe_seconds", type=float, default=120)
     parser.add_argument("--go", default=None, help="after writing the data, wait for this file before training")
     parser.add_argument("--arms", default="geometry,splits,demo")
+    parser.add_argument("--parallel", type=int, default=12, help="runs at once (24 on one H100 with 16 cores: 19 of "
+                        "them stopped after their first validation, 2026-11-27)")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -225,8 +233,8 @@ def main() -> None:
         time.sleep(1)
     plan = arms(args.smoke)
     runs = [run for phase in args.arms.split(",") for run in plan[phase]]
-    log(args.out, f"{len(runs)} runs at once")
-    report = pipeline(args.out, runs, args.train_seconds, args.probe_seconds, args.smoke)
+    log(args.out, f"{len(runs)} runs, {args.parallel} at once")
+    report = pipeline(args.out, runs, args.train_seconds, args.probe_seconds, args.smoke, args.parallel)
     with open(os.path.join(args.out, "timings.json"), "w") as f:
         json.dump(report, f, indent=1)
     log(args.out, f"runs and probes: {report}")
