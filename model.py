@@ -152,7 +152,7 @@ class Encoder(nn.Module):
 
     def __init__(self, *, image_size, patch_size, dim, depth, num_heads, mlp_ratio, patch_stem: str = "linear"):
         super().__init__()
-        self.grid = [s // p for s, p in zip(image_size, patch_size)]
+        self.grid, self.patch_size = [s // p for s, p in zip(image_size, patch_size)], list(patch_size)
         self.patch_embed = tubelet_embedding(patch_size, dim, patch_stem)
         self.register_buffer("pos_embed", sincos_pos_embed_3d(dim, self.grid), persistent=False)
         self.blocks = nn.ModuleList([Block(dim, num_heads, mlp_ratio) for _ in range(depth)])
@@ -169,14 +169,32 @@ class Encoder(nn.Module):
     def forward(self, volume: torch.Tensor, keep_idx: Optional[torch.Tensor] = None) -> torch.Tensor:
         """volume [B,1,D,H,W] -> features [B,N,E], or [B*M,K,E] for only the tokens in keep_idx [B*M,K]
         (M mask sets per volume, volume-major)."""
-        if self.checkpoint_fn is not None and isinstance(self.patch_embed, nn.Sequential):  # hmlp's inner maps
-            x = self.checkpoint_fn(self.patch_embed, volume)  # are the largest activations at production sizes
+        if keep_idx is None:
+            x = self.embed(volume)  # [B, E, gd, gh, gw]
+            x = x.flatten(2).transpose(1, 2) + self.positions(x.shape[2:])  # [B, N, E]
         else:
-            x = self.patch_embed(volume)  # [B, E, gd, gh, gw]
-        x = x.flatten(2).transpose(1, 2) + self.positions(x.shape[2:])  # [B, N, E]
-        if keep_idx is not None:
-            x = gather_tokens(x.repeat_interleave(keep_idx.shape[0] // x.shape[0], dim=0), keep_idx)
+            x = self.embed_kept(volume, keep_idx)  # [B*M, K, E]
         return self.norm(run_blocks(self.blocks, x, self.checkpoint_fn))
+
+    def embed(self, volume: torch.Tensor) -> torch.Tensor:
+        """The tubelet embedding of volume [B,1,D,H,W] -> [B,E,gd,gh,gw]; under grad_checkpointing the hmlp stem's
+        inner maps (the largest activations at production sizes) are recomputed in backward too."""
+        if self.checkpoint_fn is not None and isinstance(self.patch_embed, nn.Sequential):
+            return self.checkpoint_fn(self.patch_embed, volume)
+        return self.patch_embed(volume)
+
+    def embed_kept(self, volume: torch.Tensor, keep_idx: torch.Tensor) -> torch.Tensor:
+        """The embedded tokens in keep_idx [B*M,K] with their positions, [B*M,K,E]: only their tubelets go through
+        the stem. A token is a function of its own tubelet only, so this equals embedding every token and gathering
+        (the context encoder sees 40% of them: the stem's cost falls with it)."""
+        (B, _, D, H, W), (pd, ph, pw) = volume.shape, self.patch_size
+        grid = (D // pd, H // ph, W // pw)
+        x = volume[..., :grid[0] * pd, :grid[1] * ph, :grid[2] * pw]
+        x = x.reshape(B, grid[0], pd, grid[1], ph, grid[2], pw).permute(0, 1, 3, 5, 2, 4, 6)  # [B,gd,gh,gw,pd,ph,pw]
+        tubelets = x.reshape(B, -1, pd * ph * pw)  # [B, N, V]
+        kept = gather_tokens(tubelets.repeat_interleave(keep_idx.shape[0] // B, dim=0), keep_idx)  # [B*M, K, V]
+        x = self.embed(kept.reshape(-1, 1, pd, ph, pw)).reshape(*keep_idx.shape, -1)  # [B*M*K,E,1,1,1] -> [B*M,K,E]
+        return x + self.positions(grid)[keep_idx]
 
 
 POOLS = ("mean_pool", "depth_rows")  # pool_tokens: export's embed, encoder.py embed --pool and probe.py's read-outs
@@ -413,22 +431,24 @@ def training_flops_per_sample(cfg) -> dict:
     """Model FLOPs of one training sample, counted from the architecture (multiply-add = 2 FLOPs).
 
     Trained parts cost forward + backward (3x forward); the target encoder runs forward only; the first convolution
-    of the tubelet embedding needs no input gradient (2x forward). The embedding reads every token's voxels, masked
-    or not; the local loss's head reads the visible tokens (its voxel statistics are a few passes over the volume)."""
+    of the tubelet embedding needs no input gradient (2x forward). The context encoder embeds its own tokens only
+    (Encoder.embed_kept), the target encoder every token; the local loss's head reads the visible tokens (its voxel
+    statistics are a few passes over the volume)."""
     n_context, n_target = cfg.token_counts()
     n = n_context + n_target
     patch_voxels = math.prod(cfg.patch_size)
     hmlp = cfg.patch_stem == "hmlp"
-    first = 2 * n * patch_voxels * (cfg.embed_dim // 2 if hmlp else cfg.embed_dim)  # hmlp: 4 voxels -> E/2 per cell
-    embed = first + (n * patch_voxels * cfg.embed_dim ** 2 * 5 / 32 if hmlp else 0)  # its 2x2x2 and last convolutions
-    context = transformer_flops(n_context, cfg.embed_dim, cfg.depth, cfg.mlp_ratio)
+    first_per_token = 2 * patch_voxels * (cfg.embed_dim // 2 if hmlp else cfg.embed_dim)  # hmlp: 4 voxels -> E/2 a cell
+    embed_per_token = first_per_token + (patch_voxels * cfg.embed_dim ** 2 * 5 / 32 if hmlp else 0)  # + 2x2x2, last
+    first, embed = n_context * first_per_token, n * embed_per_token  # the context encoder embeds its tokens only
+    context = transformer_flops(n_context, cfg.embed_dim, cfg.depth, cfg.mlp_ratio) + n_context * embed_per_token
     if cfg.local_loss_weight > 0:  # its linear head on the visible tokens
         context += 2 * n_context * cfg.embed_dim * LOCAL_FEATURES * math.prod(cfg.local_loss_split)
     predictor = (transformer_flops(n, cfg.pred_embed_dim, cfg.pred_depth, cfg.mlp_ratio)
                  + 2 * n * cfg.embed_dim * cfg.pred_embed_dim)  # its embedding (of Nc) and projection (to Nt tokens)
     target = embed + transformer_flops(n, cfg.embed_dim, cfg.depth, cfg.mlp_ratio)
-    total = 3 * embed - first + 3 * (context + predictor) + target
-    return {"context_encoder": 3 * embed - first + 3 * context, "predictor": 3 * predictor, "target_encoder": target,
+    total = 3 * (context + predictor) - first + target
+    return {"context_encoder": 3 * context - first, "predictor": 3 * predictor, "target_encoder": target,
             "total": total}
 
 
@@ -438,7 +458,7 @@ def activation_bytes_per_sample(cfg) -> float:
     Per pre-norm block and token: norm in/out (2), qkv (3), attention out, residual, norm2 in/out (2) and the
     MLP hidden before and after GELU (2 x mlp_ratio) values of the width, in the compute dtype; with
     grad_checkpointing only the block inputs are kept, plus all of one block's while backward recomputes it. The hmlp
-    stem keeps its two inner maps before and after GELU for every token: 9/32 x E values per voxel; with
+    stem keeps its two inner maps before and after GELU for every context token: 9/32 x E values per voxel; with
     grad_checkpointing it recomputes them at the end of backward, when the blocks' are freed."""
     n_context, n_target = cfg.token_counts()
     bytes_per_value = 2 if cfg.use_bf16 else 4
@@ -447,7 +467,7 @@ def activation_bytes_per_sample(cfg) -> float:
     values = widths[0] * cfg.depth + widths[1] * cfg.pred_depth
     values = values + max(widths) * full_block if cfg.grad_checkpointing else values * full_block
     if cfg.patch_stem == "hmlp":
-        stem = math.prod(cfg.image_size) * cfg.embed_dim * 9 / 32
+        stem = n_context * math.prod(cfg.patch_size) * cfg.embed_dim * 9 / 32  # the context tokens' tubelets
         values = max(values, stem) if cfg.grad_checkpointing else values + stem
     return values * bytes_per_value + math.prod(cfg.image_size) * 4
 
