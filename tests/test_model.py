@@ -6,7 +6,7 @@ import torch
 from config import load_config
 from data import sample_rng
 from masks import MaskGenerator
-from model import JEPAOutput, VJEPA3D, sincos_pos_embed_3d, training_flops_per_sample, tubelet_embedding
+from model import JEPAOutput, VJEPA3D, gather_tokens, sincos_pos_embed_3d, training_flops_per_sample, tubelet_embedding
 
 IMAGE, PATCH = [8, 32, 32], [4, 8, 8]
 
@@ -183,6 +183,16 @@ def test_the_counted_flops_of_the_target_encoder_are_what_torch_counts_besides_a
     counted = sum(flops for op, flops in counter.get_flop_counts()["Global"].items()
                   if "scaled_dot_product" not in str(op))  # torch counts some attention kernels, not CPU's fused one
     assert training_flops_per_sample(cfg)["target_encoder"] - attention == counted > 0
+
+
+@pytest.mark.parametrize("stem", ["linear", "hmlp"])
+def test_the_context_encoder_embeds_only_its_tokens_and_gets_what_embedding_all_would_give(stem):
+    model = tiny_model(patch_stem=stem)
+    x = torch.randn(2, 1, *IMAGE)
+    keep = torch.stack([torch.randperm(model.num_tokens)[:12] for _ in range(4)])  # [B*M, K]: 2 mask sets a volume
+    every = model.encoder.embed(x).flatten(2).transpose(1, 2) + model.encoder.positions(model.encoder.grid)  # [B,N,E]
+    gathered = gather_tokens(every.repeat_interleave(2, dim=0), keep)
+    torch.testing.assert_close(model.encoder.embed_kept(x, keep), gathered, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("stem", ["linear", "hmlp"])  # hmlp: its inner maps recomputed too
