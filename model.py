@@ -393,11 +393,13 @@ class VJEPA3D(nn.Module):
 
     def shard_units(self) -> List[nn.Module]:
         """The modules that sharding (FSDP) gathers as one unit each, innermost first: every block of the context
-        encoder, predictor and target encoder (only one block's weights are whole at a time), then the target
-        encoder (its patch embedding and norm; as a unit of its own it is resharded after its no-grad forward, so
-        the EMA update meets shards on both sides). The rest (the context encoder's patch embedding and norm, the
-        predictor's embedding, mask token, norm and projection) is gathered with the model itself."""
-        return [*self.encoder.blocks, *self.predictor.blocks, *self.target_encoder.blocks, self.target_encoder]
+        encoder, predictor and target encoder (only one block's weights are whole at a time), both patch embeddings
+        (the hmlp stem of a ViT-L holds 1.5 blocks' weights), then the target encoder (its norm; as a unit of its own
+        it is resharded after its no-grad forward, so the EMA update meets shards on both sides). The rest (the
+        context encoder's norm, the predictor's embedding, mask token, norm and projection, the local loss's head) is
+        gathered with the model itself."""
+        return [*self.encoder.blocks, *self.predictor.blocks, *self.target_encoder.blocks, self.encoder.patch_embed,
+                self.target_encoder.patch_embed, self.target_encoder]
 
     def param_groups(self) -> List[dict]:
         """AdamW groups of the trained parameters, `apply_wd` marking those weight decay applies to (weight

@@ -17,7 +17,7 @@ from runtime import Runtime
 from schedules import Hyperparameters
 from train import make_optimizer, train_update, validate
 
-from helpers import REPO, SMOKE, run_cli, smoke_flags, train_lines
+from helpers import REPO, SMOKE, assert_same_first_update, run_cli, smoke_flags, train_lines
 
 CPU = Runtime(torch.device("cpu"), "cpu", 1, 0, 1, 1)
 
@@ -67,12 +67,11 @@ def test_the_reduce_overhead_mode_gives_the_eager_update_and_marks_each_update(m
     cfg = load_config(["--config", SMOKE, "--compile_mode", "reduce-overhead"])
     batch = synthetic_batch(cfg, cfg.per_core_batch_size)
     torch._dynamo.reset()
-    eager_model, _, eager = one_update(cfg, batch, compiled=False)
-    model, _, compiled = one_update(cfg, batch, compiled=True, mode=cfg.compile_mode)
+    eager_model, eager_optimizer, eager = one_update(cfg, batch, compiled=False)
+    model, optimizer, compiled = one_update(cfg, batch, compiled=True, mode=cfg.compile_mode)
     torch.testing.assert_close(compiled.loss, eager.loss, rtol=1e-5, atol=0)
     torch.testing.assert_close(compiled.grad_norm, eager.grad_norm, rtol=1e-5, atol=0)
-    for a, b in zip(model.state_dict().values(), eager_model.state_dict().values()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert_same_first_update(model, optimizer, eager_model, eager_optimizer)
     assert model.cudagraphs and not eager_model.cudagraphs
     steps = []
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: steps.append(1))

@@ -75,7 +75,7 @@ def test_another_input_size_gives_the_tokens_of_an_encoder_built_natively_at_tha
     size = [12, 48, 64]  # another multiple of the patch size on every axis
     settings = encoder.settings
     native = Encoder(image_size=size, patch_size=settings.patch_size, dim=settings.embed_dim, depth=settings.depth,
-                     num_heads=settings.num_heads, mlp_ratio=settings.mlp_ratio)
+                     num_heads=settings.num_heads, mlp_ratio=settings.mlp_ratio, patch_stem=settings.patch_stem)
     native.load_state_dict(encoder.state_dict())
     volume = torch.randn(2, 1, *size, generator=torch.Generator().manual_seed(4))
     tokens = encoder.encode(volume)
@@ -151,10 +151,30 @@ def test_hugging_face_from_pretrained_reads_the_export_and_saves_it_back(export_
     assert str(Path(export_dir).parent) not in card and "/tmp" not in card and "runs/" not in card
 
 
-def test_monai_vit_holds_the_encoder_exactly_at_the_trained_and_another_size(export_dir):
+@pytest.fixture(scope="module")
+def linear_export(tmp_path_factory, smoke_phantoms) -> str:
+    """The export of a 3-update run of the smoke config with the linear tubelet stem (the default before the recipe;
+    the stem of every format_version 1 export)."""
+    tmp = tmp_path_factory.mktemp("linear")
+    assert train.main(["--config", str(REPO / "configs" / "smoke.yaml"), *phantom_flags(smoke_phantoms),
+                       "--out_dir", str(tmp / "runs"), "--run_name", "r", "--max_steps", "3", "--ckpt_every_steps",
+                       "3", "--patch_stem", "linear"]) == 0
+    assert encoder_cli.main(["export", "--ckpt", str(tmp / "runs" / "r" / "checkpoints"), "--out",
+                             str(tmp / "encoder")]) == 0
+    return str(tmp / "encoder")
+
+
+def linear_export_checkpoint(linear_export: str) -> str:
+    """The checkpoint that linear_export was exported from."""
+    return str(Path(linear_export).parent / "runs" / "r" / "checkpoints" / "step_0000003.pt")
+
+
+def test_monai_vit_holds_a_linear_stem_encoder_in_its_own_patch_embedding_exactly_at_the_trained_and_another_size(
+        linear_export):
     pytest.importorskip("monai", reason="monai (requirements-dev.txt) is not installed")
     pytest.importorskip("einops", reason="einops (monai's ViT needs it; requirements-dev.txt) is not installed")
-    encoder = load_encoder(export_dir)
+    encoder = load_encoder(linear_export)
+    assert encoder.settings.patch_stem == "linear"
     for size in (encoder.image_size, [12, 48, 64]):
         vit = pretrained.monai_vit(encoder, size)
         volume = torch.randn(2, 1, *size, generator=torch.Generator().manual_seed(7))
@@ -162,49 +182,36 @@ def test_monai_vit_holds_the_encoder_exactly_at_the_trained_and_another_size(exp
             assert float((vit(volume)[0] - encoder(volume)).abs().max()) <= 1e-6
 
 
-@pytest.fixture(scope="module")
-def hmlp_export(tmp_path_factory, smoke_phantoms) -> str:
-    """The export of a 3-update run of the smoke config with the hmlp tubelet stem."""
-    tmp = tmp_path_factory.mktemp("hmlp")
-    assert train.main(["--config", str(REPO / "configs" / "smoke.yaml"), *phantom_flags(smoke_phantoms),
-                       "--out_dir", str(tmp / "runs"), "--run_name", "r", "--max_steps", "3", "--ckpt_every_steps",
-                       "3", "--patch_stem", "hmlp"]) == 0
-    assert encoder_cli.main(["export", "--ckpt", str(tmp / "runs" / "r" / "checkpoints"), "--out",
-                             str(tmp / "encoder")]) == 0
-    return str(tmp / "encoder")
-
-
-def test_an_hmlp_export_loads_with_both_loaders_and_in_monai_with_its_stem_swapped_in(hmlp_export):
-    trained, cfg, _ = read_model_checkpoint(str(Path(hmlp_export).parents[0] / "runs" / "r" / "checkpoints"
-                                                / "step_0000003.pt"))
-    assert cfg.patch_stem == "hmlp" and json.loads(Path(hmlp_export, "config.json").read_text())[
+def test_the_recipes_hmlp_export_loads_with_both_loaders_and_in_monai_with_its_stem_swapped_in(export_dir,
+                                                                                                trained_checkpoint):
+    trained, cfg, _ = read_model_checkpoint(trained_checkpoint)  # the smoke config with the default (the recipe's) stem
+    assert cfg.patch_stem == "hmlp" and json.loads(Path(export_dir, "config.json").read_text())[
         "architecture"]["patch_stem"] == "hmlp"
     volume = torch.randn(2, 1, *cfg.image_size, generator=torch.Generator().manual_seed(8))
-    for loaded in (load_encoder(hmlp_export), export.import_standalone(hmlp_export).load(hmlp_export)):
+    for loaded in (load_encoder(export_dir), export.import_standalone(export_dir).load(export_dir)):
         assert "patch_embed.2.weight" in loaded.state_dict()
         assert float((loaded.encode(volume) - trained.encode(volume)).abs().max()) <= 1e-6
     pytest.importorskip("monai", reason="monai (requirements-dev.txt) is not installed")
-    encoder = load_encoder(hmlp_export)
+    encoder = load_encoder(export_dir)
     for size in (encoder.image_size, [12, 48, 64]):  # its stem in MONAI's patch embedding: the same tokens
         vit = pretrained.monai_vit(encoder, size)
         sized = torch.randn(2, 1, *size, generator=torch.Generator().manual_seed(9))
         with torch.no_grad():
             assert float((vit(sized)[0] - encoder(sized)).abs().max()) <= 1e-5
     assert isinstance(vit.patch_embedding.patch_embeddings, torch.nn.Sequential)
-    again = export.import_standalone(hmlp_export)  # the standalone module's copy of monai_vit does the same
+    again = export.import_standalone(export_dir)  # the standalone module's copy of monai_vit does the same
     with torch.no_grad():
-        assert float((again.monai_vit(again.load(hmlp_export))(volume)[0] - encoder(volume)).abs().max()) <= 1e-5
+        assert float((again.monai_vit(again.load(export_dir))(volume)[0] - encoder(volume)).abs().max()) <= 1e-5
 
 
 @pytest.mark.parametrize("written", ["encoder.safetensors without a contract", "model.safetensors with its contract"])
-def test_an_export_of_format_version_1_loads_with_the_linear_stem_it_had(export_dir, trained_checkpoint, tmp_path,
-                                                                         written):
+def test_an_export_of_format_version_1_loads_with_the_linear_stem_it_had(linear_export, tmp_path, written):
     """Exports are shared and kept: those of format_version 1 (no architecture.patch_stem) load as octjepa wrote
     them, at first with the weights in encoder.safetensors and no contract in their metadata."""
-    config = json.loads(Path(export_dir, "config.json").read_text())
+    config = json.loads(Path(linear_export, "config.json").read_text())
     config["format_version"] = 1
     del config["architecture"]["patch_stem"], config["weights"]
-    tensors = safetensors.torch.load_file(Path(export_dir, "model.safetensors"))
+    tensors = safetensors.torch.load_file(Path(linear_export, "model.safetensors"))
     if written == "model.safetensors with its contract":
         save_encoder(tensors, config, str(tmp_path))
     else:
@@ -212,7 +219,7 @@ def test_an_export_of_format_version_1_loads_with_the_linear_stem_it_had(export_
         tmp_path.joinpath("encoder.safetensors").write_bytes(payload)
         config["weights"] = {"file": "encoder.safetensors", "sha256": hashlib.sha256(payload).hexdigest()}
         tmp_path.joinpath("config.json").write_text(json.dumps(config))
-    trained, cfg, _ = read_model_checkpoint(trained_checkpoint)
+    trained, cfg, _ = read_model_checkpoint(linear_export_checkpoint(linear_export))
     volume = torch.randn(2, 1, *cfg.image_size, generator=torch.Generator().manual_seed(9))
     encoder = load_encoder(str(tmp_path))
     assert encoder.settings.patch_stem == "linear"

@@ -85,7 +85,10 @@ def test_layer_wise_lr_decay_gives_deeper_layers_larger_steps_and_spares_norms_a
     decay = {id(p): g["weight_decay"] for g in groups for p in g["params"]}
     named = dict(model.named_parameters())
     assert sorted(scale) == sorted(id(p) for p in named.values())  # every parameter, once
-    assert scale[id(named["encoder.patch_embed.weight"])] == 0.5 ** 3  # 2 blocks: embedding, blocks, head
+    stem = [name for name in named if name.startswith("encoder.patch_embed.")]  # the recipe's hmlp: 3 convolutions
+    assert len(stem) == 6 and {scale[id(named[name])] for name in stem} == {0.5 ** 3}  # 2 blocks: stem, blocks, head
+    assert {decay[id(named[name])] for name in stem if name.endswith(".weight")} == {0.05}
+    assert {decay[id(named[name])] for name in stem if name.endswith(".bias")} == {0.0}
     assert scale[id(named["encoder.blocks.0.attn.qkv.weight"])] == 0.5 ** 2
     assert scale[id(named["encoder.blocks.1.attn.qkv.weight"])] == 0.5
     assert scale[id(named["encoder.norm.weight"])] == scale[id(named["heads.0.head.weight"])] == 1.0
