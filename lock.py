@@ -203,14 +203,32 @@ def renew_lock(lock: dict) -> bool:
             lock["generation"] = _write_lease(lock["path"], lock["holder"], lock["generation"])
             return True
         except FileExistsError:
-            lock["lost"].set()
-            return False
+            return retake_if_vanished(lock)
     with _flocked(lock["path"]) as (content, _):
-        if _token(content) != lock["holder"]["token"]:
+        if content and _token(content) != lock["holder"]["token"]:
             lock["lost"].set()
             return False
-        _replace(lock["path"], lock["holder"])
+        _replace(lock["path"], lock["holder"])  # also where the record vanished: no other process wrote one
     return True
+
+
+def retake_if_vanished(lock: dict) -> bool:
+    """Where a gs:// lock record no longer names this holder: write it again if it vanished (a bucket restored or
+    emptied: no other process took the folder, or its record would be there), only while it is still absent; else
+    the lock is lost (lock['lost'] set). Whether this process still holds it."""
+    content, generation, _ = _read_lease(lock["path"])
+    if not content:
+        try:
+            lock["generation"] = _write_lease(lock["path"], lock["holder"], "0")
+            print(f"WARNING: run folder: the lock {lock['path']} had vanished; written again", file=sys.stderr,
+                  flush=True)
+            return True
+        except FileExistsError:  # another process wrote one since
+            pass
+    held = generation == lock["generation"] and _token(content) == lock["holder"]["token"]
+    if not held:
+        lock["lost"].set()
+    return held
 
 
 def lock_is_held(lock: dict) -> bool:
@@ -218,14 +236,12 @@ def lock_is_held(lock: dict) -> bool:
     sets lock['lost'] when not."""
     if not lock["lost"].is_set():
         if lock["generation"] is not None:
-            content, generation, _ = _read_lease(lock["path"])
-            held = generation == lock["generation"] and _token(content) == lock["holder"]["token"]
-        else:
-            try:
-                with open(lock["path"], "rb") as f:
-                    held = _token(f.read()) == lock["holder"]["token"]
-            except FileNotFoundError:
-                held = False
+            return retake_if_vanished(lock)
+        try:
+            with open(lock["path"], "rb") as f:
+                held = _token(f.read()) == lock["holder"]["token"]
+        except FileNotFoundError:  # vanished (no other process took the folder: its record would be there)
+            held = renew_lock(lock)
         if not held:
             lock["lost"].set()
     return not lock["lost"].is_set()

@@ -173,6 +173,24 @@ def test_a_gcs_lease_taken_over_is_never_overwritten_by_the_old_holders_renewal(
     assert lock._read_lease(held["path"])[1] == taken  # the release leaves the new holder's lease alone
 
 
+def test_a_lock_record_that_vanished_is_written_again_by_its_holder_not_taken_as_lost(tmp_path, gcs_emulator):
+    """A bucket emptied or restored (a GCS emulator restarted, an admin's cleanup): no other process took the folder,
+    or its record would be there, so the holder writes its own again and keeps writing its checkpoints."""
+    for folder in (str(tmp_path / "local"), f"gs://{gcs_emulator.bucket}/vanished"):
+        held = lock.take_lock(folder)
+        try:
+            if folder.startswith("gs://"):
+                lock.gcs_filesystem().rm(held["path"])
+            else:
+                os.remove(held["path"])
+            assert lock.lock_is_held(held) and not held["lost"].is_set()
+            gcs = folder.startswith("gs://")
+            content = lock._read_lease(held["path"])[0] if gcs else Path(held["path"]).read_bytes()
+            assert json.loads(content)["token"] == held["holder"]["token"]
+        finally:
+            lock.release_lock(held)
+
+
 RACE = """
 import os, sys, time
 sys.path.insert(0, {repo!r})
