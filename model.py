@@ -170,13 +170,13 @@ class Encoder(nn.Module):
         """volume [B,1,D,H,W] -> features [B,N,E], or [B*M,K,E] for only the tokens in keep_idx [B*M,K]
         (M mask sets per volume, volume-major)."""
         if keep_idx is None:
-            x = self.embed(volume)  # [B, E, gd, gh, gw]
+            x = self.embed_tubelets(volume)  # [B, E, gd, gh, gw]
             x = x.flatten(2).transpose(1, 2) + self.positions(x.shape[2:])  # [B, N, E]
         else:
             x = self.embed_kept(volume, keep_idx)  # [B*M, K, E]
         return self.norm(run_blocks(self.blocks, x, self.checkpoint_fn))
 
-    def embed(self, volume: torch.Tensor) -> torch.Tensor:
+    def embed_tubelets(self, volume: torch.Tensor) -> torch.Tensor:
         """The tubelet embedding of volume [B,1,D,H,W] -> [B,E,gd,gh,gw]; under grad_checkpointing the hmlp stem's
         inner maps (the largest activations at production sizes) are recomputed in backward too."""
         if self.checkpoint_fn is not None and isinstance(self.patch_embed, nn.Sequential):
@@ -193,7 +193,8 @@ class Encoder(nn.Module):
         x = x.reshape(B, grid[0], pd, grid[1], ph, grid[2], pw).permute(0, 1, 3, 5, 2, 4, 6)  # [B,gd,gh,gw,pd,ph,pw]
         tubelets = x.reshape(B, -1, pd * ph * pw)  # [B, N, V]
         kept = gather_tokens(tubelets.repeat_interleave(keep_idx.shape[0] // B, dim=0), keep_idx)  # [B*M, K, V]
-        x = self.embed(kept.reshape(-1, 1, pd, ph, pw)).reshape(*keep_idx.shape, -1)  # [B*M*K,E,1,1,1] -> [B*M,K,E]
+        x = self.embed_tubelets(kept.reshape(-1, 1, pd, ph, pw))  # [B*M*K, E, 1, 1, 1]
+        x = x.reshape(*keep_idx.shape, -1)  # [B*M, K, E]
         return x + self.positions(grid)[keep_idx]
 
 

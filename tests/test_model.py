@@ -202,7 +202,8 @@ def test_the_context_encoder_embeds_only_its_tokens_and_gets_what_embedding_all_
     model = tiny_model(patch_stem=stem)
     x = torch.randn(2, 1, *IMAGE)
     keep = torch.stack([torch.randperm(model.num_tokens)[:12] for _ in range(4)])  # [B*M, K]: 2 mask sets a volume
-    every = model.encoder.embed(x).flatten(2).transpose(1, 2) + model.encoder.positions(model.encoder.grid)  # [B,N,E]
+    every = model.encoder.embed_tubelets(x).flatten(2).transpose(1, 2)  # [B, N, E]
+    every = every + model.encoder.positions(model.encoder.grid)
     gathered = gather_tokens(every.repeat_interleave(2, dim=0), keep)
     torch.testing.assert_close(model.encoder.embed_kept(x, keep), gathered, rtol=0, atol=1e-6)
 
