@@ -40,6 +40,7 @@ The reference's code is not part of this repository (CC BY-NC 4.0): extract its 
     git --git-dir=<jepa clone>/.git archive HEAD src | tar -x -C .ref/jepa
 Writes $OUT/reference.json (or --json FILE) after every phase, so a run cut short keeps what it measured.
 """
+import abc
 import argparse
 import contextlib
 import copy
@@ -162,18 +163,21 @@ def state_bytes(tensors) -> int:
     return total
 
 
-class Arm:
-    """One implementation's model, optimizer and update()."""
+class Arm(abc.ABC):
+    """One implementation's model, optimizer and update() (OctjepaArm, ReferenceArm)."""
     name = ""
 
+    @abc.abstractmethod
     def modules(self):
-        raise NotImplementedError
+        """The arm's trained and EMA modules."""
 
+    @abc.abstractmethod
     def update(self):
-        raise NotImplementedError
+        """One training update."""
 
+    @abc.abstractmethod
     def compile(self, style="parts"):
-        raise NotImplementedError
+        """torch.compile the arm in `style` (parts or blocks)."""
 
     def resident_bytes(self) -> int:
         """What this arm holds between updates on the GPU: weights, buffers, gradients (none), AdamW state."""
