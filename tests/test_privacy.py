@@ -138,9 +138,11 @@ def scan_cli(folder, key_file, *flags, cwd=REPO, caps=()):
 
 
 def dry_run_cli(clinic, index_path, key_file):
-    """`python train.py --dry_run` on a clinic folder through a reused index, as its own process."""
+    """`python train.py --dry_run` on a clinic folder through a reused index, as its own process. Every patient trains
+    (val_fraction 0), so the split a new random secret draws cannot leave fewer volumes than a batch."""
     return subprocess.run([sys.executable, str(REPO / "train.py"), "--config", "configs/smoke.yaml", "--data_root",
-                           str(clinic), "--index_path", str(index_path), "--dry_run", "--out_dir",
+                           str(clinic), "--index_path", str(index_path), "--dry_run", "--val_fraction", "0",
+                           "--global_batch_size", "2", "--out_dir",
                            str(Path(index_path).parent / "runs")], cwd=REPO, capture_output=True, text=True,
                           timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1",
                                             "OCTJEPA_PATIENT_KEY_FILE": str(key_file)})
