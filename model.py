@@ -14,6 +14,7 @@ The context encoder never sees the target tokens and the target encoder moves on
 update_target(momentum) (incident 12). pool_tokens turns tokens into a volume embedding (probes, exports). The
 exported encoder (its format, loader and the MONAI adapter) is pretrained.py's.
 """
+import contextlib
 import copy
 import math
 from dataclasses import dataclass
@@ -41,8 +42,10 @@ def sincos_pos_embed_3d(dim: int, grid: Sequence[int]) -> torch.Tensor:
     per_axis = (dim // 6) * 2  # an even number of dims per axis; the remainder stays zero
     if per_axis == 0:
         raise ValueError(f"embed dim {dim} is too small for 3D sin-cos positions (need >= 6)")
-    omega = 1.0 / 10000 ** (torch.arange(per_axis // 2, dtype=torch.float64) / (per_axis // 2))
-    coords = torch.meshgrid(*[torch.arange(g, dtype=torch.float64) for g in grid], indexing="ij")
+    # On the CPU even in a torch.device("meta") context (an export's shapes checked before it is loaded): a meta
+    # arange imports torch._dynamo for its decomposition, a second of each start of a script that loads one.
+    omega = 1.0 / 10000 ** (torch.arange(per_axis // 2, dtype=torch.float64, device="cpu") / (per_axis // 2))
+    coords = torch.meshgrid(*[torch.arange(g, dtype=torch.float64, device="cpu") for g in grid], indexing="ij")
     bands = []
     for c in coords:
         angles = c.reshape(-1, 1) * omega.reshape(1, -1)  # [N, per_axis/2]
@@ -128,22 +131,51 @@ def recompute_in_backward(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return checkpoint(block, x, use_reentrant=False)
 
 
+def cells_last(weight: torch.Tensor) -> torch.Tensor:
+    """A Conv3d weight [out, in, kd, kh, kw] as a matrix [out, kd*kh*kw*in] for inputs laid out cell by cell, each
+    cell's channels together (the layout a matmul leaves, so no activation is transposed)."""
+    return weight.permute(0, 2, 3, 4, 1).flatten(1)
+
+
+class HMLPStem(nn.Sequential):
+    """The hierarchical MLP stem (Touvron et al., ECCV 2022): 1x2x2 voxel cells -> E/2 channels, 2x2x2 of those -> E/2,
+    the rest of the tubelet -> E, with GELU between. Its layers are Conv3d's whose kernel is their stride (keys
+    {0,2,4}.weight/bias), computed as three matmuls on each tubelet's cells (equal to the convolutions to rounding,
+    2x faster on a CPU)."""
+
+    def __init__(self, patch_size: Sequence[int], dim: int):
+        pd, ph, pw = patch_size
+        rest = (pd // 2, ph // 4, pw // 4)
+        super().__init__(nn.Conv3d(1, dim // 2, kernel_size=(1, 2, 2), stride=(1, 2, 2)), nn.GELU(),
+                         nn.Conv3d(dim // 2, dim // 2, kernel_size=(2, 2, 2), stride=(2, 2, 2)), nn.GELU(),
+                         nn.Conv3d(dim // 2, dim, kernel_size=rest, stride=rest))
+
+    def forward(self, volume: torch.Tensor) -> torch.Tensor:
+        """volume [B,1,D,H,W] -> [B,E,gd,gh,gw] (as the convolutions: voxels past the last whole tubelet dropped)."""
+        (B, _, D, H, W), (rd, rh, rw) = volume.shape, self[4].kernel_size
+        gd, gh, gw = D // (2 * rd), H // (4 * rh), W // (4 * rw)
+        x = volume[:, 0, :gd * 2 * rd, :gh * 4 * rh, :gw * 4 * rw]
+        # a voxel's depth is (gd, rd, 2), its height (gh, rh, 2, 2) and width (gw, rw, 2, 2): tubelet, rest, cell
+        x = x.reshape(B, gd, rd, 2, gh, rh, 2, 2, gw, rw, 2, 2).permute(0, 1, 4, 8, 2, 5, 9, 3, 6, 10, 7, 11)
+        x = x.reshape(B, gd, gh, gw, rd * rh * rw, 8, 4)  # [B, gd, gh, gw, rest, 2x2x2 cells, 1x2x2 voxels]
+        x = self[1](F.linear(x, self[0].weight.flatten(1), self[0].bias))  # [..., rest, 8, E/2]
+        x = self[3](F.linear(x.flatten(-2), cells_last(self[2].weight), self[2].bias))  # [..., rest, E/2]
+        x = F.linear(x.flatten(-2), cells_last(self[4].weight), self[4].bias)  # [B, gd, gh, gw, E]
+        return x.permute(0, 4, 1, 2, 3)
+
+
 def tubelet_embedding(patch_size: Sequence[int], dim: int, stem: str = "linear") -> nn.Module:
     """The tubelet embedding, volume [B,1,D,H,W] -> [B,E,gd,gh,gw]: each token a function of its own tubelet's voxels
-    only, so no masked voxel reaches a context token. 'linear': one Conv3d whose kernel is its stride (ViT's).
-    'hmlp' (hierarchical MLP stem, Touvron et al., ECCV 2022): 1x2x2 cells -> E/2 channels, 2x2x2 of those -> E/2,
-    the rest -> E, with GELU between, each again a Conv3d whose kernel is its stride: a nonlinear map of the same
-    voxels. ValueError for another stem, or a tubelet hmlp cannot cut (pd even, ph and pw multiples of 4)."""
+    only, so no masked voxel reaches a context token. 'linear': one Conv3d whose kernel is its stride (ViT's). 'hmlp':
+    HMLPStem, a nonlinear map of the same voxels. ValueError for another stem, or a tubelet hmlp cannot cut (pd even,
+    ph and pw multiples of 4)."""
     pd, ph, pw = patch_size
     if stem == "linear":
         return nn.Conv3d(1, dim, kernel_size=tuple(patch_size), stride=tuple(patch_size))
     if stem != "hmlp" or pd % 2 or ph % 4 or pw % 4:
         raise ValueError(f"patch_stem {stem!r} with patch_size {list(patch_size)}: expected 'linear', or 'hmlp' with "
                          f"an even pd and ph, pw multiples of 4")
-    rest = (pd // 2, ph // 4, pw // 4)
-    return nn.Sequential(nn.Conv3d(1, dim // 2, kernel_size=(1, 2, 2), stride=(1, 2, 2)), nn.GELU(),
-                         nn.Conv3d(dim // 2, dim // 2, kernel_size=(2, 2, 2), stride=(2, 2, 2)), nn.GELU(),
-                         nn.Conv3d(dim // 2, dim, kernel_size=rest, stride=rest))
+    return HMLPStem(patch_size, dim)
 
 
 class Encoder(nn.Module):
@@ -279,6 +311,7 @@ class VJEPA3D(nn.Module):
             self.local_head = (nn.Linear(embed_dim, LOCAL_FEATURES * math.prod(local_loss_split))
                                if local_loss_weight > 0 else None)
         self.loss_fn = jepa_loss  # compile_parts() swaps in a compiled version
+        self.compiled = False  # compile_parts
         self.cudagraphs = False  # compiled in mode reduce-overhead: train.train_update marks each update's CUDA graphs
 
     @classmethod
@@ -308,7 +341,12 @@ class VJEPA3D(nn.Module):
         for part in (self.encoder, self.target_encoder, self.predictor):
             part.compile(dynamic=False, mode=mode)
         self.loss_fn = torch.compile(jepa_loss, dynamic=False, mode=mode)
-        self.cudagraphs = mode == "reduce-overhead"
+        self.compiled, self.cudagraphs = True, mode == "reduce-overhead"
+
+    def eager(self) -> contextlib.AbstractContextManager:
+        """A context in which the compiled parts run eagerly (any batch size, no recompiles: evaluation); for a model
+        never compiled, nothing, so that an eager run never imports torch._dynamo (a second of every script's start)."""
+        return torch.compiler.set_stance("force_eager") if self.compiled else contextlib.nullcontext()
 
     def num_trainable_params(self) -> int:
         """Parameters of the context encoder and predictor (the EMA target is not trained)."""
@@ -380,10 +418,8 @@ class VJEPA3D(nn.Module):
 
     @torch.no_grad()
     def encode(self, volume: torch.Tensor) -> torch.Tensor:
-        """Frozen target-encoder features of whole volumes: [B,1,D,H,W] -> [B, N, E]."""
-        # Eager: any batch size, no recompiles, after compile_parts() too. A context, not a decorator: importing
-        # model.py then does not import torch._dynamo (seconds of every script's --help).
-        with torch.compiler.set_stance("force_eager"):
+        """Frozen target-encoder features of whole volumes: [B,1,D,H,W] -> [B, N, E] (eager, after compile_parts too)."""
+        with self.eager():
             return self.target_encoder(volume)
 
     def encoder_state_dict(self) -> dict:

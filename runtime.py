@@ -22,6 +22,8 @@ from typing import List, Optional, Tuple
 import numpy as np
 import torch
 from torch.distributed.device_mesh import init_device_mesh
+# Imported here, before any process group exists: imported after init_process_group (as torch._dynamo would, at the
+# first optimizer), it keeps gloo's worker threads alive past leave_process_group (tests/test_resume.py, exit_report).
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel

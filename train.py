@@ -30,7 +30,6 @@ from data import build_datasets, format_reason_table, make_loader, make_val_load
 from masks import mask_generator_from_config
 from model import VJEPA3D
 from health import position_share_of_sums, position_sums, rankme
-from runprobe import prepare_probe_set, probe_auroc, verdict
 from runlog import (RunLog, Throughput, choose_auto_settings, dry_run_report, format_train_line, json_number,
                     save_training_plot, summary)
 from checkpoint import (check_checkpoint_folder, checkpoint_everywhere, checkpoint_path, load_resume_checkpoint,
@@ -256,7 +255,6 @@ def next_update_batches(groups, run: "Run") -> list:
 # Validation
 # ----------------------------------------------------------------------------------------------------------
 
-@torch.compiler.set_stance("force_eager")  # compiled parts are for the training update: no eval recompiles
 @torch.no_grad()
 def validate(model: VJEPA3D, loader, volumes: int, cfg: Config, rt: Runtime, max_tokens: int = 4096) -> dict:
     """Val loss (their mean), target_std (their target tokens), RankMe (a fixed set of each one's target-encoder
@@ -266,21 +264,22 @@ def validate(model: VJEPA3D, loader, volumes: int, cfg: Config, rt: Runtime, max
     unseen = len(range(rt.process_index, volumes, rt.process_count))  # then make_val_loader's padding, if any
     per_volume = math.ceil(max_tokens / max(1, volumes))
     loss_sum, target_tokens, target_sums, token_sums, feats = 0.0, 0, 0.0, 0.0, []  # feats: (index, [per_volume, E])
-    for batch in loader:
-        batch = to_device(batch, rt)
-        with torch.autocast(rt.kind, dtype=torch.bfloat16, enabled=cfg.use_bf16):
-            out = model(batch["volume"], batch["context_idx"], batch["target_idx"])
-            tokens = model.encode(batch["volume"]).float().cpu()  # [B, N, E]
-        if unseen <= 0:  # a padding batch: run only so that a sharded model's processes gather weights together
-            continue
-        unseen -= len(tokens)
-        target = out.target.float().cpu().double().flatten(0, -2)  # [B * Nt, E]
-        loss_sum, target_tokens = loss_sum + float(out.loss) * len(tokens), target_tokens + len(target)
-        token_sums = token_sums + position_sums(tokens)  # [2, N, E]
-        target_sums = target_sums + torch.stack([target.sum(0), target.pow(2).sum(0)])  # [2, E]
-        for volume_tokens, index in zip(tokens, indices):
-            keep = torch.randperm(len(volume_tokens), generator=torch.Generator().manual_seed(index))[:per_volume]
-            feats.append((index, volume_tokens[keep]))
+    with model.eager():  # compiled parts are for the training update: no eval recompiles
+        for batch in loader:
+            batch = to_device(batch, rt)
+            with torch.autocast(rt.kind, dtype=torch.bfloat16, enabled=cfg.use_bf16):
+                out = model(batch["volume"], batch["context_idx"], batch["target_idx"])
+                tokens = model.encode(batch["volume"]).float().cpu()  # [B, N, E]
+            if unseen <= 0:  # a padding batch: run only so that a sharded model's processes gather weights together
+                continue
+            unseen -= len(tokens)
+            target = out.target.float().cpu().double().flatten(0, -2)  # [B * Nt, E]
+            loss_sum, target_tokens = loss_sum + float(out.loss) * len(tokens), target_tokens + len(target)
+            token_sums = token_sums + position_sums(tokens)  # [2, N, E]
+            target_sums = target_sums + torch.stack([target.sum(0), target.pow(2).sum(0)])  # [2, E]
+            for volume_tokens, index in zip(tokens, indices):
+                keep = torch.randperm(len(volume_tokens), generator=torch.Generator().manual_seed(index))[:per_volume]
+                feats.append((index, volume_tokens[keep]))
     model.train()
     mine = (loss_sum, target_tokens, target_sums, feats, token_sums)  # DDP: + the other processes' (XLA: global)
     parts = gather_objects(mine, rt) if rt.ddp else [mine]
@@ -426,6 +425,7 @@ def train(cfg: Config, rt: Runtime) -> int:
         compile_model(run.model, run.local_batch, run.cfg, rt, run.log)  # its compile decided for this device
         run.ddp_model = wrap_ddp(run.model, rt)  # after the restore: DDP starts every process from the same weights
         if cfg.probe_every_steps is not None and probes_in_this_process(rt):
+            from runprobe import prepare_probe_set  # (imported where a run probes: see probe_and_log)
             run.probe_set = prepare_probe_set(cfg)  # loaded once; features recomputed at each probe
         if run.val_volumes:
             run.val_loader = make_val_loader(run.val_ds, run.val_volumes, run.local_batch, workers=cfg.workers,
@@ -552,6 +552,9 @@ def validate_and_log(run: Run) -> bool:
 
 def probe_and_log(run: Run) -> None:
     """Probe the target encoder on the labelled probe set (probe_every_steps) and log the scores."""
+    # Imported here, not at the top: scikit-learn and SciPy take 2 s to import, which each run that does not probe (a
+    # smoke test, every process of a sharded run, a dry run) would pay at its start.
+    from runprobe import probe_auroc
     scores = probe_auroc(run.model, run.probe_set, run.rt.device)
     run.log.metrics({"split": "probe", "step": run.state.step, **scores})
     run.log.print(f"probe step {run.state.step:>6d} | auroc {scores['probe_auroc']:.3f} (mean-pool), "
@@ -617,6 +620,7 @@ def finish(run: Run, signals: StopSignals) -> None:
     if cfg.summary_probe and probes_in_this_process(run.rt):
         try:
             with signals.at_once():
+                from runprobe import prepare_probe_set, verdict  # (imported where a run probes: see probe_and_log)
                 result = verdict(run.model, cfg, run.probe_set or prepare_probe_set(cfg), run.rt.device)
         except StopRequested:
             raise preempted(run, [signals.received]) from None

@@ -7,7 +7,6 @@ found by itself). Without one they are skipped, unless OCTJEPA_REQUIRE_XLA=1 (CI
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -54,11 +53,24 @@ def flags_for(tmp_path, phantoms, cache_dir, *extra):
     return smoke_flags(tmp_path, phantoms, "--cache_dir", cache_dir, "--val_every_steps", "1000", *extra)
 
 
-def test_xla_loop_matches_the_cpu_loop_over_20_updates(tmp_path, smoke_phantoms, cache_dir, xla_python):
-    common = ("--max_steps", "20", "--log_every_steps", "1", "--ckpt_dir", "none")
-    run_train(xla_python, flags_for(tmp_path / "cpu", smoke_phantoms, cache_dir, *common, "--device", "cpu"))
-    run_train(xla_python, flags_for(tmp_path / "xla", smoke_phantoms, cache_dir, *common, "--device", "xla"))
-    cpu, xla = train_lines(tmp_path / "cpu" / "runs" / "r"), train_lines(tmp_path / "xla" / "runs" / "r")
+REFERENCE_FLAGS = ("--max_steps", "20", "--log_every_steps", "1", "--ckpt_every_steps", "4", "--keep_last", "5")
+
+
+@pytest.fixture(scope="module")
+def reference_runs(tmp_path_factory, smoke_phantoms, cache_dir, xla_python) -> dict:
+    """Run folders of the same 20 updates (a checkpoint every 4): {"xla": on the XLA device, "xla_venv_cpu": on the CPU
+    of the torch_xla venv (the same torch: the same initial weights), "cpu": on the CPU of this process (plain torch
+    of another version, without torch_xla)}."""
+    out = tmp_path_factory.mktemp("reference_runs")
+    for name, device in (("xla", "xla"), ("xla_venv_cpu", "cpu")):
+        run_train(xla_python, flags_for(out / name, smoke_phantoms, cache_dir, *REFERENCE_FLAGS, "--device", device))
+    assert main(flags_for(out / "cpu", smoke_phantoms, cache_dir, *REFERENCE_FLAGS, "--device", "cpu")) == 0
+    return {name: out / name / "runs" / "r" for name in ("xla", "xla_venv_cpu", "cpu")}
+
+
+@pytest.mark.xdist_group("xla_reference")  # on the worker that made reference_runs (once)
+def test_xla_loop_matches_the_cpu_loop_over_20_updates(reference_runs):
+    xla, cpu = train_lines(reference_runs["xla"]), train_lines(reference_runs["xla_venv_cpu"])
     assert [r["step"] for r in xla] == list(range(1, 21))
     np.testing.assert_allclose([r["loss"] for r in xla], [r["loss"] for r in cpu], rtol=1e-4)
     np.testing.assert_allclose([r["grad_norm"] for r in xla], [r["grad_norm"] for r in cpu], rtol=1e-3)
@@ -146,31 +158,32 @@ def test_nan_on_xla_is_skipped_on_the_device_without_a_recompile(tmp_path, smoke
     assert [e["step"] for e in skips] == [7] and skips[0]["files"]
 
 
-def test_checkpoints_move_between_xla_and_plain_cpu_torch(tmp_path, smoke_phantoms, cache_dir, xla_python):
-    """Written on XLA, resumed by torch without torch_xla (this venv), and the other way round: the resumed
+@pytest.mark.xdist_group("xla_reference")  # on the worker that made reference_runs (once)
+def test_checkpoints_move_between_xla_and_plain_cpu_torch(tmp_path, smoke_phantoms, cache_dir, xla_python,
+                                                          reference_runs):
+    """Written on XLA, resumed by torch without torch_xla (this process), and the other way round: the resumed
     updates give the losses the uninterrupted run had."""
-    common = ("--max_steps", "6", "--log_every_steps", "1", "--ckpt_every_steps", "4")
-    for writer, reader, name in ((xla_python, sys.executable, "xla_to_cpu"), (sys.executable, xla_python, "cpu_to_xla")):
-        writer_device, reader_device = ("xla", "cpu") if writer == xla_python else ("cpu", "xla")
-        straight = tmp_path / name / "straight"
-        run_train(writer, flags_for(straight, smoke_phantoms, cache_dir, *common, "--device", writer_device))
-        (step_4,) = [p for p in list_checkpoints(str(straight / "runs" / "r" / "checkpoints")) if p.endswith("step_0000004.pt")]
-        resumed = tmp_path / name / "resumed"
-        run_train(reader, flags_for(resumed, smoke_phantoms, cache_dir, *common, "--device", reader_device,
-                                    "--resume", step_4))
-        expected = [r["loss"] for r in train_lines(straight / "runs" / "r") if r["step"] > 4]
-        got = [r["loss"] for r in train_lines(resumed / "runs" / "r")]
-        assert len(got) == 2
-        np.testing.assert_allclose(got, expected, rtol=1e-4, err_msg=name)
+    for writer, reader in (("xla", "cpu"), ("cpu", "xla")):
+        (step_4,) = [p for p in list_checkpoints(str(reference_runs[writer] / "checkpoints"))
+                     if p.endswith("step_0000004.pt")]
+        flags = flags_for(tmp_path / f"{writer}_to_{reader}", smoke_phantoms, cache_dir, *REFERENCE_FLAGS,
+                          "--device", reader, "--resume", step_4)
+        if reader == "xla":
+            run_train(xla_python, flags)
+        else:
+            assert main(flags) == 0
+        resumed = tmp_path / f"{writer}_to_{reader}" / "runs" / "r"
+        assert len(losses(resumed)) == 16
+        np.testing.assert_allclose(losses(resumed), losses(reference_runs[writer], after=4), rtol=1e-4,
+                                   err_msg=f"{writer} to {reader}")
 
 
-def test_bf16_autocast_on_xla_gives_the_fp32_loss(tmp_path, smoke_phantoms, cache_dir, xla_python):
+@pytest.mark.xdist_group("xla_reference")  # on the worker that made reference_runs (once)
+def test_bf16_autocast_on_xla_gives_the_fp32_loss(tmp_path, smoke_phantoms, cache_dir, xla_python, reference_runs):
     """A bf16 mean over thousands of loss terms, reduced in bf16 by XLA, once read 0.60 for an fp32 loss of 0.88."""
-    common = ("--device", "xla", "--max_steps", "3", "--log_every_steps", "1", "--ckpt_dir", "none")
-    run_train(xla_python, flags_for(tmp_path / "fp32", smoke_phantoms, cache_dir, *common))
-    run_train(xla_python, flags_for(tmp_path / "bf16", smoke_phantoms, cache_dir, *common, "--use_bf16", "true"))
-    fp32, bf16 = train_lines(tmp_path / "fp32" / "runs" / "r"), train_lines(tmp_path / "bf16" / "runs" / "r")
-    np.testing.assert_allclose([r["loss"] for r in bf16], [r["loss"] for r in fp32], rtol=1e-2)
+    run_train(xla_python, flags_for(tmp_path, smoke_phantoms, cache_dir, *REFERENCE_FLAGS, "--device", "xla",
+                                    "--use_bf16", "true", "--ckpt_dir", "none"))
+    np.testing.assert_allclose(losses(tmp_path / "runs" / "r"), losses(reference_runs["xla"]), rtol=1e-2)
 
 
 def test_two_xla_hosts_resume_from_one_checkpoint_or_both_stop(tmp_path, smoke_phantoms, cache_dir, xla_python):
