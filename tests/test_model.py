@@ -177,6 +177,30 @@ def test_each_hmlp_token_is_a_nonlinear_function_of_its_own_tubelets_voxels_only
     assert (stem(2 * x) - zero - 2 * (stem(x) - zero)).abs().max() > 1e-3  # linear maps would give 0
 
 
+@pytest.mark.parametrize("patch, shape", [(PATCH, [2, 1, 8, 32, 32]), ([4, 16, 16], [1, 1, 9, 35, 50]),
+                                          ([2, 4, 4], [3, 1, 2, 4, 4])])
+def test_the_hmlp_stem_computes_its_three_convolutions_and_their_gradients(patch, shape):
+    """Its matmuls on each tubelet's cells are the three Conv3d's its weights belong to (exported and loaded as such),
+    voxels past the last whole tubelet dropped as a convolution drops them."""
+    torch.manual_seed(0)
+    stem = tubelet_embedding(patch, 32, "hmlp")
+    x = torch.randn(shape)
+
+    def convolutions(volume):
+        for layer in stem:
+            volume = layer._conv_forward(volume, layer.weight, layer.bias) if isinstance(layer, torch.nn.Conv3d) \
+                else layer(volume)
+        return volume
+
+    ours, theirs = stem(x), convolutions(x)
+    assert ours.shape == theirs.shape
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    weight = torch.randn_like(ours)
+    grads = [torch.autograd.grad((f(x) * weight).sum(), list(stem.parameters())) for f in (stem, convolutions)]
+    for ours, theirs in zip(*grads):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+
+
 def test_the_hmlp_stem_is_refused_for_a_tubelet_it_cannot_cut_naming_the_sizes():
     with pytest.raises(ValueError, match=r"'hmlp' with patch_size \[4, 6, 8\]"):
         tubelet_embedding([4, 6, 8], 64, "hmlp")
