@@ -465,8 +465,9 @@ def test_ddp_two_processes_match_one_process(tmp_path, smoke_phantoms):
 def test_demo_run_learns_the_recipe_and_its_verdict_reads_a_valid_task_truthfully(tmp_path):
     """`python train.py` with no arguments, as in the README (a run name only): the recipe on 48 varied eyes, then the
     verdict on `lesion` (valid: hand-made features read it near chance) beside its random init and the best hand-made
-    features. Seed 0 under the tests' fixed key (2026-11-27): attentive 0.751, +0.112 [+0.046, +0.178] over its random
-    init and +0.203 [+0.165, +0.242] over the histogram; position share 0.647 against 0.734 (experiments/NOTES.md, 21)."""
+    features. Seed 0 under the tests' fixed key (2026-11-27, the stem as matmuls): attentive 0.750, +0.111 [+0.044,
+    +0.178] over its random init and +0.202 [+0.163, +0.242] over the histogram; position share 0.647 against 0.734
+    (experiments/NOTES.md, 21 and 22)."""
     result = run_cli(["--run_name", "demo"], cwd=tmp_path, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = train_lines(tmp_path / "runs" / "demo")
