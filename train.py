@@ -552,8 +552,8 @@ def validate_and_log(run: Run) -> bool:
 
 def probe_and_log(run: Run) -> None:
     """Probe the target encoder on the labelled probe set (probe_every_steps) and log the scores."""
-    # Imported here, not at the top: scikit-learn and SciPy take 2 s to import, which each run that does not probe (a
-    # smoke test, every process of a sharded run, a dry run) would pay at its start.
+    # Imported here, not at the top: scikit-learn and SciPy take over a second to import, which each run that does not
+    # probe (a smoke test, every process of a sharded run, a dry run) would pay at its start.
     from runprobe import probe_auroc
     scores = probe_auroc(run.model, run.probe_set, run.rt.device)
     run.log.metrics({"split": "probe", "step": run.state.step, **scores})
