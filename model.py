@@ -140,8 +140,8 @@ def cells_last(weight: torch.Tensor) -> torch.Tensor:
 class HMLPStem(nn.Sequential):
     """The hierarchical MLP stem (Touvron et al., ECCV 2022): 1x2x2 voxel cells -> E/2 channels, 2x2x2 of those -> E/2,
     the rest of the tubelet -> E, with GELU between. Its layers are Conv3d's whose kernel is their stride (keys
-    {0,2,4}.weight/bias), computed as three matmuls on each tubelet's cells (equal to the convolutions to rounding,
-    2x faster on a CPU)."""
+    {0,2,4}.weight/bias), computed as three matmuls on each tubelet's cells (equal to the convolutions to rounding;
+    a demo update 0.875x as long on one CPU thread: experiments/speed/stem_ab.py)."""
 
     def __init__(self, patch_size: Sequence[int], dim: int):
         pd, ph, pw = patch_size
@@ -345,7 +345,8 @@ class VJEPA3D(nn.Module):
 
     def eager(self) -> contextlib.AbstractContextManager:
         """A context in which the compiled parts run eagerly (any batch size, no recompiles: evaluation); for a model
-        never compiled, nothing, so that an eager run never imports torch._dynamo (a second of every script's start)."""
+        never compiled, nothing: a script that builds no optimizer (--help, a bad config, the encoder scripts) then
+        never imports torch._dynamo, a second of its start."""
         return torch.compiler.set_stance("force_eager") if self.compiled else contextlib.nullcontext()
 
     def num_trainable_params(self) -> int:
