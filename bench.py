@@ -338,6 +338,7 @@ def time_updates(cfg, rt: runtime.Runtime, batch: dict, warmup: int, repeats: in
             return result
 
         v.update(model=model, update=update, times=[], cpu_times=[])
+        runtime.materialize_state(model, variant_rt)  # XLA: the first update compiles the graph of them all
         if rt.kind == "cuda":
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()

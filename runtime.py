@@ -384,6 +384,18 @@ def mark_step(rt: Runtime) -> None:
         xla_modules().torch_xla.sync()
 
 
+def materialize_state(model: torch.nn.Module, rt: Runtime) -> None:
+    """XLA: the weights, the EMA target and the optimizer state computed now, as every update will find them, so
+    that update 1 compiles the graph that the later updates reuse (a no-op elsewhere). `model`: VJEPA3D."""
+    if rt.kind != "xla":
+        return
+    # The EMA writes the target's weights in place at every update. Never written, they made update 1 trace a graph of
+    # its own, and update 2 compiled the whole update a second time (the smoke config on CPU PJRT: 3 compiles by
+    # update 2, not 2). Any in-place write before this sync avoids it; an EMA step of momentum 1 changes nothing.
+    model.update_target(torch.ones((), device=rt.device))
+    mark_step(rt)
+
+
 def to_cpu(obj):
     """A (nested) state as CPU tensors, so a checkpoint from CUDA or XLA loads anywhere. CPU tensors are not copied:
     a checkpoint is written before the next update changes them."""

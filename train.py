@@ -36,9 +36,9 @@ from checkpoint import (check_checkpoint_folder, checkpoint_everywhere, checkpoi
                         plan_record, read_checkpoint, resolve_run_dir, restore, resumed_plan, split_fingerprint)
 from lock import lease_lost, run_folder_lock, stop_if_taken_over
 from runtime import (PendingDeviceStats, Runtime, StopRequested, StopSignals, adamw_state, any_process,
-                     check_ranks_agree, gather_objects, global_value, mark_step, master_decides, place_model,
-                     probes_in_this_process, reduce_mean, setup_runtime, state_bytes_per_device, to_device, wrap_ddp,
-                     xla_counters)
+                     check_ranks_agree, gather_objects, global_value, mark_step, master_decides, materialize_state,
+                     place_model, probes_in_this_process, reduce_mean, setup_runtime, state_bytes_per_device,
+                     to_device, wrap_ddp, xla_counters)
 from phantom import ensure_builtin_phantoms
 from schedules import Hyperparameters, describe_extension, hyperparameters_at
 
@@ -430,7 +430,7 @@ def train(cfg: Config, rt: Runtime) -> int:
         if run.val_volumes:
             run.val_loader = make_val_loader(run.val_ds, run.val_volumes, run.local_batch, workers=cfg.workers,
                                              rank=rt.process_index, process_count=rt.process_count)
-        mark_step(rt)  # XLA: weights and optimizer state materialised now: update 1 compiles the graph update 2 reuses
+        materialize_state(run.model, rt)  # XLA: update 1 then compiles the graph that every later update reuses
         run.log.device_memory(run.state.step, state_bytes_per_device(run.model, run.optimizer, rt), rt)  # collective
         train_loop(run, signals)
         finish(run, signals)
