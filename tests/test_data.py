@@ -4,8 +4,6 @@ import json
 import os
 import pickle
 import shutil
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -23,12 +21,12 @@ from config import ConfigError, load_config
 from corpora import jpeg_lossless, write_broken_corpus, write_decoys
 from data import (EpochSampler, NoUsableData, OCTDataset, build_datasets, cache_path, collate, load_prepared,
                   load_val_sample, make_loader, resample, split_by_patient)
+from data import main as data_main
 from dicom import UnusableFile
 from index import find_files, format_reason_table, read_index, scan_files, write_index
 from phantom import STYLES, ensure_builtin_phantoms, quantize, synth_reflectivity, write_oct, write_phantom
 from volumes import read_volume
 
-REPO = Path(__file__).resolve().parents[1]
 SMALL = (8, 64, 64)
 # pydicom's own note on each truncated JPEG 2000 file of the broken corpus; data.py reports them as `truncated`
 pytestmark = pytest.mark.filterwarnings("ignore:End of file reached before delimiter")
@@ -38,8 +36,15 @@ def config(**overrides):
     return load_config([], **{"image_size": [8, 32, 32], "patch_size": [4, 8, 8], "workers": 0, **overrides})
 
 
-def run_data_cli(*args):
-    return subprocess.run([sys.executable, str(REPO / "data.py"), *args], cwd=REPO, capture_output=True, text=True)
+def run_data_cli(capsys, *args):
+    """`python data.py ARGS`, run in this process: (exit code, stdout, stderr)."""
+    capsys.readouterr()
+    try:
+        code = data_main(list(args))
+    except SystemExit as e:  # argparse's own usage errors
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 def file_name(record):
@@ -218,23 +223,22 @@ def test_scan_index_lists_every_file_exactly_once(phantom_dir, broken_dir, tmp_p
     assert [len(r["paths"]) for r in series] == [32, 32]  # one record per series, not per file
 
 
-def test_scan_cli_prints_the_maker_table_and_writes_the_index(phantom_dir, broken_dir, tmp_path):
+def test_scan_cli_prints_the_maker_table_and_writes_the_index(phantom_dir, broken_dir, tmp_path, capsys):
     root, expected, _ = broken_dir
-    result = run_data_cli("scan", str(root / "broken"), "--out", str(tmp_path / "index.jsonl"))
-    assert result.returncode == 0, result.stderr  # rejects are a report, not a failure
-    assert "Heidelberg Engineering" in result.stdout and "truncated" in result.stdout
-    assert "undecodable" in result.stdout
+    code, out, err = run_data_cli(capsys, "scan", str(root / "broken"), "--out", str(tmp_path / "index.jsonl"))
+    assert code == 0, err  # rejects are a report, not a failure
+    assert "Heidelberg Engineering" in out and "truncated" in out and "undecodable" in out
     index = read_index(str(tmp_path / "index.jsonl"))
     assert {Path(r["paths"][0]).name: r["reason"] for r in index} == expected
-    result = run_data_cli("scan", phantom_dir, "--sop_classes", "any")
-    assert result.returncode == 0 and "10 usable volumes" in result.stdout
+    code, out, _ = run_data_cli(capsys, "scan", phantom_dir, "--sop_classes", "any")
+    assert code == 0 and "10 usable volumes" in out
 
 
 @pytest.mark.parametrize("args", [["scan", "/no/such/folder"], ["scan"], ["scan", ".", "--sop_classes", "mri"],
                                   ["scan", ".", "--no_such_flag", "1"], ["bogus"]])
-def test_data_cli_bad_input_exits_2_with_a_message(args):
-    result = run_data_cli(*args)
-    assert result.returncode == 2 and result.stderr.strip()
+def test_data_cli_bad_input_exits_2_with_a_message(args, capsys):
+    code, _, err = run_data_cli(capsys, *args)
+    assert code == 2 and err.strip()
 
 
 def test_manifest_paths_are_relative_to_the_root(phantom_dir, tmp_path):
@@ -462,11 +466,11 @@ def test_cache_key_changes_with_spacing_size_and_version(monkeypatch, tmp_path):
     assert len(keys) == 6
 
 
-def test_prepare_cli_fills_the_cache_that_training_reads(phantom_dir, tmp_path):
-    result = run_data_cli("prepare", phantom_dir, "--cache", str(tmp_path / "c"), "--image_size", "8,32,32",
-                          "--patch_size", "4,8,8", "--workers", "2")
-    assert result.returncode == 0, result.stderr
-    assert "10 volumes prepared" in result.stdout
+def test_prepare_cli_fills_the_cache_that_training_reads(phantom_dir, tmp_path, capsys):
+    code, out, err = run_data_cli(capsys, "prepare", phantom_dir, "--cache", str(tmp_path / "c"), "--image_size",
+                                  "8,32,32", "--patch_size", "4,8,8", "--workers", "2")
+    assert code == 0, err
+    assert "10 volumes prepared" in out
     assert len(list((tmp_path / "c").glob("*.npy"))) == 10
     cfg = config(data_root=phantom_dir, cache_dir=str(tmp_path / "c"))
     assert all(os.path.exists(cache_path(cfg, r["paths"])) for r in build_datasets(cfg)[0].records)

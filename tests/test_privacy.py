@@ -14,6 +14,8 @@ import pydicom
 import pytest
 
 import data
+import encoder
+import finetune
 from config import ConfigError, load_config
 from helpers import REPO
 from index import list_sources, read_index, scan_files
@@ -114,12 +116,13 @@ def test_nothing_that_leaves_the_machine_names_a_patient_a_study_or_a_source_pat
     runs, share = tmp_path / "runs", tmp_path / "share"
     tool("train.py", "--config", "configs/smoke.yaml", "--data_root", clinic, "--out_dir", str(runs), "--run_name",
          "r", "--max_steps", "4", "--wandb", "offline", "--phantom_dir", smoke_phantoms)
-    tool("data.py", "scan", clinic, "--out", str(tmp_path / "index.jsonl"))  # the index stays on this machine
-    tool("encoder.py", "export", "--ckpt", str(runs / "r" / "checkpoints"), "--out", str(share / "encoder"))
-    tool("encoder.py", "embed", "--encoder", str(share / "encoder"), "--data_root", clinic, "--out",
-         str(share / "embeddings.npz"), "--workers", "0")
-    tool("finetune.py", "--encoder", str(share / "encoder"), "--labels", str(labels), "--out", str(share / "ft"),
-         "--folds", "2", "--modes", "full", "--epochs", "1", "--batch_size", "4")
+    # The other scripts in this process: only train.py leaves its command line behind (in its W&B record).
+    assert data.main(["scan", clinic, "--out", str(tmp_path / "index.jsonl")]) == 0  # the index stays on this machine
+    assert encoder.main(["export", "--ckpt", str(runs / "r" / "checkpoints"), "--out", str(share / "encoder")]) == 0
+    assert encoder.main(["embed", "--encoder", str(share / "encoder"), "--data_root", clinic, "--out",
+                         str(share / "embeddings.npz"), "--workers", "0"]) == 0
+    assert finetune.main(["--encoder", str(share / "encoder"), "--labels", str(labels), "--out", str(share / "ft"),
+                          "--folds", "2", "--modes", "full", "--epochs", "1", "--batch_size", "4"]) == 0
     synced = [p for p in (runs / "r" / "wandb").rglob("*") if not p.name.startswith("debug")]  # W&B's own local logs
     leaving = [p for p in [*share.rglob("*"), *synced] if p.is_file()]  # (debug*.log) are never uploaded
     assert {p.name for p in leaving} >= {"config.json", "embeddings.npz", "fold.json", "report.json"}
@@ -264,7 +267,6 @@ def test_the_wandb_offline_record_holds_no_host_name(tmp_path, smoke_phantoms):
 
 def test_an_interrupted_embed_keeps_keyed_ids_not_paths_in_its_partial_rows(tmp_path, phantom_dir, export_dir,
                                                                            monkeypatch):
-    import encoder
     clinic, identifiers = clinic_copy(phantom_dir, tmp_path / "clinic")
     identifiers |= {clinic, "HOFFMANN"}
 
