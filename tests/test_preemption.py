@@ -15,6 +15,7 @@ import pytest
 
 from checkpoint import checkpoint_path, list_checkpoints, step_of
 from helpers import REPO, ddp_flags, events, metrics, run_cli, smoke_flags, stderr_excerpt, torchrun
+from train import main
 
 PREEMPTED = 75
 
@@ -129,8 +130,7 @@ def test_sigterm_to_torchrun_stops_both_processes_at_one_update_and_any_number_o
     # The same checkpoint resumed on 1 process (a smaller spot pool) instead of 2: world size is not in the plan.
     one = tmp_path / "one"
     shutil.copytree(tmp_path / "runs", one)
-    single = run_cli([*[f.replace(str(tmp_path / "runs"), str(one)) for f in flags], "--resume", "auto"])
-    assert single.returncode == 0, stderr_excerpt(single)
+    assert main([*[f.replace(str(tmp_path / "runs"), str(one)) for f in flags], "--resume", "auto"]) == 0
 
     resumed = torchrun(tmp_path, "read_once", *flags, "--resume", "auto")  # process 1's first read fails: retried
     assert resumed.returncode == 0, stderr_excerpt(resumed)

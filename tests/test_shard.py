@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from helpers import (REPO, SHARD_FLAGS, assert_holds_a_share, assert_same_state, final_checkpoint, losses,
-                     metrics, run_cli, smoke_flags, stderr_excerpt)
+                     metrics, smoke_flags, stderr_excerpt)
+from train import main
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("shard_unsharded")]  # one worker builds `unsharded` once
 
@@ -17,8 +18,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("shard_unsharded")]  # o
 def unsharded(tmp_path_factory, smoke_phantoms):
     """The reference: one process, nothing sharded. Its run folder."""
     out = tmp_path_factory.mktemp("unsharded")
-    result = run_cli(smoke_flags(out, smoke_phantoms, *SHARD_FLAGS, "--per_core_batch_size", "4"))
-    assert result.returncode == 0, stderr_excerpt(result)
+    assert main(smoke_flags(out, smoke_phantoms, *SHARD_FLAGS, "--per_core_batch_size", "4")) == 0
     return out / "runs" / "r"
 
 
@@ -46,9 +46,8 @@ def test_fsdp_over_2_processes_trains_like_one_process_on_half_the_memory_and_it
     assert_holds_a_share(sharded, unsharded, 1 / 2)
 
     # The sharded run's checkpoint of update 4, resumed by one unsharded process, continues it exactly.
-    resumed = run_cli(smoke_flags(tmp_path / "one", smoke_phantoms, *SHARD_FLAGS, "--per_core_batch_size", "4",
-                                  "--resume", str(sharded / "checkpoints" / "step_0000004.pt")))
-    assert resumed.returncode == 0, stderr_excerpt(resumed)
+    assert main(smoke_flags(tmp_path / "one", smoke_phantoms, *SHARD_FLAGS, "--per_core_batch_size", "4",
+                            "--resume", str(sharded / "checkpoints" / "step_0000004.pt"))) == 0
     np.testing.assert_allclose(losses(tmp_path / "one" / "runs" / "r"), losses(unsharded, after=4), rtol=1e-5)
 
 
