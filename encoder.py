@@ -52,7 +52,6 @@ from typing import List, Optional, Tuple
 import numpy as np
 import torch
 import torch.nn.functional as F
-from matplotlib.figure import Figure
 from sklearn.decomposition import PCA
 
 from checkpoint import resolve_checkpoint
@@ -68,7 +67,7 @@ from pretrained import (CONFIG_FILE, WEIGHTS_FILE, ExportError, PretrainedEncode
 from privacy import keyed_id, share_safe_source, volume_key
 from labels import encode_volumes, read_labels, task_targets
 from readouts import fit_attentive, stratified_split
-from runlog import counted, progress
+from runlog import counted, new_figure, progress
 from runtime import fetch_to_host, probe_device, release_freed_memory, setup_runtime, to_device
 from storage import write_atomic
 from volumes import read_volume
@@ -503,7 +502,7 @@ def show(encoder_dir: str, labels_csv: str, out: str, cli: Config, vs_random: bo
     looked = {arm: looks(t, encoder.grid, labels, shown) for arm, t in tokens.items()}
     titles = ["input B-scan", "features (PCA 1-3 as RGB)", "attentive probe's attention", "input en face",
               "features en face (PCA)", "attention en face"]
-    fig = Figure(figsize=(15, 2.3 * len(shown) * len(arms) + 0.8))
+    fig = new_figure((15, 2.3 * len(shown) * len(arms) + 0.8))
     axes = fig.subplots(len(shown) * len(arms), len(titles), squeeze=False)
     for ax, title in zip(axes[0], titles):
         ax.set_title(title, fontsize=10)

@@ -15,7 +15,6 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
-from matplotlib.figure import Figure
 from tqdm import tqdm
 
 from config import Config, RunPlan, phantom_labels_path
@@ -425,9 +424,16 @@ def size_text(n_bytes: float) -> str:
     return f"{n_bytes / 2 ** 30:.1f} GiB" if n_bytes >= 2 ** 30 else f"{n_bytes / 2 ** 20:.2f} MiB"
 
 
+def new_figure(figsize: Tuple[float, float]):
+    """A matplotlib Figure (no pyplot, so no display). matplotlib is imported here, at a process's first picture, not
+    with this module: ~0.4 s of CPU at every train.py start, and a run's processes other than the first draw none."""
+    from matplotlib.figure import Figure
+    return Figure(figsize=figsize)
+
+
 def save_schedule_plot(schedules: Dict[str, List[float]], path: str) -> None:
     """PNG of each schedule (name -> its value at every update of the run)."""
-    fig = Figure(figsize=(4 * len(schedules), 3))
+    fig = new_figure((4 * len(schedules), 3))
     for ax, (name, values) in zip(fig.subplots(1, len(schedules)), schedules.items()):
         ax.plot(np.arange(len(values)), values)
         ax.set_title(name)
@@ -445,7 +451,7 @@ def save_mask_plot(sample: dict, cfg: Config, stats: dict, path: str) -> None:
     pd, ph, pw = cfg.patch_size
     targets = sample["target_idx"].numpy().reshape(-1, sample["target_idx"].shape[-1])  # [M, Nt]
     frame = volume.shape[0] // 2
-    fig = Figure(figsize=(15, 4 * len(targets)))
+    fig = new_figure((15, 4 * len(targets)))
     for row, target_idx in zip(fig.subplots(len(targets), 3, squeeze=False), targets):
         is_target = np.zeros(gd * gh * gw, bool)
         is_target[target_idx] = True
@@ -476,7 +482,7 @@ def save_training_plot(history: List[dict], path: str) -> None:
     val = [r for r in history if r["split"] == "val"]
     if not train:
         return
-    fig = Figure(figsize=(16, 3))
+    fig = new_figure((16, 3))
     for ax, key in zip(fig.subplots(1, 4), ("loss", "target_std", "grad_norm", "lr")):
         ax.plot([r["step"] for r in train], [r[key] for r in train], label="train")
         if key in ("loss", "target_std") and val:

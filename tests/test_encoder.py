@@ -563,8 +563,9 @@ def test_each_commands_help_lists_the_config_flags_it_takes_and_claims_no_others
     assert "runs/demo/checkpoints" in encoder_cli.__doc__ and "data/phantoms_probe/labels.csv" in encoder_cli.__doc__
 
 
-def test_the_scripts_import_no_compiler_before_parsing_their_arguments_and_train_no_probes():
+def test_the_scripts_import_no_compiler_before_parsing_their_arguments_and_train_no_probes_or_plots():
     code = ("import sys, train; assert 'sklearn' not in sys.modules, 'scikit-learn imported by train.py'\n"
+            "assert 'matplotlib' not in sys.modules, 'matplotlib imported before a picture is drawn'\n"
             "import encoder; assert 'torch._dynamo' not in sys.modules, 'torch._dynamo imported'")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
