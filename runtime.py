@@ -224,8 +224,10 @@ class StopSignals:
                     f"at once (losing the updates since the last checkpoint)\n".encode())
 
 
-class StopRequested(Exception):
-    """A stop signal inside StopSignals.at_once(): the work in progress is abandoned."""
+class StopRequested(BaseException):
+    """A stop signal inside StopSignals.at_once(): the work in progress is abandoned. A BaseException, like
+    KeyboardInterrupt: raised from the signal handler wherever the code is, it must pass through the `except
+    Exception` that turns any failure to read a file into an unusable file (dicom.py), not end up counted as one."""
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -14,6 +14,9 @@ test_xla.py use it for the multi-process stories. Faults, comma-separated:
     report       each process prints the update it resumed at and how many checkpoint states it built
     race_lock    the process waits at the run folder's lock until the file $OCTJEPA_TEST_GO exists (after touching
                  $OCTJEPA_TEST_READY.PID), then judges a gone holder slowly (0.5 s): a second process judges meanwhile
+    sigterm_in_probe, sigint_in_probe
+                 the process sends itself SIGTERM (or SIGINT, Ctrl-C) from inside the DICOM reader, while the
+                 end-of-run verdict reads its second labelled volume
 
 usage: torchrun ... tests/faults.py FAULTS TRAIN_FLAGS...   (or one python per simulated XLA host, RANK=0, 1...)
 """
@@ -107,5 +110,24 @@ if "race_lock" in faults:
         return gone
 
     lock.take_lock, lock.holder_is_gone = take_lock, holder_is_gone
+
+if faults & {"sigterm_in_probe", "sigint_in_probe"}:
+    import signal
+    import pydicom
+    import runprobe
+    stop = signal.SIGTERM if "sigterm_in_probe" in faults else signal.SIGINT
+    real_prepare_probe_set, real_dcmread, probe_reads = runprobe.prepare_probe_set, pydicom.dcmread, []
+
+    def dcmread(*args, **kwargs):
+        probe_reads.append(args)
+        if len(probe_reads) == 2:
+            os.kill(os.getpid(), stop)  # its handler runs here, inside the reader's `try`
+        return real_dcmread(*args, **kwargs)
+
+    def prepare_probe_set(*args, **kwargs):
+        pydicom.dcmread = dcmread  # from here on every read is the verdict's
+        return real_prepare_probe_set(*args, **kwargs)
+
+    runprobe.prepare_probe_set = prepare_probe_set
 
 sys.exit(train.main(sys.argv[2:]))
