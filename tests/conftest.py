@@ -19,7 +19,7 @@ if "OCTJEPA_PATIENT_KEY_FILE" not in os.environ:
     os.chmod(os.environ["OCTJEPA_PATIENT_KEY_FILE"], 0o600)  # a key file others can read is refused (privacy.py)
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    # A worker per core (pytest.ini's -n): torch's threads in each worker, and in the runs its tests start, would
+    # More workers than cores (pytest.ini's -n): torch's threads in each worker, and in the runs its tests start, would
     # contend for the cores, where torch's spinning threads slow training many times over (measured on two busy
     # cores: test_frozen_target_overfits_one_batch 131 s with two threads, 7 s with one).
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported (by helpers, below): it reads it once

@@ -14,10 +14,12 @@ from typing import Optional
 import pytest
 import torch
 
+from checkpoint import list_checkpoints
+
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = str(REPO / "configs" / "smoke.yaml")
 # 14 updates of 4 volumes, a checkpoint every 4; one process with per_core_batch_size 4 is the reference of the
-# sharded runs (tests/test_shard.py, tests/test_xla.py).
+# sharded runs (tests/test_shard.py).
 SHARD_FLAGS = ("--max_steps", "14", "--ckpt_every_steps", "4", "--keep_last", "5", "--val_every_steps", "100",
                "--log_every_steps", "1")
 
@@ -125,8 +127,8 @@ def losses(run_dir, after: int = 0):
 
 
 def final_checkpoint(run_dir) -> dict:
-    """The state in the last checkpoint of a SHARD_FLAGS run (update 14)."""
-    return torch.load(run_dir / "checkpoints" / "step_0000014.pt", weights_only=True)
+    """The state in the newest step checkpoint of a run."""
+    return torch.load(list_checkpoints(str(run_dir / "checkpoints"))[0], weights_only=True)
 
 
 def read_wandb_records(path):

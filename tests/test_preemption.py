@@ -125,8 +125,11 @@ def test_sigterm_to_torchrun_stops_both_processes_at_one_update_and_any_number_o
     (stop,) = events(run_dir, "preempted")
     assert stop["signals"] == ["SIGTERM", "SIGTERM"] and 8 <= stop["step"] < 30
     assert list_checkpoints(str(run_dir / "checkpoints"))[0] == stop["checkpoint"]
-    # Only the writer built the checkpoint's state (process 1 would hold a full copy for nothing).
-    assert "process 1: checkpoint states built: 0" in err and "process 0: checkpoint states built: 1" in err
+    # Only the writer built the checkpoints' states (process 1 would hold a full copy for nothing): the stop's, and
+    # the best one of update 10's validation when the signal came after it (on a busy machine).
+    written = len(events(run_dir, "checkpoint"))
+    assert "process 1: checkpoint states built: 0" in err, err[-3000:]
+    assert f"process 0: checkpoint states built: {written}" in err, err[-3000:]
 
     # The same checkpoint resumed on 1 process (a smaller spot pool) instead of 2: world size is not in the plan.
     one = tmp_path / "one"
