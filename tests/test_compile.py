@@ -27,13 +27,18 @@ def train_losses(run_dir) -> dict:
     return {r["step"]: (r["loss"], r["grad_norm"]) for r in train_lines(run_dir)}
 
 
-def one_update(cfg, batch, compiled: bool, mode: str = "default"):
+def one_update(cfg, micro_batches, compiled: bool, mode: str = "default"):
     torch.manual_seed(0)
     model = VJEPA3D.from_config(cfg)
     if compiled:
         model.compile_parts(mode)
     optimizer = make_optimizer(model, cfg, CPU)
-    return model, optimizer, train_update(model, optimizer, [batch], Hyperparameters(1e-3, 0.05, 0.99), cfg, CPU)
+    return model, optimizer, train_update(model, optimizer, micro_batches, Hyperparameters(1e-3, 0.05, 0.99), cfg, CPU)
+
+
+def halves(batch: dict) -> list:
+    """The batch as two micro-batches of one update (their gradients add up)."""
+    return [{k: v[i::2] for k, v in batch.items()} for i in (0, 1)]
 
 
 @pytest.mark.slow
@@ -43,8 +48,8 @@ def test_a_compiled_update_gives_the_eager_loss_and_grad_norm_without_graph_brea
     batch = synthetic_batch(cfg, cfg.per_core_batch_size)
     torch._dynamo.reset()
     counters.clear()
-    _, _, eager = one_update(cfg, batch, compiled=False)
-    model, optimizer, compiled = one_update(cfg, batch, compiled=True)
+    _, _, eager = one_update(cfg, [batch], compiled=False)
+    model, optimizer, compiled = one_update(cfg, [batch], compiled=True)
     torch.testing.assert_close(compiled.loss, eager.loss, rtol=1e-5, atol=0)
     torch.testing.assert_close(compiled.grad_norm, eager.grad_norm, rtol=1e-5, atol=0)
     assert not counters["graph_break"], dict(counters["graph_break"])
@@ -63,20 +68,21 @@ def test_a_compiled_update_gives_the_eager_loss_and_grad_norm_without_graph_brea
 @pytest.mark.slow
 def test_the_reduce_overhead_mode_gives_the_eager_update_and_marks_each_update(monkeypatch):
     """compile_mode reduce-overhead: CUDA graphs on a GPU; on the CPU the default mode, which this checks: the same loss,
-    grad norm and weights as eager, and each update (not each micro-batch, nor validation) starts a CUDA-graph step."""
+    grad norm and weights as eager for an update of two micro-batches, and each update (not each micro-batch, nor
+    validation) starts a CUDA-graph step. Every update has the same shapes: one compile, not two."""
     cfg = load_config(["--config", SMOKE, "--compile_mode", "reduce-overhead"])
-    batch = synthetic_batch(cfg, cfg.per_core_batch_size)
+    micro_batches = halves(synthetic_batch(cfg, cfg.per_core_batch_size))  # the shapes of every update here
     torch._dynamo.reset()
-    eager_model, eager_optimizer, eager = one_update(cfg, batch, compiled=False)
-    model, optimizer, compiled = one_update(cfg, batch, compiled=True, mode=cfg.compile_mode)
+    eager_model, eager_optimizer, eager = one_update(cfg, micro_batches, compiled=False)
+    model, optimizer, compiled = one_update(cfg, micro_batches, compiled=True, mode=cfg.compile_mode)
     torch.testing.assert_close(compiled.loss, eager.loss, rtol=1e-5, atol=0)
     torch.testing.assert_close(compiled.grad_norm, eager.grad_norm, rtol=1e-5, atol=0)
     assert_same_first_update(model, optimizer, eager_model, eager_optimizer)
     assert model.cudagraphs and not eager_model.cudagraphs
     steps = []
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: steps.append(1))
-    halves = [{k: v[i::2] for k, v in batch.items()} for i in (0, 1)]  # two micro-batches: their gradients add up
-    train_update(model, make_optimizer(model, cfg, CPU), halves, Hyperparameters(1e-3, 0.05, 0.99), cfg, CPU)
+    train_update(model, make_optimizer(model, cfg, CPU), halves(synthetic_batch(cfg, cfg.per_core_batch_size, seed=1)),
+                 Hyperparameters(1e-3, 0.05, 0.99), cfg, CPU)
     validate(model, [synthetic_batch(cfg, 1, seed=2)], 1, cfg, CPU)
     assert steps == [1]
 
