@@ -53,7 +53,8 @@ from config import ConfigError, ScriptParser, given_flags, load_config, script_m
 from data import OCTDataset, load_prepared, make_loader
 from masks import mask_generator_from_config
 from model import VJEPA3D, activation_bytes_per_sample, training_flops_per_sample, transformer_flops
-from runlog import choose_auto_settings, size_text
+from plan import choose_auto_settings
+from runlog import size_text
 from phantom import STYLES, quantize, spacing_for, synth_reflectivity, write_oct
 
 SYNTAXES = (("uncompressed 8-bit", ExplicitVRLittleEndian, 8), ("uncompressed 16-bit", ExplicitVRLittleEndian, 16),

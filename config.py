@@ -193,7 +193,7 @@ CHOICES = {
     "extend_schedule": ("stretch", "rewarm"),
     "compile_mode": ("default", "reduce-overhead", "max-autotune-no-cudagraphs"),
 }
-# true | false | auto: auto is decided where the run starts, from its device (train.py, runlog.choose_auto_settings)
+# true | false | auto: auto is decided where the run starts, from its device (train.py, plan.choose_auto_settings)
 AUTO_FIELDS = ("grad_checkpointing", "compile")
 LIST_LENGTHS = {"image_size": 3, "patch_size": 3, "target_spacing": 3, "clip_percentiles": 2,
                 "adam_betas": 2, "local_loss_split": 3}

@@ -65,11 +65,13 @@ from model import POOLS, pool_name, pool_tokens
 from pretrained import (CONFIG_FILE, WEIGHTS_FILE, ExportError, PretrainedEncoder, export_contract, load_encoder,
                         random_encoder)
 from privacy import keyed_id, share_safe_source, volume_key
-from labels import encode_volumes, read_labels, task_targets
+from labels import read_labels, task_targets
 from readouts import fit_attentive, stratified_split
-from runlog import counted, new_figure, progress
+from progress import counted, progress
+from runlog import new_figure
 from runtime import fetch_to_host, probe_device, release_freed_memory, setup_runtime, to_device
 from storage import write_atomic
+from tokens import encode_volumes
 from volumes import read_volume
 
 CLI_FIELDS = {"export": (), "embed": ("device", "cache_dir", "workers", "data_root", "manifest_path", "index_path"),

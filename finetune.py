@@ -58,16 +58,17 @@ from config import Config, ConfigError, Preempted, ScriptParser, given_flags, lo
 from data import resample_and_clip, to_sample
 from dicom import UnusableFile
 from index import format_reason_table
-from labels import TokenFile, encode_volumes, read_label_rows
+from labels import read_label_rows
 from lock import process_is_gone, process_started, this_machine
 from pretrained import PretrainedEncoder, load_encoder, random_encoder, save_encoder
 from privacy import share_safe_source, site_secret, volume_key
 from readouts import (TEST_FRACTION, AttentiveProbe, classification_scores, fit_attentive, interval,
                       paired_difference, split_scores, stratified_split)
-from runlog import counted
+from progress import counted
 from runtime import StopRequested, StopSignals, probe_device, release_freed_memory
 from schedules import cosine_ramp
 from storage import write_atomic
+from tokens import TokenFile, encode_volumes
 from volumes import read_volume
 
 CLI_FIELDS = ("device", "seed")
@@ -207,7 +208,7 @@ def model_inputs(data: LabelledSet, idx, cfg: Config, rng: Optional[np.random.Ge
 
 def labelled_tokens(encoder: PretrainedEncoder, data: LabelledSet, cfg: Config, device, name: str,
                     batch_size: int = 8) -> TokenFile:
-    """Frozen tokens [M, N, E] of every labelled volume (labels.encode_volumes of their validation crops, made one at
+    """Frozen tokens [M, N, E] of every labelled volume (tokens.encode_volumes of their validation crops, made one at
     a time) in the file `name` beside the prepared volumes: neither is held in memory."""
     crops = (model_inputs(data, [i], cfg)[0] for i in range(len(data.paths)))
     return encode_volumes({name: encoder}, crops, device, batch_size, folder=data.prepared.folder.name)[name]

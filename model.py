@@ -317,7 +317,7 @@ class VJEPA3D(nn.Module):
     @classmethod
     def from_config(cls, cfg) -> "VJEPA3D":
         """The model a Config describes (its MODEL_FIELDS), with its grad_checkpointing (auto, not yet decided for a
-        device: off; train.py and bench.py decide it first: runlog.choose_auto_settings)."""
+        device: off; train.py and bench.py decide it first: plan.choose_auto_settings)."""
         model = cls(**{name: getattr(cfg, name) for name in MODEL_FIELDS})
         model.set_grad_checkpointing(cfg.grad_checkpointing is True)
         return model

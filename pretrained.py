@@ -124,7 +124,7 @@ class ExportedEncoder(Encoder):
 
     @torch.no_grad()
     def encode(self, volume: torch.Tensor) -> torch.Tensor:
-        """Frozen tokens [B,N,E] without gradients, as VJEPA3D.encode gives them (labels.encode_volumes uses either)."""
+        """Frozen tokens [B,N,E] without gradients, as VJEPA3D.encode gives them (tokens.encode_volumes uses either)."""
         return self(volume)
 
 

@@ -40,12 +40,13 @@ import dense
 from checkpoint import read_model_checkpoint, resolve_checkpoint
 from config import Config, ConfigError, ScriptParser, given_flags, load_config, script_main
 from health import position_share
-from labels import encode_volumes, load_labelled_volumes, phantom_set_labels, task_targets
+from labels import load_labelled_volumes, phantom_set_labels, task_targets
 from phantom import set_voxel_layers
 from readouts import READOUTS, TEST_FRACTION, Task, beats, intervals, paired_difference, probe_split, readout_scores
 from references import VALID_CEILING_MIN, VALID_SHORTCUT_MAX, handmade_scores, supervised_scores
 from runprobe import random_model
 from runtime import probe_device
+from tokens import encode_volumes
 
 CKPT_FIELDS = ("phantom_dir", "cache_dir", "device")  # the config flags that apply to a checkpoint
 # The built-in tasks, by the phantom set they use (labels.PHANTOM_SETS); a dense task's targets: dense.TOKEN_TASKS

@@ -29,8 +29,8 @@ from sklearn.model_selection import GridSearchCV, StratifiedKFold
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
-from labels import Tokens, chunk_rows, token_chunks
 from model import POOLS, pool_tokens
+from tokens import Tokens, chunk_rows, token_chunks
 
 TEST_FRACTION = 0.4  # share of each class held out
 LINEAR_CS = (0.003, 0.03, 0.3, 3.0)  # logistic regression: inverse L2 strengths tried by cross-validation

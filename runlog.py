@@ -10,19 +10,15 @@ import shlex
 import sys
 import time
 from collections import deque
-from dataclasses import asdict, replace
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from dataclasses import asdict
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
 from config import Config, RunPlan, phantom_labels_path
-from model import VJEPA3D, activation_bytes_per_sample, memory_per_device, training_flops_per_sample
-from masks import describe_masks, mask_generator_from_config, mask_stats
 from privacy import share_safe_config
-from runtime import device_memory_bytes
-from schedules import hyperparameters_at
 from storage import write_atomic
 
 
@@ -240,190 +236,6 @@ def start_wandb(cfg: Config, run_dir: str):
     return run
 
 
-def describe_run(cfg: Config, plan: RunPlan, train_ds, val_ds, rt, schedules: list, masks: str) -> str:
-    """The dry run's preflight report: sizes, tokens, FLOPs, memory, the masks (`masks`: masks.describe_masks's
-    lines) and the schedules (schedules.Hyperparameters of every update) at milestones."""
-    with torch.device("meta"):  # the model's shapes only: no memory for weights (a ViT-g's would fill a laptop)
-        model = VJEPA3D.from_config(cfg)
-    n_context, n_target = cfg.token_counts()
-    flops = training_flops_per_sample(cfg)
-    params = model.num_trainable_params()
-    fsdp = (cfg.fsdp_size or rt.world_size) if cfg.shard == "fsdp" else 1
-    lines = [
-        f"device            {rt.kind} x {rt.world_size} replica(s), {rt.process_count} process(es)",
-        f"data              {len(train_ds)} train / {len(val_ds)} val volumes",
-        f"batch             global {plan.global_batch_size} = {plan.per_core_batch_size} per replica x "
-        f"{plan.world_size} replicas x {plan.grad_accum_steps} accumulation",
-        f"updates           {plan.total_steps} ({plan.steps_per_epoch}/epoch), warmup {plan.warmup_steps}",
-        f"parameters        {params:,} trainable (encoder + predictor), plus the EMA target encoder",
-        f"tokens/sample     {n_context + n_target} (grid {cfg.grid_size()}): {n_context} context, {n_target} target",
-        f"FLOPs/sample      {flops['total'] / 1e9:.2f} GFLOP per training step "
-        f"(context {flops['context_encoder'] / 1e9:.2f}, predictor {flops['predictor'] / 1e9:.2f}, "
-        f"target {flops['target_encoder'] / 1e9:.2f})",
-        describe_memory(cfg, model, fsdp, plan.per_core_batch_size),
-    ]
-    if cfg.patch_stem != "linear" or cfg.local_loss_weight > 0:
-        lines.append(describe_recipe_cost(cfg))
-    lines.append(masks)
-    geometry = getattr(train_ds, "geometry_report", None)
-    if callable(geometry):
-        lines.append(geometry())
-    lines.append("schedule          step      lr         wd       ema")
-    for step in sorted({0, plan.warmup_steps, plan.total_steps // 2, plan.total_steps - 1}):
-        s = schedules[step]
-        lines.append(f"                  {step:<9d} {s.lr:<10.3g} {s.wd:<8.3g} {s.ema:.5f}")
-    return "\n".join(lines)
-
-
-def describe_recipe_cost(cfg: Config) -> str:
-    """The dry run's line of what the recipe (the hmlp stem, the local loss) costs over a linear stem without the local
-    loss at the same sizes: FLOPs per sample and the activations kept for backward per sample."""
-    plain = replace(cfg, patch_stem="linear", local_loss_weight=0.0)
-    flops, plain_flops = training_flops_per_sample(cfg)["total"], training_flops_per_sample(plain)["total"]
-    extra = activation_bytes_per_sample(cfg) - activation_bytes_per_sample(plain)
-    return (f"recipe cost       {cfg.patch_stem} stem, local loss {cfg.local_loss_weight:g}: {flops / plain_flops:.2f}x "
-            f"the FLOPs (+{(flops - plain_flops) / 1e9:.1f} GFLOP) and +{extra / 2 ** 30:.2f} GiB of activations per "
-            f"sample over a linear stem without the local loss")
-
-
-def dry_run_report(cfg: Config, plan: RunPlan, train_ds, val_ds, rt, run_dir: str, notes: List[str]) -> None:
-    """The dry run (incident 9): print the preflight report (the auto settings' `notes`, then describe_run's) and
-    save schedules.png and mask.png in run_dir; nothing trains."""
-    os.makedirs(run_dir, exist_ok=True)
-    schedules = [hyperparameters_at(step, cfg, plan) for step in range(plan.total_steps)]
-    masks = mask_generator_from_config(cfg)
-    print("\n".join(notes + [describe_run(cfg, plan, train_ds, val_ds, rt, schedules, describe_masks(masks))]))
-    save_schedule_plot({"lr": [s.lr for s in schedules], "weight decay": [s.wd for s in schedules],
-                        "EMA momentum": [s.ema for s in schedules]}, os.path.join(run_dir, "schedules.png"))
-    save_mask_plot(train_ds[(0, 0)], cfg, mask_stats(masks), os.path.join(run_dir, "mask.png"))
-    print(f"dry run: nothing trained; schedule and mask pictures in {run_dir}/")
-
-
-# Memory of some accelerators (GiB), for the dry run's "fits / will not fit".
-DEVICE_MEMORY_GIB = {"TPU v5e": 16, "L4": 24, "TPU v4": 32, "TPU v6e": 32, "A100 40GB": 40, "H100": 80,
-                     "TPU v5p": 95, "H200": 141}
-HEADROOM = 0.9  # share of a device's memory a run may plan to use (the rest: runtime, compiler, fragmentation)
-
-
-def describe_memory(cfg: Config, model, fsdp: int, batch: int) -> str:
-    """The dry run's memory lines: model.memory_per_device with the weights sharded over `fsdp` devices at `batch`
-    volumes per device, the named devices that fits (using HEADROOM of them) and will not fit, and the totals of
-    other fsdp sizes."""
-    parts = memory_per_device(cfg, model, fsdp, batch)
-    total = sum(parts.values())
-    named = {f"{name} ({size} GiB)": total <= HEADROOM * size * 2 ** 30 for name, size in DEVICE_MEMORY_GIB.items()}
-    fits, too_small = [n for n, ok in named.items() if ok], [n for n, ok in named.items() if not ok]
-    verdict = (f"will NOT fit {', '.join(too_small)}" + (f"; fits {', '.join(fits)}" if fits else "") if too_small
-               else f"fits every named device, the smallest {fits[0]}") + f" (using {HEADROOM:.0%} of a device)"
-    others = ", ".join(f"{n}: {size_text(sum(memory_per_device(cfg, model, n, batch).values()))}"
-                       for n in (1, 2, 4, 8, 16, 32, 64))
-    return "\n".join([
-        f"memory/device     ~{size_text(total)} at batch {batch} per device, "
-        + (f"weights sharded over {fsdp} devices (shard: fsdp)" if fsdp > 1 else "weights not sharded"),
-        f"                  weights {size_text(parts['weights'])}, gradients {size_text(parts['gradients'])}, AdamW "
-        f"{size_text(parts['adamw'])}, EMA target {size_text(parts['ema_target'])}, gathered whole "
-        f"{size_text(parts['gathered'])}, activations {size_text(parts['activations'])} "
-        f"({size_text(activation_bytes_per_sample(cfg))}/sample)",
-        f"                  {verdict}",
-        f"by fsdp size      per device at batch {batch}: {others}"])
-
-
-# The activation estimate was 0.7x the measured peak at ViT-L without checkpointing (14.5 GiB against 20.2 GiB, bf16,
-# batch 2, one H100; shared/gpu-figures.md): auto plans with the estimate times this.
-AUTO_MEMORY_MARGIN = 1.5
-
-
-def choose_auto_settings(cfg: Config, rt, batch: int) -> Tuple[Config, List[str]]:
-    """cfg with `compile` and `grad_checkpointing` decided where they say auto, for this run's device (rt) at `batch`
-    volumes per device, and a console line for each decision saying what and why. compile: on CUDA only (fewer,
-    fused kernels; on the CPU it bought 3-9% for minutes of compiling; XLA compiles the update itself).
-    grad_checkpointing: off where the memory estimate without it (memory_per_device, times AUTO_MEMORY_MARGIN) fits
-    HEADROOM of the device's memory (a device that does not say: the smallest of DEVICE_MEMORY_GIB), else on."""
-    notes, changes = [], {}
-    if cfg.compile == "auto":
-        changes["compile"] = rt.kind == "cuda"
-        why = {"cuda": "on CUDA: fused kernels, fewer launches", "cpu": "on the CPU it buys 3-9% for its compile time",
-               "xla": "XLA compiles the whole update itself"}[rt.kind]
-        notes.append(f"compile auto -> {'on' if changes['compile'] else 'off'} ({why}; --compile true/false to choose)")
-    if cfg.grad_checkpointing == "auto":
-        with torch.device("meta"):
-            model = VJEPA3D.from_config(cfg)
-        need = {on: sum(memory_per_device(replace(cfg, grad_checkpointing=on), model, rt.fsdp_size, batch).values())
-                for on in (False, True)}
-        memory, device = device_memory_bytes(rt)
-        if memory is None:
-            name, size = min(DEVICE_MEMORY_GIB.items(), key=lambda item: item[1])
-            memory, device = size * 2 ** 30, f"{device}, planned as a {name}"
-        budget = HEADROOM * memory
-        changes["grad_checkpointing"] = on = AUTO_MEMORY_MARGIN * need[False] > budget
-        verdict = (f"{'does not fit' if on else 'fits'} {HEADROOM:.0%} of {device} ({size_text(memory)})"
-                   + (f"; with it ~{size_text(need[True])}" + (" (will NOT fit either: shard, or a smaller batch)"
-                                                               if need[True] > budget else "") if on else ""))
-        notes.append(f"grad_checkpointing auto -> {'on' if on else 'off'}: ~{size_text(need[False])} per device "
-                     f"without it at batch {batch} (x{AUTO_MEMORY_MARGIN} margin: "
-                     f"{size_text(AUTO_MEMORY_MARGIN * need[False])}) {verdict}")
-    return replace(cfg, **changes), notes
-
-
-def duration_text(seconds: float) -> str:
-    """A duration in words: 45s, 3m20s, 2h05m."""
-    seconds = int(round(seconds))
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-
-
-class ProgressLines:
-    """Progress for a log file, nohup or SLURM (no terminal): a line on stderr every `every` items and at the last,
-    with the items done, the time so far and an estimate of the time left. Used like a tqdm bar (update, close,
-    with)."""
-
-    def __init__(self, total: int, desc: str, unit: str, initial: int = 0, every: Optional[int] = None):
-        self.total, self.desc, self.unit, self.n, self.first = total, desc, unit, initial, initial
-        self.every = every or max(1, (total - initial) // 10)
-        self.start = time.monotonic()
-
-    def update(self, n: int = 1) -> None:
-        """n more items done; a line when a multiple of `every` or the last item is passed."""
-        self.n += n
-        if (self.n - self.first) // self.every > (self.n - n - self.first) // self.every or self.n == self.total:
-            elapsed, done = time.monotonic() - self.start, self.n - self.first
-            left = f", about {duration_text(elapsed / done * (self.total - self.n))} left" if self.n < self.total else ""
-            print(f"{self.desc}: {self.n}/{self.total} {self.unit}s, {duration_text(elapsed)}{left}", file=sys.stderr,
-                  flush=True)
-
-    def close(self) -> None:
-        """Nothing to tidy (the tqdm interface)."""
-
-    def __enter__(self) -> "ProgressLines":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def progress(total: int, desc: str, unit: str, initial: int = 0, every: Optional[int] = None):
-    """A tqdm bar on a terminal, ProgressLines (a plain line every `every` items, with the time left) otherwise."""
-    if sys.stderr.isatty():
-        return tqdm(total=total, initial=initial, desc=desc, unit=unit, dynamic_ncols=True)
-    return ProgressLines(total, desc, unit, initial, every)
-
-
-def counted(items: Sequence, desc: str, unit: str, every: Optional[int] = None) -> Iterator:
-    """Each item in turn, with progress(): an item counts as done when the loop asks for the next one."""
-    with progress(len(items), desc, unit, every=every) as bar:
-        for item in items:
-            yield item
-            bar.update(1)
-
-
-def size_text(n_bytes: float) -> str:
-    """Bytes as a short text in MiB or GiB (0.35 MiB, 12.4 GiB)."""
-    return f"{n_bytes / 2 ** 30:.1f} GiB" if n_bytes >= 2 ** 30 else f"{n_bytes / 2 ** 20:.2f} MiB"
-
-
 def new_figure(figsize: Tuple[float, float]):
     """A matplotlib Figure (no pyplot, so no display). matplotlib is imported here, at a process's first picture, not
     with this module: ~0.4 s of CPU at every train.py start, and a run's processes other than the first draw none."""
@@ -573,3 +385,8 @@ def summary(history: List[dict], run_dir: str, cfg: Config, state, result: Optio
         lines += [f"next (docs/encoder.md): {commands[0]}"] + [f"{'':24}{c}" for c in commands[1:]]
     lines.append("=" * 72)
     return "\n".join(lines)
+
+
+def size_text(n_bytes: float) -> str:
+    """Bytes as a short text in MiB or GiB (0.35 MiB, 12.4 GiB)."""
+    return f"{n_bytes / 2 ** 30:.1f} GiB" if n_bytes >= 2 ** 30 else f"{n_bytes / 2 ** 20:.2f} MiB"

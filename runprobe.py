@@ -17,10 +17,11 @@ import torch
 
 from config import Config
 from health import position_share
-from labels import encode_volumes, load_labelled_volumes, phantom_labels, task_targets
+from labels import load_labelled_volumes, phantom_labels, task_targets
 from model import VJEPA3D, pool_tokens
 from readouts import TEST_FRACTION, linear_probe, paired_difference, readout_scores, stratified_split
 from references import VALID_SHORTCUT_MAX, handmade_scores
+from tokens import encode_volumes
 
 PROBE_SET_VOLUMES = 240  # at most this many volumes are kept in memory for probing during pretraining
 VERDICT_READOUTS = ("attentive", "depth_rows")  # what the verdict reads: the suite's headline read-out, a linear one
@@ -57,7 +58,7 @@ def random_model(cfg: Config) -> VJEPA3D:
 
 
 def frozen_tokens(models: Dict[str, VJEPA3D], volumes: torch.Tensor, device) -> Dict[str, torch.Tensor]:
-    """Each model's target-encoder tokens [M, N, E] of volumes [M, 1, D, H, W] (labels.encode_volumes) in eval
+    """Each model's target-encoder tokens [M, N, E] of volumes [M, 1, D, H, W] (tokens.encode_volumes) in eval
     mode, leaving each model's training mode as it was."""
     modes = {name: model.training for name, model in models.items()}
     tokens = encode_volumes({name: model.eval() for name, model in models.items()}, volumes, device)

@@ -1,5 +1,6 @@
 """Train a 3D V-JEPA on OCT volumes. The loop is spelled out top to bottom in train_loop(), one iteration per optimizer
-update; devices and processes are in runtime.py, checkpoint files in checkpoint.py, logs and pictures in runlog.py.
+update; devices and processes are in runtime.py, checkpoint files in checkpoint.py, logs and pictures in
+runlog.py, the dry run's plan in plan.py.
 
     python train.py                                   # the built-in demo (phantoms, CPU, a few minutes): runs/demo/
     python train.py --config configs/pretrain_single_domain.yaml --data_root gs://bucket/oct
@@ -30,8 +31,8 @@ from data import build_datasets, format_reason_table, make_loader, make_val_load
 from masks import mask_generator_from_config
 from model import VJEPA3D
 from health import position_share_of_sums, position_sums, rankme
-from runlog import (RunLog, Throughput, choose_auto_settings, dry_run_report, format_train_line, json_number,
-                    save_training_plot, summary)
+from plan import choose_auto_settings, dry_run_report
+from runlog import RunLog, Throughput, format_train_line, json_number, save_training_plot, summary
 from checkpoint import (check_checkpoint_folder, checkpoint_everywhere, checkpoint_path, load_resume_checkpoint,
                         plan_record, read_checkpoint, resolve_run_dir, restore, resumed_plan, split_fingerprint)
 from lock import lease_lost, run_folder_lock, stop_if_taken_over

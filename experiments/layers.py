@@ -19,7 +19,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 from config import load_config  # noqa: E402  (the repo's flat modules)
 from checkpoint import read_model_checkpoint, resolve_checkpoint  # noqa: E402
-from labels import encode_volumes, load_labelled_volumes, phantom_set_labels, task_targets  # noqa: E402
+from labels import load_labelled_volumes, phantom_set_labels, task_targets  # noqa: E402
+from tokens import encode_volumes  # noqa: E402
 from probe import SUITE  # noqa: E402
 from readouts import READOUTS, readout_scores  # noqa: E402
 from runprobe import random_model  # noqa: E402

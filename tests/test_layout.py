@@ -75,6 +75,31 @@ def test_writing_a_checkpoint_or_a_log_line_does_not_load_the_dicom_reader():
         assert not loaded_with(name) & READER, (name, sorted(loaded_with(name)))
 
 
+def test_the_read_outs_load_neither_the_dicom_reader_nor_the_phantom_writer_nor_the_logs():
+    """readouts.py scores frozen tokens (tokens.py): a notebook that imports it reads no DICOM file."""
+    loaded = loaded_with("readouts")
+    assert not loaded & (READER | {"phantom", "labels", "runlog"}), sorted(loaded)
+    assert len(loaded - {"readouts"}) <= 6, sorted(loaded)
+
+
+def test_progress_lines_import_nothing_of_the_project_so_any_module_can_show_progress():
+    assert loaded_with("progress") == {"progress"}, sorted(loaded_with("progress"))
+    assert "runlog" not in loaded_with("labels"), sorted(loaded_with("labels"))
+
+
+def test_the_import_graph_has_at_most_ten_floors():
+    """A floor: 1 for a module that imports none of the project, else 1 + the highest floor of what it imports."""
+    edges = {name: imported_modules(path) for name, path in MODULES.items()}
+    floors = {}
+
+    def floor(module):
+        if module not in floors:
+            floors[module] = 1 + max((floor(m) for m in edges[module]), default=0)
+        return floors[module]
+
+    assert max(floor(m) for m in MODULES) <= 10, sorted(floors.items(), key=lambda item: -item[1])[:5]
+
+
 def test_data_flows_down_the_reader_loads_no_writer_of_phantoms():
     """train.py and sanity.py write the built-in phantoms before they index them; the reader only reads them."""
     assert "phantom" not in loaded_with("data"), sorted(loaded_with("data"))

@@ -46,7 +46,7 @@ def test_production_config_is_the_29_4m_vjepa3d_plus_the_recipes_hmlp_stem_and_l
 
 
 def test_dry_run_memory_says_a_vit_g_will_not_fit_a_16_gib_device_unless_sharded():
-    from runlog import describe_memory
+    from plan import describe_memory
     cfg = load_config(["--config", "configs/pretrain_vitg.yaml"])
     with torch.device("meta"):
         model = VJEPA3D.from_config(cfg)

@@ -18,6 +18,8 @@ from health import rankme
 from model import VJEPA3D
 from objectives import feature_std
 from phantom import INNER_VARIED_LABELS, VARIED_LABELS, Eye, draw_eye, synth_reflectivity, write_phantom_set
+import tokens as tokens_module
+from tokens import TokenFile
 from helpers import one_thread, phantom_flags  # noqa: F401 (one_thread: autouse, tiny models in one thread)
 
 TINY = ["--image_size", "8,32,32", "--patch_size", "4,8,8", "--embed_dim", "24", "--depth", "1", "--num_heads", "2",
@@ -75,10 +77,10 @@ def test_probes_of_tokens_in_a_file_read_a_few_volumes_at_a_time_learn_what_they
     train, test = readouts.stratified_split(targets, readouts.TEST_FRACTION, seed=0)
     in_memory = readouts.fit_attentive(tokens, targets, train, seed=0)  # one chunk: full batch
     expected = readouts.split_scores(tokens, targets, train, test, 0, readouts.READOUTS, GRID)
-    stored = labels.TokenFile(str(tmp_path / "tokens"))
+    stored = TokenFile(str(tmp_path / "tokens"))
     for i in range(0, len(tokens), 7):
         stored.append(tokens[i:i + 7])
-    monkeypatch.setattr(labels, "TOKEN_CHUNK_BYTES", 5 * tokens[0].numel() * 4)  # 5 volumes at a time
+    monkeypatch.setattr(tokens_module, "TOKEN_CHUNK_BYTES", 5 * tokens[0].numel() * 4)  # 5 volumes at a time
     from_file = readouts.fit_attentive(stored, targets, train, seed=0)
     assert stored.shape == tokens.shape and torch.equal(stored[test], tokens[test])
     for name, weights in in_memory.state_dict().items():

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-import runlog
+import plan
 import train
 from config import load_config, plan_run
 from checkpoint import list_checkpoints, read_checkpoint
@@ -433,15 +433,15 @@ def test_dry_run_prints_the_preflight_and_saves_pictures(tmp_path, smoke_phantom
 def test_auto_settings_weigh_the_memory_estimate_against_the_device_and_say_why(monkeypatch):
     cfg = load_config(["--config", SMOKE])  # compile and grad_checkpointing: auto
     cpu = Runtime(torch.device("cpu"), "cpu", 1, 0, 1, 1)
-    chosen, notes = runlog.choose_auto_settings(cfg, cpu, 2)
+    chosen, notes = plan.choose_auto_settings(cfg, cpu, 2)
     assert chosen.compile is False and chosen.grad_checkpointing is False
     assert notes[0].startswith("compile auto -> off") and notes[1].startswith("grad_checkpointing auto -> off: ~")
-    monkeypatch.setattr(runlog, "device_memory_bytes", lambda rt: (2 ** 20, "a 1 MiB GPU"))
-    chosen, notes = runlog.choose_auto_settings(cfg, dataclasses.replace(cpu, kind="cuda"), 2)
+    monkeypatch.setattr(plan, "device_memory_bytes", lambda rt: (2 ** 20, "a 1 MiB GPU"))
+    chosen, notes = plan.choose_auto_settings(cfg, dataclasses.replace(cpu, kind="cuda"), 2)
     assert chosen.compile is True and chosen.grad_checkpointing is True
     assert "does not fit 90% of a 1 MiB GPU" in notes[1] and "will NOT fit either" in notes[1]
     fixed = load_config(["--config", SMOKE, "--compile", "false", "--grad_checkpointing", "true"])
-    assert runlog.choose_auto_settings(fixed, cpu, 2) == (fixed, [])
+    assert plan.choose_auto_settings(fixed, cpu, 2) == (fixed, [])
 
 
 @pytest.mark.slow
