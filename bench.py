@@ -290,7 +290,7 @@ def plain_vit_flops(model: VJEPA3D, volume: torch.Tensor, cfg, rt: runtime.Runti
     """FLOP/s of the context encoder alone over all tokens, forward and backward: what a plain ViT of the
     model's width reaches on this device (the ceiling for the JEPA update's extras to be measured against)."""
     def step():
-        with torch.autocast(rt.kind, dtype=torch.bfloat16, enabled=cfg.use_bf16):
+        with rt.autocast(cfg.use_bf16):
             model.encoder(volume).float().pow(2).mean().backward()
         runtime.mark_step(rt)
 

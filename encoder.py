@@ -1,9 +1,9 @@
 """Use a pretrained encoder: export it, embed a dataset with it, look at what it sees (docs/encoder.md).
-After the demo (`python train.py`, which writes runs/demo/ and its labelled phantoms data/phantoms_probe/):
+After the demo (`python train.py`, which writes runs/demo/ and its labelled phantoms data/phantoms_suite/):
 
     python encoder.py export --ckpt runs/demo/checkpoints --out runs/demo/encoder
     python encoder.py embed --encoder runs/demo/encoder --data_root data/phantoms --out runs/demo/embeddings.npz
-    python encoder.py show --encoder runs/demo/encoder --labels data/phantoms_probe/labels.csv --out runs/demo/show.png
+    python encoder.py show --encoder runs/demo/encoder --labels data/phantoms_suite/labels.csv --out runs/demo/show.png
     python encoder.py embed --encoder DIR --data_root gs://bucket/oct --out oct.npz --pool depth_rows --device cuda
 
 Fine-tuning on labelled volumes is finetune.py. An export is a folder that loads anywhere (torch, safetensors and
@@ -31,7 +31,7 @@ cuda and xla.
 show draws, for one labelled volume of each class and for the encoder beside a random init of its architecture: a
 B-scan and the en-face view of the input, the first three principal components of the patch features as RGB on
 both, and where an attentive probe (probe.py) trained on the labelled volumes looks (the PCA and the probe fit on at
-most --fit_volumes of them: memory does not grow with the labels file).
+most --fit_volumes of them, a sample drawn per class: time and memory do not grow with the labels file).
 
 Each command takes only the config flags it lists under its --help; the export brings its own model and
 preprocessing. Exit codes: config.EXIT_CODES (a bad argument or export is a ConfigError, no usable volume
@@ -65,7 +65,7 @@ from model import POOLS, pool_name, pool_tokens
 from pretrained import (CONFIG_FILE, WEIGHTS_FILE, ExportError, PretrainedEncoder, export_contract, load_encoder,
                         random_encoder)
 from privacy import keyed_id, share_safe_source, volume_key
-from labels import read_labels, task_targets
+from labels import read_label_table, task_targets
 from readouts import fit_attentive, stratified_split
 from progress import counted, progress
 from runlog import new_figure
@@ -426,7 +426,8 @@ def labelled_tokens(encoders: dict, cfg: Config, labels_csv: str, wanted: Option
     labels [M] and class names, the indices of the shown ones (the rows `wanted`, 1 = the first data row, else the
     first volume of each class), their inputs [S,1,D,H,W] and their labels-file rows, {reason: count} skipped, and
     how many rows the file has)."""
-    rows = read_labels(labels_csv)
+    table = read_label_table(labels_csv, ("label",))
+    rows = list(zip(table.paths, table.values["label"]))
     if wanted and not all(1 <= w <= len(rows) for w in wanted):
         raise ConfigError(f"volumes: {labels_csv} has rows 1 to {len(rows)}, not {wanted}.")
     fitting = set(fitting_rows([label for _, label in rows], wanted, fit_volumes, cfg.seed))
@@ -435,7 +436,7 @@ def labelled_tokens(encoders: dict, cfg: Config, labels_csv: str, wanted: Option
     def usable_volumes():
         """The fitting rows' model inputs [1, D, H, W], read one at a time; noting labels, shown ones and skips."""
         for row, (path, label) in counted([(r, v) for r, v in enumerate(rows, start=1) if r in fitting],
-                                          "show: encode", "volume"):
+                                          f"show: encode (at most --fit_volumes {fit_volumes})", "volume"):
             try:
                 volume = load_val_sample(path, cfg)  # [1,D,H,W]
             except UnusableFile as e:
@@ -521,7 +522,7 @@ def show(encoder_dir: str, labels_csv: str, out: str, cli: Config, vs_random: bo
     fitted = f"{len(labels)} labelled volumes" + (f" (a sample of the file's {rows})" if len(labels) < rows else "")
     title = (f"encoder after {update} updates: rows of the labels file, of {fitted}; p = the "
              f"probe's held-out probability of the class.\nPCA of the tokens minus their grid position's mean (PC1-3: "
-             f"{explained} of that variance); grid position explains {shares} of the token variance")
+             f"{explained} of that variance); grid position explains {shares} of these volumes' token variance")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=90)
@@ -562,8 +563,11 @@ def main(argv: List[str]) -> int:
     sh.add_argument("--labels", required=True, help="labels CSV (path,label) whose volumes fit the PCA and the probe")
     sh.add_argument("--out", required=True, help="the PNG to write")
     sh.add_argument("--no_random", action="store_true", help="leave out the random init of the architecture")
-    sh.add_argument("--fit_volumes", type=int, default=256, help="fit the PCA and the probe on at most N labelled "
-                    "volumes, drawn per class from a larger file (default 256; memory grows with N, not the file)")
+    sh.add_argument("--fit_volumes", type=int, default=256, help="the sample size: read, encode and fit the PCA and "
+                    "the probe on at most N labelled volumes, drawn per class in proportion (reproducibly: --seed) "
+                    "from a larger file, and the --volumes drawn. Time and memory grow with N, not the file: e.g. 32 "
+                    "for a quick look. Default 256, as before: bounded, so a large file costs no more; fewer volumes "
+                    "leave the held-out probe fewer of each class to learn from")
     sh.add_argument("--volumes", type=lambda v: [int(r) for r in v.split(",")], default=None,
                     help="rows of the labels CSV to draw, 1 = the first data row (e.g. 1,5,9; default: the first "
                          "volume of each class)")
@@ -586,7 +590,7 @@ def main(argv: List[str]) -> int:
                                 args.standardize, args.with_paths)
         print(f"{len(table['volume'])} volumes embedded in {args.out} ({table['embedding_shape'][1]} numbers each, "
               f"{computed} computed now{', standardized' if args.standardize else ''}); grid position explains "
-              f"{float(table['position_share']):.0%} of the token variance (position_share). Standardize each "
+              f"{float(table['position_share']):.0%} of these volumes' token variance (position_share). Standardize each "
               f"dimension before cosine, kNN or clustering: (embedding - mean) / std (docs/encoder.md).")
         if len(table["skipped_reason"]):
             print(f"{len(table['skipped_reason'])} files or volumes skipped:\n"

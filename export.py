@@ -2,9 +2,9 @@
 
     model.safetensors   the EMA target encoder's weights (pretrained.save_encoder)
     config.json         architecture, preprocessing contract, augmentation, input sizes, sha256, provenance
-    octjepa_encoder.py  pretrained.py's ExportedEncoder and monai_vit with what they need, copied from the source of
-                        model.py and pretrained.py (never a hand-kept copy), and a loader; torch, safetensors and
-                        numpy only
+    octjepa_encoder.py  pretrained.py's ExportedEncoder, monai_vit and monai_unetr with what they need, copied from
+                        the source of model.py and pretrained.py (never a hand-kept copy), and a loader; torch,
+                        safetensors and numpy only
     hubconf.py          torch.hub.load(FOLDER, "encoder", source="local")
     README.md           the model card (no paths)
 
@@ -28,8 +28,8 @@ import torch
 from checkpoint import read_model_checkpoint, resolve_checkpoint
 from config import Config, ConfigError
 from model import VJEPA3D
-from pretrained import (CONFIG_FILE, EXPORT_FORMAT, EXPORT_VERSION, WEIGHTS_FILE, ExportedEncoder, ExportError,
-                        export_config, load_encoder, save_encoder)
+from pretrained import (CONFIG_FILE, EXPORT_FORMAT, EXPORT_VERSION, MODEL_CARD, WEIGHTS_FILE, ExportedEncoder,
+                        ExportError, export_config, load_encoder, save_encoder)
 from privacy import share_safe_source
 from storage import exists, write_atomic
 
@@ -77,7 +77,7 @@ def round_trip_error(model: VJEPA3D, encoder: ExportedEncoder) -> float:
     return float((encoder.encode(volume) - model.encode(volume)).abs().max())
 
 
-STANDALONE_MODULE, HUBCONF, MODEL_CARD = "octjepa_encoder.py", "hubconf.py", "README.md"
+STANDALONE_MODULE, HUBCONF = "octjepa_encoder.py", "hubconf.py"
 
 STANDALONE_HEADER = '''"""An octjepa encoder, standalone: its architecture and its loader in one file that needs torch,
 safetensors and numpy (huggingface_hub optional). Written by octjepa's `encoder.py export` (code {commit}); the
@@ -91,7 +91,8 @@ an export whose code files differ from the sha256 in config.json).
     tokens = encoder(volume)            # volume [B,1,D,H,W] -> [B,N,E]; D,H,W: any multiple of the patch size
     embedding = encoder.embed(volume)   # [B,E] (pool="depth_rows": [B, gh*E])
     OCTJEPAEncoder.from_pretrained("path/to/this/folder")   # with huggingface_hub installed
-    vit = monai_vit(encoder)            # MONAI's ViT (UNETR's backbone) with these weights: vit(volume)[0] == tokens
+    vit = monai_vit(encoder)            # MONAI's ViT with these weights: vit(volume)[0] == tokens
+    unetr = monai_unetr(encoder, out_channels=2, img_size=[16, 64, 64])   # MONAI's UNETR with this encoder inside
 
 The input must be preprocessed as config.json's "preprocessing" says (octjepa's data.load_val_sample does it).
 """
@@ -207,7 +208,12 @@ encoder = load_encoder("THIS_FOLDER")
 tokens = encoder(volume)          # volume [B, 1, D, H, W], preprocessed as below -> tokens [B, N, {a['embed_dim']}]
 embedding = encoder.embed(volume) # [B, {a['embed_dim']}]: standardize each dimension before cosine or kNN
 ```
-Without octjepa, `torch.hub.load("THIS_FOLDER", "encoder", source="local")`, `from octjepa_encoder import load` and
+From the Hugging Face Hub, with octjepa and huggingface_hub: `from pretrained import HubEncoder`, then
+`encoder = HubEncoder.from_pretrained("REPO_ID")` (load_encoder of config.json, model.safetensors and this card);
+`encoder.save_pretrained(DIR)` and `encoder.push_to_hub(REPO_ID)` write those three, this card included.
+
+Without octjepa, where this folder holds its code files (an export does, a save_pretrained copy does not),
+`torch.hub.load("THIS_FOLDER", "encoder", source="local")`, `from octjepa_encoder import load` and
 `OCTJEPAEncoder.from_pretrained("THIS_FOLDER")` (huggingface_hub) **run this folder's Python files**
 (`hubconf.py`, `octjepa_encoder.py`): a received export is untrusted input, so use them only on one you trust, or
 load it with octjepa first (which refuses code files that differ from what was exported).
@@ -300,9 +306,9 @@ def model_definitions(roots: Sequence[str]) -> Tuple[str, str]:
 
 
 def standalone_module() -> str:
-    """The source of octjepa_encoder.py: pretrained.py's ExportedEncoder, monai_vit and export_contract with what
-    they need, and a loader."""
-    imports, definitions = model_definitions(["ExportedEncoder", "monai_vit", "export_contract"])
+    """The source of octjepa_encoder.py: pretrained.py's ExportedEncoder, monai_vit, monai_unetr and export_contract
+    with what they need, and a loader."""
+    imports, definitions = model_definitions(["ExportedEncoder", "monai_vit", "monai_unetr", "export_contract"])
     needed = ("import hashlib", "import json", "import os", "import safetensors.torch")
     imports += "".join(f"\n{line}" for line in needed if line not in imports.splitlines())
     return (STANDALONE_HEADER.format(commit=code_commit(), imports=imports) + "\n\n" + definitions + "\n" +

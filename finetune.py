@@ -22,8 +22,8 @@ kept. Multi-label: a binary probe per class (frozen), a binary attentive head pe
 over the classes.
 
 Splits: `kfold` (default): scikit-learn's StratifiedGroupKFold over patients (no patient in two folds), repeated
---repeats times with other shuffles. `probe`: probe.py's volume-level splits (seed r for repeat r, 40% held out), for
-comparing with probe.py's numbers (patients may then be on both sides). Scores per fold: AUROC (macro one-vs-rest)
+--repeats times with other shuffles. `probe`: probe.py's splits (seed r for repeat r, 40% held out; by patient when
+the CSV has a patient column, else by volume: patients may then be on both sides), for comparing with probe.py. Scores per fold: AUROC (macro one-vs-rest)
 and balanced accuracy, with mean and 95% t-interval over all folds; --vs_random runs a random init of the same
 architecture with the same splits, seeds and budget and adds the paired differences (pretrained - random).
 
@@ -40,6 +40,7 @@ import hashlib
 import json
 import math
 import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -54,16 +55,17 @@ import torch
 import torch.nn.functional as F
 from sklearn.model_selection import StratifiedGroupKFold
 
+from checkpoint import list_checkpoints
 from config import Config, ConfigError, Preempted, ScriptParser, given_flags, load_config, script_main
 from data import resample_and_clip, to_sample
 from dicom import UnusableFile
 from index import format_reason_table
-from labels import read_label_rows
+from labels import classification_targets, read_label_table
 from lock import process_is_gone, process_started, this_machine
-from pretrained import PretrainedEncoder, load_encoder, random_encoder, save_encoder
+from pretrained import ExportError, PretrainedEncoder, load_encoder, random_encoder, save_encoder
 from privacy import share_safe_source, site_secret, volume_key
-from readouts import (TEST_FRACTION, AttentiveProbe, classification_scores, fit_attentive, interval,
-                      paired_difference, split_scores, stratified_split)
+from readouts import (SCORE_BOUNDS, AttentiveProbe, classification_scores, fit_attentive, interval,
+                      paired_difference, probe_split, split_scores)
 from progress import counted
 from runtime import StopRequested, StopSignals, probe_device, release_freed_memory
 from schedules import cosine_ramp
@@ -73,7 +75,6 @@ from volumes import read_volume
 
 CLI_FIELDS = ("device", "seed")
 MODES = ("frozen", "full")
-PATIENT_COLUMN = "patient"
 
 
 TMP_PREFIX = "octjepa-finetune-"  # + the owner's pid.start.pid-namespace.boot-id- + a random suffix
@@ -127,6 +128,7 @@ class LabelledSet:
     patients: np.ndarray  # [M] patient keys
     paths: List[str]
     skipped: Dict[str, int]  # {reason: count} of unusable files
+    patients_listed: bool = False  # the patients come from the CSV's patient column (else from the DICOM headers)
 
     @property
     def strata(self) -> np.ndarray:
@@ -152,39 +154,12 @@ class FullSettings:
 # Labelled volumes
 # ----------------------------------------------------------------------------------------------------------
 
-def read_label_table(path: str) -> Tuple[List[str], np.ndarray, List[str], str, Optional[List[str]]]:
-    """(paths, targets, classes, task, patients or None) of a labels CSV: path,label (binary or multiclass: targets
-    [M] class ids, classes sorted) or path,<class>,<class>... (multilabel: targets [M, C] of 0/1); an optional
-    patient column. Paths are relative to the CSV's folder."""
-    rows = read_label_rows(path, "give a CSV with the header path,label or path,<class>,<class>...")
-    columns = list(rows[0]) if rows else []
-    if "path" not in columns or len(set(columns) - {"path", PATIENT_COLUMN}) < 1:
-        raise ConfigError(f"labels: {path} needs a header path,label (one class per volume) or path,<class>,<class>... "
-                          f"(multi-label, 1 or 0 per class) and at least one row; found {columns}.")
-    paths = [r["path"] for r in rows]
-    patients = [r[PATIENT_COLUMN] for r in rows] if PATIENT_COLUMN in columns else None
-    if "label" in columns:
-        classes = sorted({r["label"] for r in rows})
-        if len(classes) < 2:
-            raise ConfigError(f"labels: every volume of {path} has the label {classes[0]!r}; fine-tuning a classifier "
-                              f"needs at least two classes.")
-        targets = np.array([classes.index(r["label"]) for r in rows])
-        return paths, targets, classes, "binary" if len(classes) == 2 else "multiclass", patients
-    classes = [c for c in columns if c not in ("path", PATIENT_COLUMN)]
-    try:
-        targets = np.array([[int(r[c]) for c in classes] for r in rows])
-    except (TypeError, ValueError):
-        raise ConfigError(f"labels: {path} has no `label` column, so it is multi-label: every column but path and "
-                          f"patient ({', '.join(classes)}) must hold 1 or 0.") from None
-    if not np.isin(targets, (0, 1)).all():
-        raise ConfigError(f"labels: {path}: the class columns ({', '.join(classes)}) must hold 1 or 0.")
-    return paths, targets, classes, "multilabel", patients
-
-
 def load_labelled_set(labels_csv: str, cfg: Config) -> LabelledSet:
     """The labelled volumes of a CSV read and prepared with cfg (an export's settings); unusable files are left out
     and counted by reason. A read of a source without an index: it may create the site's key file (privacy)."""
-    paths, targets, classes, task, patients = read_label_table(labels_csv)
+    table = read_label_table(labels_csv)
+    targets, classes, task = classification_targets(table, labels_csv)
+    paths, patients = table.paths, table.patients
     site_secret(create=True)
     keep, prepared, keys, skipped = [], PreparedVolumes(), [], Counter()
     for i, path in enumerate(counted(paths, "read", "volume")):
@@ -195,10 +170,10 @@ def load_labelled_set(labels_csv: str, cfg: Config) -> LabelledSet:
             skipped[e.reason] += 1
             continue
         keep.append(i)
-        keys.append(patients[i] if patients else volume.patient)
+        keys.append(patients[i] if patients is not None else volume.patient)
         release_freed_memory()
     return LabelledSet(prepared, targets[keep], classes, task, np.array(keys), [paths[i] for i in keep],
-                       dict(skipped))
+                       dict(skipped), patients is not None)
 
 
 def model_inputs(data: LabelledSet, idx, cfg: Config, rng: Optional[np.random.Generator] = None) -> torch.Tensor:
@@ -416,12 +391,13 @@ def save_fold(model: Classifier, encoder: PretrainedEncoder, data: LabelledSet, 
 
 def fold_splits(data: LabelledSet, splits: str, folds: int, repeats: int, seed: int) -> List[dict]:
     """Every (repeat, fold): its train and test indices and the seed its probes and training start from. kfold:
-    patient_folds with shuffle seed+repeat; probe: probe.py's stratified_split of seed `repeat` (its seeds)."""
+    patient_folds with shuffle seed+repeat; probe: probe.py's split of seed `repeat` (readouts.probe_split: by
+    patient when the CSV lists patients, as probe.py splits)."""
     if splits == "probe":
         if data.task == "multilabel":
             raise ConfigError("splits: probe.py's splits take one class per volume; use --splits kfold for "
                               "multi-label.")
-        return [{"repeat": r, "fold": 0, "seed": r, "split": stratified_split(data.targets, TEST_FRACTION, r)}
+        return [{"repeat": r, "fold": 0, "seed": r, "split": probe_split(data.targets, r, data.patients if data.patients_listed else None)}
                 for r in range(repeats)]
     out = []
     for r in range(repeats):
@@ -497,13 +473,15 @@ def full_fold(arm: str, encoder: PretrainedEncoder, tokens: TokenFile, data: Lab
 
 
 def summarize(results: Dict[str, List[dict]]) -> dict:
-    """Per mode: its folds and the mean and 95% t-interval over them of AUROC and balanced accuracy."""
-    return {mode: {"folds": folds, **{m: interval([f[m] for f in folds]) for m in ("auroc", "balanced_accuracy")}}
+    """Per mode: its folds and the mean and 95% t-interval over them of AUROC and balanced accuracy (within [0, 1])."""
+    return {mode: {"folds": folds, **{m: interval([f[m] for f in folds], SCORE_BOUNDS)
+                                      for m in ("auroc", "balanced_accuracy")}}
             for mode, folds in results.items()}
 
 
 def paired_differences(a: dict, b: dict) -> dict:
-    """Per mode of both summaries: mean and 95% t-interval of the per-fold differences a - b (the same folds)."""
+    """Per mode of both summaries: mean and 95% t-interval of the per-fold differences a - b (the same folds; within
+    [-1, 1])."""
     return {mode: {m: paired_difference(a[mode][m], b[mode][m]) for m in ("auroc", "balanced_accuracy")}
             for mode in a if mode in b}
 
@@ -573,10 +551,25 @@ def main(argv: List[str]) -> int:
     return 0
 
 
+def load_export(path: str) -> PretrainedEncoder:
+    """load_encoder of --encoder; a train.py checkpoint given instead (a run's checkpoints folder or a .pt file) stops
+    with the command that exports it into the run folder's encoder/, beside checkpoints/."""
+    if not path.endswith(".pt"):  # an export is a folder
+        try:
+            return load_encoder(path)
+        except ExportError:
+            if not list_checkpoints(path):
+                raise
+    checkpoints = os.path.dirname(path) if path.endswith(".pt") else path.rstrip("/")
+    out = shlex.quote(os.path.join(os.path.dirname(checkpoints), "encoder"))
+    raise ExportError(f"--encoder {path} is a train.py checkpoint, not an export: export it with "
+                      f"`python encoder.py export --ckpt {shlex.quote(path)} --out {out}`, then give --encoder {out}.")
+
+
 def finetune(args, settings: FullSettings, modes: List[str], cli: Config) -> dict:
     """The report of main's fine-tuning (its parsed `args`): every arm and mode over the splits, each split's result
     written to OUT/folds as it finishes (fold_result)."""
-    encoder = load_encoder(args.encoder)
+    encoder = load_export(args.encoder)
     cfg = replace(encoder.settings, **{k: getattr(cli, k) for k in CLI_FIELDS})
     device = probe_device(cfg)
     data = load_labelled_set(args.labels, cfg)

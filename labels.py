@@ -7,7 +7,8 @@ import csv
 import os
 import sys
 from collections import Counter
-from typing import List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -30,6 +31,7 @@ PHANTOM_SETS = {"plain": (PROBE_PHANTOMS, PROBE_PHANTOM_SEED, False, "rpe"),
                 "inner": (INNER_PHANTOMS, INNER_PHANTOM_SEED, True, "inner")}
 
 
+PATIENT_COLUMN = "patient"  # the optional column that groups volumes by patient (patient-level splits)
 MISSING_LABEL_WORDS = ("nan", "na", "n/a", "null")  # what a spreadsheet writes for an empty cell
 
 
@@ -100,13 +102,78 @@ def file_identity(path: str):
     return (stat.st_dev, stat.st_ino)
 
 
-def read_labels(path: str, columns: Sequence[str] = ("label",)) -> List[Tuple[str, ...]]:
-    """(path, *columns) rows of a labels CSV with a header path,label,... (paths relative to the CSV's folder)."""
-    rows = read_label_rows(path, "give a CSV with the header path,label (paths relative to its folder), or leave "
-                                 "--labels and --data_root out to probe the built-in phantom suite")
-    if not rows or not {"path", *columns} <= set(rows[0]):
-        raise ConfigError(f"labels: {path} needs a header line path,{','.join(columns)} and at least one row.")
-    return [(r["path"], *(r[c] for c in columns)) for r in rows]
+@dataclass
+class LabelTable:
+    """A labels CSV read and checked (read_label_rows): one volume per row."""
+    paths: List[str]  # [M] each row's volume: absolute, or a URL
+    values: Dict[str, np.ndarray]  # every column but path: its cells [M] (strings), `patient` among them
+
+    @property
+    def patients(self) -> Optional[np.ndarray]:
+        """[M] the patient column's cells, or None when the CSV has none (then each volume is its own group)."""
+        return self.values.get(PATIENT_COLUMN)
+
+    @property
+    def class_columns(self) -> List[str]:
+        """The columns that say what a volume is: every one but path and patient."""
+        return [c for c in self.values if c != PATIENT_COLUMN]
+
+    def take(self, rows: Sequence[int]) -> "LabelTable":
+        """The table of those rows only, in that order."""
+        rows = list(rows)
+        return LabelTable([self.paths[i] for i in rows], {c: v[rows] for c, v in self.values.items()})
+
+
+def read_label_table(path: str, columns: Sequence[str] = ()) -> LabelTable:
+    """The one reader of a labels CSV (probe.py, encoder.py show, finetune.py, the verdict): a header path,label or
+    path,<class>,<class>... (multi-label), an optional patient column, paths relative to the CSV's folder. A
+    ConfigError names each bad row (read_label_rows) or a missing column of `columns`. Numbers that are one number
+    (1, 1.0, 01) are one class: they read as 1."""
+    rows = read_label_rows(path, "give a CSV with the header path,label (or path,<class>,<class>... with 1 or 0, for "
+                                 "multi-label; an optional patient column), paths relative to its folder")
+    header = [c for c in rows[0] if c is not None]
+    missing = [c for c in ("path", *columns) if c not in header]
+    if missing or len(header) < 2:
+        raise ConfigError(f"labels: {path} needs a header line path,{','.join(columns or ['label'])} (it has "
+                          f"{','.join(header)}); missing: {', '.join(missing or ['a label column'])}.")
+    values = {c: np.array([r[c] for r in rows], dtype=str) for c in header if c != "path"}
+    for column in set(values) - {PATIENT_COLUMN}:  # patient ids stay as written: 001 and 1 are two patients
+        values[column] = same_numbers_as_one(values[column], f"{path}: {column}")
+    return LabelTable([r["path"] for r in rows], values)
+
+
+def same_numbers_as_one(cells: np.ndarray, where: str) -> np.ndarray:
+    """A column's cells [M] with every number written one way (1.0 and 01 as 1, 2.50 as 2.5) when all of them are
+    numbers, else as they are; a line on stderr when that joins cells written differently."""
+    try:
+        numbers = [float(c) for c in cells]
+    except ValueError:
+        return cells
+    same = np.array([str(int(x)) if x.is_integer() else repr(x) for x in numbers], dtype=str)
+    joined = {s for s, c in zip(same, cells) if s != c}
+    if joined:
+        print(f"labels: {where}: {', '.join(sorted({c for s, c in zip(same, cells) if s in joined}))} read as "
+              f"{', '.join(sorted(joined))} (one number, one class)", file=sys.stderr)
+    return same
+
+
+def classification_targets(table: LabelTable, path: str) -> Tuple[np.ndarray, List[str], str]:
+    """(targets, classes, task) of a label table: with a label column, class ids [M] of the classes sorted (task
+    binary or multiclass); else every class column holds 1 or 0 (task multilabel, targets [M, C]). A ConfigError for
+    one class, or a multi-label cell that is not 1 or 0."""
+    if "label" in table.values:
+        classes = sorted(set(table.values["label"]))
+        if len(classes) < 2:
+            raise ConfigError(f"labels: every volume of {path} has the label {classes[0]!r}; a classifier needs at "
+                              f"least two classes.")
+        return np.array([classes.index(v) for v in table.values["label"]]), classes, \
+            "binary" if len(classes) == 2 else "multiclass"
+    classes = table.class_columns
+    cells = np.stack([table.values[c] for c in classes], axis=1)  # [M, C]
+    if not np.isin(cells, ("0", "1")).all():
+        raise ConfigError(f"labels: {path} has no `label` column, so it is multi-label: the class columns "
+                          f"({', '.join(classes)}) must hold 1 or 0 (every column but path and patient is a class).")
+    return (cells == "1").astype(np.int64), classes, "multilabel"
 
 
 def phantom_labels(cfg: Config, varied: bool = False) -> str:
@@ -127,21 +194,24 @@ def phantom_set_labels(cfg: Config, kind: str) -> str:
 
 def load_labelled_volumes(cfg: Config, labels_csv: str, max_volumes: Optional[int] = None,
                           columns: Sequence[str] = ("label",)):
-    """(volumes [M,1,D,H,W] float32 preprocessed like validation samples, {column: values [M] (strings)},
-    {reason: count} of unusable files) of a labels CSV; at most max_volumes, drawn at random."""
-    rows = read_labels(labels_csv, columns)
-    if max_volumes is not None and len(rows) > max_volumes:
-        keep = np.random.default_rng(0).permutation(len(rows))[:max_volumes]
-        rows = [rows[i] for i in sorted(keep)]
+    """(volumes [M,1,D,H,W] float32 preprocessed like validation samples, {column: values [M] (strings)} of `columns`
+    and of the patient column where the CSV has one, {reason: count} of unusable files) of a labels CSV; at most
+    max_volumes, drawn at random."""
+    table = read_label_table(labels_csv, columns)
+    if max_volumes is not None and len(table.paths) > max_volumes:
+        table = table.take(sorted(np.random.default_rng(0).permutation(len(table.paths))[:max_volumes]))
     volumes, kept, skipped = [], [], Counter()
-    for row in counted(rows, "read labelled volumes", "volume"):
+    for row, path in enumerate(counted(table.paths, "read labelled volumes", "volume")):
         try:
-            volumes.append(load_val_sample(row[0], cfg))
+            volumes.append(load_val_sample(path, cfg))
         except UnusableFile as e:
             skipped[e.reason] += 1
             continue
-        kept.append(row[1:])
-    values = {c: np.array([r[i] for r in kept], dtype=str) for i, c in enumerate(columns)}
+        kept.append(row)
+    table = table.take(kept)
+    values = {c: np.array(table.paths, dtype=str) if c == "path" else table.values[c] for c in columns}
+    if table.patients is not None:
+        values[PATIENT_COLUMN] = table.patients
     if not volumes:
         raise ConfigError(f"labels: no usable volume in {labels_csv} (unusable files: {dict(skipped)}).")
     return torch.stack(volumes), values, dict(skipped)

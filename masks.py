@@ -11,7 +11,9 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 
-MASK_TYPES = ("multiblock", "random")  # config.CHOICES["mask_type"] lists the same
+from config import CHOICES
+
+MASK_TYPES = CHOICES["mask_type"]  # the mask designs: multiblock, random (MaskGenerator)
 
 
 class MaskGenerator:

@@ -25,7 +25,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from config import Config
 from objectives import LOCAL_FEATURES, LOSSES, elementwise_error, jepa_loss, token_voxel_statistics
+
+RECIPE = Config()  # VJEPA3D's defaults: the recipe, written once as config.py's Config defaults
 
 
 @dataclass
@@ -279,12 +282,16 @@ MODEL_FIELDS = ("image_size", "patch_size", "patch_stem", "embed_dim", "depth", 
 
 class VJEPA3D(nn.Module):
     """The model trained: context encoder, predictor, EMA target encoder and the losses' heads. Its arguments are
-    keyword-only and named as the Config fields of MODEL_FIELDS (from_config)."""
+    keyword-only and named as the Config fields of MODEL_FIELDS (from_config); their defaults are the recipe's, the
+    Config defaults (RECIPE), so that VJEPA3D() is the model that the demo and learn.yaml train."""
 
-    def __init__(self, *, image_size: List[int], patch_size: List[int], patch_stem: str = "linear",
-                 embed_dim: int = 384, depth: int = 12, num_heads: int = 6, pred_embed_dim: int = 192,
-                 pred_depth: int = 6, pred_num_heads: int = 6, mlp_ratio: float = 4.0, loss: str = "l1",
-                 local_loss_weight: float = 0.0, local_loss_split: Sequence[int] = (1, 1, 1)):
+    def __init__(self, *, image_size: Sequence[int] = RECIPE.image_size, patch_size: Sequence[int] = RECIPE.patch_size,
+                 patch_stem: str = RECIPE.patch_stem, embed_dim: int = RECIPE.embed_dim, depth: int = RECIPE.depth,
+                 num_heads: int = RECIPE.num_heads, pred_embed_dim: int = RECIPE.pred_embed_dim,
+                 pred_depth: int = RECIPE.pred_depth, pred_num_heads: int = RECIPE.pred_num_heads,
+                 mlp_ratio: float = RECIPE.mlp_ratio, loss: str = RECIPE.loss,
+                 local_loss_weight: float = RECIPE.local_loss_weight,
+                 local_loss_split: Sequence[int] = RECIPE.local_loss_split):
         super().__init__()
         if loss not in LOSSES:
             raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {loss!r}")

@@ -111,13 +111,28 @@ def describe_memory(cfg: Config, model, fsdp: int, batch: int) -> str:
 AUTO_MEMORY_MARGIN = 1.5
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity where the OS says, else the machine's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def choose_auto_settings(cfg: Config, rt, batch: int) -> Tuple[Config, List[str]]:
     """cfg with `compile` and `grad_checkpointing` decided where they say auto, for this run's device (rt) at `batch`
     volumes per device, and a console line for each decision saying what and why. compile: on CUDA only (fewer,
-    fused kernels; on the CPU it bought 3-9% for minutes of compiling; XLA compiles the update itself).
+    fused kernels; on the CPU it bought 3-9% for minutes of compiling), and never on XLA, which compiles the whole
+    update itself (a `compile: true` there is turned off with a line). workers: at most the CPU cores this process
+    may use (more would only contend: torch warns of it).
     grad_checkpointing: off where the memory estimate without it (memory_per_device, times AUTO_MEMORY_MARGIN) fits
     HEADROOM of the device's memory (a device that does not say: the smallest of DEVICE_MEMORY_GIB), else on."""
     notes, changes = [], {}
+    cores = usable_cores()
+    if cfg.workers > cores:
+        changes["workers"] = cores
+        notes.append(f"workers {cfg.workers} -> {cores}: this machine gives the run {cores} CPU cores (the config's "
+                     f"workers is an upper bound; --workers N to choose)")
+    if cfg.compile is True and rt.kind == "xla":
+        changes["compile"] = False
+        notes.append("compile: ignored on xla (XLA compiles the whole update by itself)")
     if cfg.compile == "auto":
         changes["compile"] = rt.kind == "cuda"
         why = {"cuda": "on CUDA: fused kernels, fewer launches", "cpu": "on the CPU it buys 3-9% for its compile time",

@@ -1,12 +1,12 @@
 """An exported encoder: its format (config.json + model.safetensors), save_encoder/load_encoder, the random-init twin,
-the MONAI adapter.
+the MONAI adapters (its ViT; a UNETR around it), HubEncoder (Hugging Face's save_pretrained / from_pretrained).
 
 An export (`python encoder.py export`, export.py) loads without train.py or the checkpoint: load_encoder(DIR) ->
 PretrainedEncoder, volume [B,1,D,H,W] -> tokens [B,N,E] or a pooled embedding (model.pool_tokens). config.json holds
 the architecture, the preprocessing contract, the training-time augmentation and where the weights came from;
 model.safetensors the Encoder's weights with that contract in their metadata, so the weights' sha256 covers both.
-ExportedEncoder, monai_vit and export_contract are copied from this source (and model.py's) into an export's
-standalone octjepa_encoder.py (export.model_definitions): they use nothing of octjepa but model.py.
+ExportedEncoder, monai_vit, monai_unetr and export_contract are copied from this source (and model.py's) into an
+export's standalone octjepa_encoder.py (export.model_definitions): they use nothing of octjepa but model.py.
 """
 import hashlib
 import json
@@ -15,10 +15,16 @@ from typing import List, Optional, Sequence
 import safetensors.torch
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from config import Config, ConfigError, load_config
 from model import VJEPA3D, Encoder, check_encoder_input, pool_name, pool_tokens, tubelet_embedding
 from storage import exists, read_bytes, write_atomic
+
+try:  # optional (requirements-dev.txt): HubEncoder's save_pretrained, from_pretrained and push_to_hub
+    from huggingface_hub import PyTorchModelHubMixin
+except ImportError:
+    PyTorchModelHubMixin = object
 
 EXPORT_FORMAT = "octjepa-encoder"
 EXPORT_VERSION = 3  # bump when config.json or the weights' layout changes meaning; newer exports are refused
@@ -158,6 +164,53 @@ def monai_vit(encoder: ExportedEncoder, img_size: Optional[Sequence[int]] = None
     return vit.eval()
 
 
+UNETR_PATCH = 16  # what MONAI's UNETR assumes of its vit: 16-voxel patches on every axis,
+UNETR_BLOCKS = 12  # and 12 blocks (its skip connections read blocks 3, 6 and 9)
+
+
+class UNETRBackbone(nn.Module):
+    """An encoder's MONAI ViT (monai_vit) as MONAI's UNETR calls its `vit`: volume [B,1,D,H,W] -> (tokens, 12 hidden
+    states), each [B, n, E] on UNETR's grid (D, H, W // 16), average-pooled from the encoder's token grid (tubelets of
+    4 x 8 x 8 voxels: 4 x 2 x 2 tokens to one); hidden state i is the encoder's block at the same share of its depth
+    as block i of UNETR's 12."""
+
+    def __init__(self, vit: nn.Module, patch_size: Sequence[int]):
+        super().__init__()
+        self.vit, self.patch_size = vit, list(patch_size)
+
+    def forward(self, volume: torch.Tensor):
+        tokens, hidden = self.vit(volume)
+        grid = [s // p for s, p in zip(volume.shape[2:], self.patch_size)]
+        unetr_grid = [s // UNETR_PATCH for s in volume.shape[2:]]
+
+        def on_unetr_grid(x: torch.Tensor) -> torch.Tensor:  # [B, N, E] -> [B, n, E]
+            feature_map = x.transpose(1, 2).reshape(x.shape[0], x.shape[2], *grid)
+            return F.adaptive_avg_pool3d(feature_map, unetr_grid).flatten(2).transpose(1, 2)
+
+        taps = [hidden[max(0, round(len(hidden) * (i + 1) / UNETR_BLOCKS) - 1)] for i in range(UNETR_BLOCKS)]
+        return on_unetr_grid(tokens), [on_unetr_grid(h) for h in taps]
+
+
+def monai_unetr(encoder: ExportedEncoder, out_channels: int, img_size: Optional[Sequence[int]] = None,
+                **unetr_args) -> nn.Module:
+    """MONAI's 3D UNETR (monai.networks.nets.UNETR) for inputs of img_size (default: the trained size; a multiple of
+    16 and of patch_size on every axis) with the encoder as its `vit`: volume [B,1,D,H,W] -> [B,out_channels,D,H,W].
+    MONAI's UNETR takes no patch size (it assumes 16 voxels and 12 blocks), so its own ViT cannot be swapped for
+    monai_vit's; UNETRBackbone wraps that one to what UNETR reads. unetr_args: UNETR's others (feature_size,
+    norm_name, ...). Needs monai."""
+    from monai.networks.nets import UNETR
+    a = encoder.architecture
+    size = list(img_size or encoder.image_size)
+    if any(s % UNETR_PATCH or s % p for s, p in zip(size, encoder.patch_size)):
+        raise ValueError(f"img_size {size}: MONAI's UNETR needs a multiple of {UNETR_PATCH} on every axis (it "
+                         f"upsamples its feature grid 16x), and the encoder one of its patch size "
+                         f"{encoder.patch_size}.")
+    unetr = UNETR(in_channels=1, out_channels=out_channels, img_size=size, hidden_size=a["embed_dim"],
+                  mlp_dim=int(a["embed_dim"] * a["mlp_ratio"]), num_heads=a["num_heads"], qkv_bias=True, **unetr_args)
+    unetr.vit = UNETRBackbone(monai_vit(encoder, size), encoder.patch_size)
+    return unetr
+
+
 class PretrainedEncoder(ExportedEncoder):
     """An exported encoder with its export's settings checked: `settings` is a Config of its architecture,
     preprocessing and augmentation (data.load_val_sample(path, encoder.settings) preprocesses a DICOM file)."""
@@ -271,11 +324,11 @@ def check_code_files(config: dict, directory: str) -> None:
                               f"code): torch.hub.load and `import octjepa_encoder` would run it; export it again.")
 
 
-def load_encoder(directory: str) -> PretrainedEncoder:
+def load_encoder(directory: str, encoder_class: type = PretrainedEncoder) -> PretrainedEncoder:
     """The encoder exported to `directory` (local or gs://), in eval mode on the CPU, running no code of the folder.
     The weights must match config.json exactly (sha256, check_bound, every key, shape and dtype: all checked before
     the architecture is built), and so must the code files (check_code_files). Raises ExportError naming the file,
-    key or field."""
+    key or field. encoder_class: PretrainedEncoder or a subclass (HubEncoder)."""
     config = read_export_config(directory)
     settings = export_settings(config, f"{directory.rstrip('/')}/{CONFIG_FILE}")  # every field, before any weight
     check_code_files(config, directory)
@@ -306,6 +359,39 @@ def load_encoder(directory: str) -> PretrainedEncoder:
         if shape != expected[key][0] or SAFETENSORS_DTYPES.get(dtype) != expected[key][1]:
             raise ExportError(f"{path}: key {key} is {SAFETENSORS_DTYPES.get(dtype, dtype)} {list(shape)}, the "
                               f"architecture in {CONFIG_FILE} needs {expected[key][1]} {list(expected[key][0])}.")
-    encoder = PretrainedEncoder(config, f"{directory.rstrip('/')}/{CONFIG_FILE}")
+    encoder = encoder_class(config, f"{directory.rstrip('/')}/{CONFIG_FILE}")
     encoder.load_state_dict(safetensors.torch.load(payload), strict=True)
     return encoder.eval()
+
+
+MODEL_CARD = "README.md"  # the model card of an export (export.model_card), the file Hugging Face's hub shows
+
+
+class HubEncoder(PretrainedEncoder, PyTorchModelHubMixin):
+    """An exported encoder with Hugging Face's save_pretrained / push_to_hub / from_pretrained (needs huggingface_hub),
+    octjepa's code doing both sides: from_pretrained(local folder or hub repo) is load_encoder of its config.json,
+    model.safetensors and README.md (no code of the folder runs); save_pretrained(folder) writes those three: the
+    weights with their contract (save_encoder), and the model card it was loaded with, so load_encoder reads the
+    folder. No code files: the export's octjepa_encoder.py and hubconf.py stay behind."""
+    card: Optional[bytes] = None  # README.md of the folder it was loaded from
+
+    def _save_pretrained(self, save_directory) -> None:
+        """config.json, model.safetensors and the model card (the mixin writes its generic card only where there
+        was none)."""
+        save_encoder(self.state_dict(), self.config, str(save_directory))
+        if self.card is not None:
+            write_atomic(f"{save_directory}/{MODEL_CARD}", self.card)
+
+    @classmethod
+    def _from_pretrained(cls, *, model_id: str, revision, cache_dir, force_download, local_files_only, token,
+                         **model_kwargs) -> "HubEncoder":
+        """load_encoder of a local folder, or of a hub repo's config.json, model.safetensors and README.md."""
+        folder = model_id
+        if not exists(f"{model_id.rstrip('/')}/{CONFIG_FILE}"):
+            from huggingface_hub import snapshot_download
+            folder = snapshot_download(model_id, revision=revision, cache_dir=cache_dir, token=token,
+                                       force_download=force_download, local_files_only=local_files_only,
+                                       allow_patterns=[CONFIG_FILE, WEIGHTS_FILE, MODEL_CARD])
+        encoder = load_encoder(folder, cls)
+        encoder.card = read_bytes(f"{folder.rstrip('/')}/{MODEL_CARD}") if exists(f"{folder}/{MODEL_CARD}") else None
+        return encoder

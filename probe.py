@@ -23,8 +23,11 @@ The built-in suite (SUITE), on labelled phantoms written once with other seeds t
                  INL, OPL and ONL) or intraretinal cysts (dark round spaces in the INL and OPL), lesion yes / no.
   inner_lesion_tokens  which tokens hold foci or cysts, per token, in the band of the INL, OPL and ONL (dense.py).
 Labels (labels.py): a CSV path,label (paths relative to its folder; a series folder is one volume) is one task,
-`label`. A checkpoint brings its own model, preprocessing and phantom folder; config flags shape the random model.
-The read-outs, metrics and intervals: readouts.py. Exit codes: config.EXIT_CODES.
+`label`; with a column `patient` every split keeps each patient's volumes on one side (readouts.patient_split), as finetune.py
+does. A checkpoint brings its own model, preprocessing and phantom folder; config flags shape the random model.
+The read-outs, metrics and intervals: readouts.py. Long work shows progress on stderr. Ctrl-C (or SIGTERM) stops at
+once: the tasks finished so far are printed and written to --json and --plot, marked partial, and the exit code is
+75 (config.EXIT_CODES).
 """
 import dataclasses
 import json
@@ -38,14 +41,15 @@ from matplotlib.figure import Figure
 
 import dense
 from checkpoint import read_model_checkpoint, resolve_checkpoint
-from config import Config, ConfigError, ScriptParser, given_flags, load_config, script_main
+from config import Config, ConfigError, Preempted, ScriptParser, given_flags, load_config, script_main
 from health import position_share
-from labels import load_labelled_volumes, phantom_set_labels, task_targets
+from labels import PATIENT_COLUMN, load_labelled_volumes, phantom_set_labels, task_targets
 from phantom import set_voxel_layers
-from readouts import READOUTS, TEST_FRACTION, Task, beats, intervals, paired_difference, probe_split, readout_scores
-from references import VALID_CEILING_MIN, VALID_SHORTCUT_MAX, handmade_scores, supervised_scores
+from progress import counted
+from readouts import (READOUTS, TEST_FRACTION, Task, beats, intervals, paired_difference, probe_split, split_scores)
+from references import VALID_CEILING_MIN, VALID_SHORTCUT_MAX, Split, handmade_scores, supervised_scores
 from runprobe import random_model
-from runtime import probe_device
+from runtime import StopRequested, StopSignals, probe_device
 from tokens import encode_volumes
 
 CKPT_FIELDS = ("phantom_dir", "cache_dir", "device")  # the config flags that apply to a checkpoint
@@ -56,38 +60,67 @@ SUITE = {"plain": (Task("plain_lesion"),),
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Splits: by volume, or by patient
+# ----------------------------------------------------------------------------------------------------------
+
+def probe_splits(labels: np.ndarray, classes: List[str], patients: Optional[np.ndarray], seeds: int,
+                 source: str) -> List[Split]:
+    """(train, test) of each probe seed of the class ids labels [M] (class names `classes`): readouts.probe_split of
+    the volumes, or with patients [M] readouts.patient_split. ConfigError (naming `source`) when a class cannot be held out."""
+    splits = [probe_split(labels, seed, patients) for seed in range(seeds)]
+    if patients is None:
+        return splits
+    missing = [c for i, c in enumerate(classes) if not all((labels[test] == i).any() for _, test in splits)]
+    if missing:
+        raise ConfigError(f"labels: {source}: split by patient, class {missing[0]} has no volume to hold out: a class "
+                          f"needs two patients whose volumes have the same classes ({len(set(patients))} patients).")
+    return splits
+
+
+# ----------------------------------------------------------------------------------------------------------
 # A task's report: every encoder and read-out beside the shortcut and the ceiling
 # ----------------------------------------------------------------------------------------------------------
 
+def encoder_scores(tokens: torch.Tensor, grid: Sequence[int], labels: np.ndarray, splits: Sequence[Split],
+                   readouts: Sequence[str], device, name: str) -> Dict[str, Dict[str, dict]]:
+    """readouts.readout_scores on given splits (split i: probe seed i), with progress named after the encoder:
+    {readout: {metric: interval over splits}}."""
+    runs: Dict[str, List[dict]] = {r: [] for r in readouts}
+    for seed, (train, test) in enumerate(counted(splits, f"{name} read-outs", "split")):
+        for readout, scores in split_scores(tokens, labels, train, test, seed, readouts, grid, device).items():
+            runs[readout].append(scores)
+    return {r: intervals(s) for r, s in runs.items()}
+
+
 def task_report(labels: np.ndarray, tokens: Dict[str, torch.Tensor], grid: Sequence[int],
-                volumes: torch.Tensor, seeds: Sequence[int], readouts: Sequence[str] = READOUTS,
+                volumes: torch.Tensor, splits: Sequence[Split], readouts: Sequence[str] = READOUTS,
                 reference: bool = True, device="cpu") -> dict:
-    """One task with class ids labels [M]: each encoder's read-outs (tokens: {encoder name: [M, N, E]}; 'random' is
-    the floor) and, with `reference`, the hand-made features (the shortcut), the supervised CNN (the ceiling) and the
-    task's validity (the attentive read-out and the CNN trained on `device`):
-    {"metric", "encoders": {name: {readout: {metric: interval}}}, "handmade": {features: ...}, "best_handmade",
-    "supervised": {metric: interval}, "valid", "versus": {name: {readout: comparisons}}}."""
-    metric = "auroc"
-    report = {"metric": metric,
-              "encoders": {name: readout_scores(t, grid, labels, seeds, readouts, device) for name, t in tokens.items()}}
+    """One task with class ids labels [M], on the (train, test) splits (split i: probe seed i): each encoder's
+    read-outs (tokens: {encoder name: [M, N, E]}; 'random' is the floor) and, with `reference`, the hand-made features
+    (the shortcut), the supervised CNN (the ceiling) and the task's validity (the attentive read-out and the CNN
+    trained on `device`): {"metric", "encoders": {name: {readout: {metric: interval}}}, "handmade": {features: ...},
+    "best_handmade", "supervised": {metric: interval}, "valid", "versus": {name: {readout: comparisons}}}."""
+    metric, seeds = "auroc", range(len(splits))
+    report = {"metric": metric, "encoders": {name: encoder_scores(t, grid, labels, splits, readouts, device, name)
+                                             for name, t in tokens.items()}}
     if reference:
-        report = with_references(report, handmade_scores(volumes, labels, seeds),
-                                 supervised_scores(volumes, labels, seeds, device))
+        report = with_references(report, handmade_scores(volumes, labels, seeds, splits),
+                                 supervised_scores(volumes, labels, seeds, device, splits))
     report["versus"] = {name: {readout: comparisons(report, scores[readout][metric], readout) for readout in scores}
                         for name, scores in report["encoders"].items() if name != "random"}
     return report
 
 
-def dense_report(labels: np.ndarray, paths: np.ndarray, labels_csv: str, tokens: Dict[str, torch.Tensor],
-                 grid: Sequence[int], volumes: torch.Tensor, seeds: Sequence[int], reference: bool = True,
-                 device="cpu", task: dense.TokenTask = dense.TOKEN_TASKS["lesion_tokens"]) -> dict:
+def dense_report(paths: np.ndarray, labels_csv: str, tokens: Dict[str, torch.Tensor], grid: Sequence[int],
+                 volumes: torch.Tensor, splits: Sequence[Split], reference: bool = True, device="cpu",
+                 task: dense.TokenTask = dense.TOKEN_TASKS["lesion_tokens"]) -> dict:
     """A dense task (dense.py: which tokens the TokenTask says are lesion and scored) in task_report's layout, its one
-    read-out `token_linear`, on the volume splits of the volume labels [M] (the set's volume task's), for the phantom
-    set of labels_csv (the volumes' paths [M])."""
+    read-out `token_linear`, on the volume splits given (those of the set's volume task; split i: probe seed i), for
+    the phantom set of labels_csv (the volumes' paths [M])."""
     targets = dense.set_token_targets(set_voxel_layers(os.path.dirname(labels_csv)), paths,
                                       dense.target_grid(volumes.shape[2:]), task)
-    runs = dense.stack_runs([dense.split_scores(tokens, grid, volumes, targets, *probe_split(labels, s),
-                                                s, reference, device) for s in seeds])
+    runs = dense.stack_runs([dense.split_scores(tokens, grid, volumes, targets, train, test, s, reference, device)
+                             for s, (train, test) in enumerate(counted(splits, "dense read-outs", "split"))])
     report = {"metric": "auroc", "scored_tokens": int((targets >= 0).sum()),
               "lesion_tokens": int((targets == 1).sum()),
               "position_share": {name: position_share(t) for name, t in tokens.items()},
@@ -181,7 +214,24 @@ def main(argv: List[str]) -> int:
             raise ConfigError(f"{', '.join('--' + o for o in other)}: the checkpoint brings its own model and "
                               f"preprocessing; with --ckpt PATH only --{', --'.join(CKPT_FIELDS)} apply.")
     cli_cfg = load_config(rest)
+    report = {"ckpt": ckpt, "test_fraction": TEST_FRACTION, "seeds": args.seeds, "readouts": readouts, "partial": False,
+              "tasks": {}}
+    with StopSignals() as signals:  # Ctrl-C or SIGTERM stops at once; the tasks finished so far are kept (exit 75)
+        try:
+            with signals.at_once():
+                probe_tasks(report, args, cli_cfg, given)
+        except StopRequested as stop:
+            raise Preempted(f"{stop}: probe.py interrupted; {keep_partial(report, args, str(stop))}") from None
+    print(format_report(report))
+    save_outputs(report, args)
+    return 0
+
+
+def probe_tasks(report: dict, args, cli_cfg: Config, given: Set[str]) -> None:
+    """main's work: the checkpoint (and with --vs_random a random init of its architecture) probed on each task,
+    each task's report put in report['tasks'] as it finishes."""
     device = probe_device(cli_cfg)
+    ckpt, readouts = report["ckpt"], report["readouts"]
     model, cfg = (random_model(cli_cfg), cli_cfg) if ckpt == "random" else read_model_checkpoint(ckpt)[:2]
     cfg = checkpoint_probe_config(cfg, cli_cfg, given)
     if args.labels and args.data_root:
@@ -191,34 +241,56 @@ def main(argv: List[str]) -> int:
     arms = {"pretrained": model} if args.vs_random else {"encoder": model}
     if args.vs_random:
         arms["random"] = random_model(cfg)
-    report = {"ckpt": ckpt, "test_fraction": TEST_FRACTION, "seeds": args.seeds, "readouts": readouts, "tasks": {}}
     for csv_path, tasks in sets:
         probe_cfg = cfg if labels_csv else dataclasses.replace(cfg, cache_dir=os.path.dirname(csv_path) + "-cache")
         columns = sorted({t.column for t in tasks} | ({"path"} if any(t.dense for t in tasks) else set()))
         volumes, values, skipped = load_labelled_volumes(probe_cfg, csv_path, columns=columns)
+        by_patient = PATIENT_COLUMN in values
         if skipped:
             print(f"{csv_path}: skipped unusable files: {skipped}", file=sys.stderr)
-        targets = {t.name: task_targets(values[t.column], f"{csv_path} (unusable files: {skipped or 'none'})")
-                   for t in tasks}  # checked before any encoding
-        tokens = encode_volumes({arm: m.to(device).eval() for arm, m in arms.items()}, volumes, device)
+        source = f"{csv_path} (unusable files: {skipped or 'none'})"
+        patients = values[PATIENT_COLUMN] if by_patient else None
+        targets = {t.name: task_targets(values[t.column], source) for t in tasks}  # checked before any encoding
+        splits = {name: probe_splits(y, names, patients, args.seeds, source) for name, (y, names) in targets.items()}
+        tokens = encode_volumes({arm: m.to(device).eval() for arm, m in arms.items()},
+                                counted(volumes, "encode", "volume"), device)
         for task in tasks:
             print(f"probing {task.name} ({len(volumes)} volumes of {csv_path})", file=sys.stderr)
             y, names = targets[task.name]
             report["tasks"][task.name] = {
                 "labels": csv_path, "column": task.column, "volumes": len(volumes), "skipped": skipped,
+                "split_by": PATIENT_COLUMN if by_patient else "volume",
+                "patients": len(set(patients)) if by_patient else None,
                 "class_counts": {n: int((y == i).sum()) for i, n in enumerate(names)},
-                **(dense_report(y, values["path"], csv_path, tokens, model.grid, volumes, range(args.seeds),
+                **(dense_report(values["path"], csv_path, tokens, model.grid, volumes, splits[task.name],
                                 not args.no_reference, device, dense.TOKEN_TASKS[task.name]) if task.dense else
-                   task_report(y, tokens, model.grid, volumes, range(args.seeds), readouts, not args.no_reference,
+                   task_report(y, tokens, model.grid, volumes, splits[task.name], readouts, not args.no_reference,
                                device))}
-    print(format_report(report))
+
+
+def save_outputs(report: dict, args) -> List[str]:
+    """The report written to --json and its plot to --plot, where given: the paths written."""
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
     if args.plot:
-        metrics = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(ckpt))), "metrics.jsonl")
+        metrics = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(report["ckpt"]))), "metrics.jsonl")
         save_probe_plot(metrics, report, args.plot)
-    return 0
+    return [path for path in (args.json, args.plot) if path]
+
+
+def keep_partial(report: dict, args, stopped_by: str) -> str:
+    """What an interrupted run keeps: the tasks finished so far printed and saved (save_outputs), the report marked
+    partial; the words that say what was kept and where."""
+    if not report["tasks"]:
+        return "no task had finished; nothing written"
+    report.update(partial=True, stopped_by=stopped_by)
+    print(format_report(report))
+    finished = f"the tasks finished ({', '.join(report['tasks'])})"
+    written = save_outputs(report, args)
+    if not written:
+        return f"{finished} are printed above (--json would keep them)"
+    return f"kept {finished}, marked partial, in {' and '.join(written)}"
 
 
 def cell(iv: dict) -> str:
@@ -240,7 +312,8 @@ def format_report(report: dict) -> str:
         valid = ("" if "valid" not in t else
                  "  VALID" if t["valid"] else f"  not valid (needs the best hand-made <= {VALID_SHORTCUT_MAX} and the "
                                               f"CNN >= {VALID_CEILING_MIN})")
-        lines += ["", f"{name}: {metric}, {t['volumes']} volumes{valid}"]
+        patients = f" of {t['patients']} patients (split by patient)" if t.get("patients") else ""
+        lines += ["", f"{name}: {metric}, {t['volumes']} volumes{patients}{valid}"]
         for encoder, scores in t["encoders"].items():
             for readout, s in scores.items():
                 lines.append(f"  {encoder:<11}{readout:<19}{cell(s[metric])}")
@@ -279,7 +352,8 @@ def save_probe_plot(metrics_path: str, report: dict, path: str) -> None:
         ax.axhspan(random["low"], random["high"], color="gray", alpha=0.2)
     ax.set_xlabel("pretraining updates")
     ax.set_ylabel("held-out probe AUROC")
-    ax.set_title("probe AUROC during pretraining" if probes else f"no probe lines in {metrics_path}")
+    title = "probe AUROC during pretraining" if probes else f"no probe lines in {metrics_path}"
+    ax.set_title(f"{title} (partial: {report['stopped_by']})" if report.get("partial") else title)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=80)

@@ -53,17 +53,22 @@ def classification_scores(probs: np.ndarray, labels: np.ndarray) -> dict:
     return {"auroc": float(auroc), "balanced_accuracy": float(balanced_accuracy_score(labels, probs.argmax(1)))}
 
 
-def interval(values: Sequence[float]) -> dict:
-    """Mean and 95% Student-t interval of per-seed values (one value: an infinite interval)."""
+SCORE_BOUNDS = (0.0, 1.0)  # every score here: AUROC, balanced accuracy, average precision (dense.py)
+
+
+def interval(values: Sequence[float], bounds: Tuple[float, float] = (-math.inf, math.inf)) -> dict:
+    """Mean and 95% Student-t interval of per-seed values (one value: an infinite interval), clipped to `bounds`: a
+    bounded metric's interval stays in its range (the t-interval of a few seeds can reach past it; it is only clipped,
+    not recomputed)."""
     v = np.asarray(values, dtype=float)
     half = math.inf if len(v) < 2 else float(scipy.stats.t.ppf(0.975, len(v) - 1) * v.std(ddof=1) / math.sqrt(len(v)))
-    return {"mean": float(v.mean()), "low": float(v.mean() - half), "high": float(v.mean() + half),
-            "values": [float(x) for x in v]}
+    return {"mean": float(v.mean()), "low": float(max(v.mean() - half, bounds[0])),
+            "high": float(min(v.mean() + half, bounds[1])), "values": [float(x) for x in v]}
 
 
 def intervals(runs: List[dict]) -> Dict[str, dict]:
-    """{metric: interval} of per-seed score dicts."""
-    return {metric: interval([r[metric] for r in runs]) for metric in runs[0]}
+    """{metric: interval} of per-seed score dicts, each within SCORE_BOUNDS."""
+    return {metric: interval([r[metric] for r in runs], SCORE_BOUNDS) for metric in runs[0]}
 
 
 def beats(a: dict, b: dict) -> bool:
@@ -73,8 +78,9 @@ def beats(a: dict, b: dict) -> bool:
 
 
 def paired_difference(a: dict, b: dict) -> dict:
-    """The interval of the per-seed differences a - b of two intervals measured on the same seeds (splits)."""
-    return interval(np.asarray(a["values"]) - np.asarray(b["values"]))
+    """The interval of the per-seed differences a - b of two score intervals measured on the same seeds (splits),
+    within [-1, 1]: the range of a difference of two scores in SCORE_BOUNDS."""
+    return interval(np.asarray(a["values"]) - np.asarray(b["values"]), (-1.0, 1.0))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -102,9 +108,24 @@ def stratified_split(labels: np.ndarray, test_fraction: float, seed: int) -> Tup
     return np.array(sorted(train)), np.array(sorted(test))
 
 
-def probe_split(labels: np.ndarray, seed: int) -> Tuple[np.ndarray, np.ndarray]:
-    """(train, test) indices of probe seed `seed`: TEST_FRACTION of each class held out (stratified_split)."""
-    return stratified_split(labels, TEST_FRACTION, seed)
+def probe_split(labels: np.ndarray, seed: int, patients: Optional[np.ndarray] = None) -> Tuple[np.ndarray, np.ndarray]:
+    """(train, test) indices of probe seed `seed`: TEST_FRACTION of each class held out (stratified_split), or with
+    patients [M] (a labels CSV's patient column) each patient's volumes on one side (patient_split)."""
+    if patients is None:
+        return stratified_split(labels, TEST_FRACTION, seed)
+    return patient_split(labels, patients, seed)
+
+
+def patient_split(labels: np.ndarray, patients: np.ndarray, seed: int) -> Tuple[np.ndarray, np.ndarray]:
+    """(train, test) indices of probe seed `seed` with each patient's volumes on one side: stratified_split of the
+    patients, TEST_FRACTION of each stratum held out, a patient's stratum the set of classes of their volumes
+    (patients [M] of the class ids labels [M])."""
+    names, patient_of = np.unique(patients, return_inverse=True)
+    classes = np.zeros((len(names), int(labels.max()) + 1), dtype=bool)
+    classes[patient_of, labels] = True
+    strata = np.unique(classes, axis=0, return_inverse=True)[1].reshape(-1)
+    train, test = stratified_split(strata, TEST_FRACTION, seed)
+    return np.flatnonzero(np.isin(patient_of, train)), np.flatnonzero(np.isin(patient_of, test))
 
 
 # ----------------------------------------------------------------------------------------------------------

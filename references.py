@@ -9,7 +9,7 @@
 A task is valid when its best hand-made features are near chance and the CNN is well above it (probe.py).
 """
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from objectives import LOCAL_BINS
+from progress import counted, progress
 from readouts import classification_scores, intervals, linear_probe, probe_split, train_steps
 
 HANDMADE = ("depth_profile", "histogram", "pooled_voxels", "profile_histogram")
@@ -25,6 +26,7 @@ POOLED_GRID = (4, 8, 8)  # raw voxels average-pooled to this [D, H, W] grid
 TOKEN_PERCENTILES = (10, 25, 50, 75, 90)
 VALID_SHORTCUT_MAX = 0.65  # a valid task: the best hand-made features score at most this (0.5 = chance) ...
 VALID_CEILING_MIN = 0.75  # ... and the supervised CNN at least this
+Split = Tuple[np.ndarray, np.ndarray]  # (train, test) indices of a probe split
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -44,13 +46,13 @@ def handmade_features(volumes: torch.Tensor) -> Dict[str, np.ndarray]:
             "profile_histogram": np.concatenate([profile, histogram], axis=1)}
 
 
-def handmade_scores(volumes: torch.Tensor, labels: np.ndarray, seeds: Sequence[int]) -> Dict[str, Dict[str, dict]]:
+def handmade_scores(volumes: torch.Tensor, labels: np.ndarray, seeds: Sequence[int],
+                    splits: Optional[Sequence[Split]] = None) -> Dict[str, Dict[str, dict]]:
     """{feature set: {metric: interval}} of a linear model on each HANDMADE feature set for the class ids labels [M],
-    on the same probe splits as the encoders' read-outs."""
+    on the same probe splits as the encoders' read-outs: each seed's probe_split, or the `splits` given."""
     features = handmade_features(volumes)
     runs: Dict[str, List[dict]] = {name: [] for name in features}
-    for seed in seeds:
-        train, test = probe_split(labels, seed)
+    for train, test in counted(splits or [probe_split(labels, seed) for seed in seeds], "hand-made features", "split"):
         for name, x in features.items():
             runs[name].append(linear_probe(x, labels, train, test))
     return {name: intervals(r) for name, r in runs.items()}
@@ -120,14 +122,16 @@ class SmallCNN(nn.Module):
 
 
 def fit_cnn(volumes: torch.Tensor, targets: torch.Tensor, train_idx: np.ndarray, loss: Callable, out_dim: int,
-            budget: CNNBudget, seed: int, grid: Optional[Sequence[int]] = None, device="cpu") -> SmallCNN:
+            budget: CNNBudget, seed: int, grid: Optional[Sequence[int]] = None, device="cpu",
+            desc: str = "supervised CNN") -> SmallCNN:
     """A SmallCNN trained from scratch on `device` with AdamW for the budget's steps on random batches of the volumes
     [M, 1, D, H, W] of train_idx, each volume flipped laterally at random (a per-token target map [M, gd, gh, gw]
-    flips with it); loss(outputs, targets of the batch). Early stopping on a fifth of the training volumes lowered the
-    AUROC (experiments/NOTES.md)."""
+    flips with it); loss(outputs, targets of the batch). Its steps show progress on stderr, named `desc`. Early
+    stopping on a fifth of the training volumes lowered the AUROC (experiments/NOTES.md)."""
     torch.manual_seed(seed)
     cnn = SmallCNN(out_dim, budget, grid).to(device)
     rng = np.random.default_rng(seed)
+    bar = progress(budget.steps, desc, "step")
 
     def batch_gradient():
         idx = rng.choice(train_idx, size=min(budget.batch_size, len(train_idx)), replace=False)
@@ -138,17 +142,21 @@ def fit_cnn(volumes: torch.Tensor, targets: torch.Tensor, train_idx: np.ndarray,
         if y.dim() == 4:  # a token map [m, gd, gh, gw]
             y = torch.where(flip[:, None, None, None], y.flip(-1), y)
         loss(cnn(batch), y).backward()
+        bar.update(1)
 
-    return train_steps(cnn, batch_gradient, budget.steps, budget.lr, 1e-4)
+    with bar:
+        return train_steps(cnn, batch_gradient, budget.steps, budget.lr, 1e-4)
 
 
-def supervised_scores(volumes: torch.Tensor, labels: np.ndarray, seeds: Sequence[int], device="cpu") -> Dict[str, dict]:
+def supervised_scores(volumes: torch.Tensor, labels: np.ndarray, seeds: Sequence[int], device="cpu",
+                      splits: Optional[Sequence[Split]] = None) -> Dict[str, dict]:
     """{metric: interval} of a SmallCNN (VOLUME_CNN) trained on `device` to the class ids labels [M] on each seed's
-    training split, the same probe splits as the read-outs."""
+    training split, the same probe splits as the read-outs: each seed's probe_split, or the `splits` given."""
     runs, y = [], torch.from_numpy(labels).long()
-    for seed in seeds:
-        train, test = probe_split(labels, seed)
-        cnn = fit_cnn(volumes, y, train, F.cross_entropy, int(labels.max()) + 1, VOLUME_CNN, seed, device=device)
+    splits = splits or [probe_split(labels, seed) for seed in seeds]
+    for seed, (train, test) in zip(seeds, splits):
+        cnn = fit_cnn(volumes, y, train, F.cross_entropy, int(labels.max()) + 1, VOLUME_CNN, seed, device=device,
+                      desc=f"supervised CNN, split {len(runs) + 1} of {len(splits)}")
         with torch.no_grad():
             outputs = torch.cat([cnn(volumes[test[i:i + 32]].float().to(device)).cpu() for i in range(0, len(test), 32)])
             runs.append(classification_scores(F.softmax(outputs, dim=-1).numpy(), labels[test]))

@@ -204,10 +204,24 @@ def _append_jsonl(path: str, record: dict) -> None:
 
 def start_wandb(cfg: Config, run_dir: str):
     """A W&B run, or None: the run folder's own W&B run, resumed when it exists (wandb_id in the folder). auto =
-    online when WANDB_API_KEY is set, else offline; never waits on a network."""
+    online when a W&B key is at hand (WANDB_API_KEY, or the netrc entry `wandb login` wrote for the server), else
+    offline, said once on stderr with how to go online; deciding never waits on a network."""
     mode = cfg.wandb
     if mode == "auto":
-        mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+        import netrc
+        from urllib.parse import urlsplit
+        server = urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").netloc
+        keys = os.environ.get("NETRC") or os.path.join(os.path.expanduser("~"), ".netrc")  # where `wandb login` writes
+        try:
+            logged_in = netrc.netrc(keys).authenticators(server) is not None
+        except (OSError, netrc.NetrcParseError):
+            logged_in = False
+        mode = "online" if os.environ.get("WANDB_API_KEY") or logged_in else "offline"
+        if mode == "offline":
+            offline_dir = os.path.join(run_dir, "wandb")
+            print(f"W&B logs offline to {offline_dir} (wandb: auto, and no WANDB_API_KEY or `wandb login` key for "
+                  f"{server} in {keys}); to log online: `wandb login` or WANDB_API_KEY, or --wandb online; to upload "
+                  f"this run later: wandb sync {shlex.quote(offline_dir)}/offline-run-*", file=sys.stderr)
     if mode == "disabled":
         return None
     import wandb
@@ -308,12 +322,12 @@ def save_training_plot(history: List[dict], path: str) -> None:
 
 def next_commands(cfg: Config, run_dir: str) -> List[str]:
     """The commands that use a run's encoder (docs/encoder.md), with the run's real paths and labels (probe_labels,
-    else the labelled phantoms of a phantom run, else a placeholder)."""
+    else the varied labelled phantoms that a phantom run's verdict reads, else a placeholder)."""
     def path(*parts: str) -> str:
         return shlex.quote(os.path.join(*parts))
 
     phantoms = cfg.data_root is None and cfg.manifest_path is None
-    labels = cfg.probe_labels or (phantom_labels_path(cfg) if phantoms else "LABELS.csv")
+    labels = cfg.probe_labels or (phantom_labels_path(cfg, varied=True) if phantoms else "LABELS.csv")
     encoder, labels = path(run_dir, "encoder"), shlex.quote(labels)
     data = (f"--data_root {shlex.quote(cfg.data_root or cfg.phantom_dir)}" if cfg.manifest_path is None
             else f"--manifest_path {shlex.quote(cfg.manifest_path)}")
@@ -349,7 +363,8 @@ def verdict_lines(result: dict, collapsed: dict) -> List[str]:
             lines.append(f"  vs {name:<26} {r[arm]['mean']:.3f}, paired {r[d]['mean']:+.3f} "
                          f"[{r[d]['low']:+.3f}, {r[d]['high']:+.3f}]")
     share = result["position_share"]
-    lines.append(f"position share    {share['pretrained']:.3f} of the token variance (random init {share['random']:.3f})")
+    lines.append(f"position share    {share['pretrained']:.3f} of the probe volumes' token variance (random init "
+                 f"{share['random']:.3f})")
     words = verdict_line(result)
     if not next(iter(result["readouts"].values()))["beats_random"]:
         words += (": the target collapsed partly: a slower EMA (--ema_base 0.998) or a lower --base_lr"
@@ -370,7 +385,8 @@ def summary(history: List[dict], run_dir: str, cfg: Config, state, result: Optio
         lines.append(f"target_std        {train[0]['target_std']:.4f} -> {train[-1]['target_std']:.4f}")
     if val:
         lines.append(f"val loss          {val[0]['loss']:.4f} -> {val[-1]['loss']:.4f}, rankme {val[-1]['rankme']:.1f}"
-                     + (f", position share {val[-1]['position_share']:.3f}" if "position_share" in val[-1] else ""))
+                     + (f", position share {val[-1]['position_share']:.3f} of the val volumes' token variance"
+                        if "position_share" in val[-1] else ""))
     collapsed = collapse_signs(history, cfg)
     if collapsed:
         lines.append("collapse          " + ", ".join(f"{split} {metric} {lowest:.3g} (best {best:.3g})"

@@ -64,6 +64,36 @@ class Runtime:
         """Weights, gradients, AdamW state and the EMA target are split over devices (shard: fsdp)."""
         return self.fsdp_size > 1
 
+    # What the update does differently on each device, decided here once: train.py asks these and branches on no
+    # device kind. XLA traces the whole update into one compiled graph, so nothing in it may read the host or bake a
+    # changing Python number in as a constant.
+    def autocast(self, bf16: bool):
+        """The autocast context of a forward pass on this device: bfloat16 where `bf16`, else off."""
+        return torch.autocast(self.kind, dtype=torch.bfloat16, enabled=bf16)
+
+    @property
+    def adamw_options(self) -> dict:
+        """torch.optim.AdamW's implementation here: fused on CPU and CUDA (one pass over every parameter, and it can
+        skip itself: found_inf); capturable on XLA (lr and the step count stay on the device)."""
+        xla = self.kind == "xla"
+        return {"capturable": xla, "foreach": False if xla else None, "fused": None if xla else True}
+
+    def update_scalars(self, *values: float) -> tuple:
+        """The hyperparameters of one update as the update takes them: floats, or on XLA one 1-d device tensor's
+        elements (a float or a 0-d tensor would be a graph constant there: a new graph per value)."""
+        if self.kind != "xla":
+            return values
+        return torch.tensor(values, dtype=torch.float32).to(self.device).unbind()
+
+    @property
+    def replicas_per_forward(self) -> int:
+        """Replicas that take part in every forward pass: all of them on XLA (one SPMD program), else 1."""
+        return self.world_size if self.kind == "xla" else 1
+
+    def compiler_counters(self) -> dict:
+        """XLA's cumulative graph compiles and device-to-host transfers (xla_counters); nothing elsewhere."""
+        return xla_counters() if self.kind == "xla" else {}
+
 
 def setup_runtime(cfg: Config) -> Runtime:
     """Pick the device (device_kind) and join the process group if any."""

@@ -465,7 +465,7 @@ def save_sweep_plot(curves: dict, path: str) -> None:
 
 
 def format_sweep(result: dict) -> str:
-    """The sweep table and the recommendation."""
+    """The sweep table and the recommendation; at an edge of the grid, the --lr_sweep that extends it past that edge."""
     lines = [f"{'lr':>9}  {'max grad norm':>13}  {'loss start':>10}  {'loss end':>9}  {'target_std':>10}  fell  "
              f"non-finite  verdict"]
     for r in result["rows"]:
@@ -473,10 +473,18 @@ def format_sweep(result: dict) -> str:
         lines.append(f"{r['lr']:>9.1e}  {r['max_grad_norm']:>13.3g}  {r['loss_start']:>10.4f}  {r['loss_end']:>9.4f}  "
                      f"{r['target_std']:>10.3f}  {yes_no['fell']:<4}  {yes_no['nonfinite']:<10}  "
                      f"{'stable' if r['stable'] else 'UNSTABLE'}")
-    rec = result["recommended_lr"]
+    rec, lrs = result["recommended_lr"], [r["lr"] for r in result["rows"]]
     lines.append(f"\nrecommended base_lr: {rec:g} (the largest LR that was stable and whose loss fell; measured on the "
                  f"scaled model: a wider model may need a lower one)" if rec else
                  "\nno LR was stable with a falling loss: check the data and the model before a long run")
+    if rec and rec == max(lrs):  # the best LR may lie beyond the grid: the flag that extends it
+        grid = ",".join(f"{rec * f:g}" for f in (1, 3, 10, 30, 100))
+        lines.append(f"{rec:g} is the largest LR tried, and a larger one may be stable too: extend the grid upward "
+                     f"with --lr_sweep {grid}")
+    elif rec and rec == min(lrs):
+        grid = ",".join(f"{rec * f:g}" for f in (0.01, 0.03, 0.1, 0.3, 1))
+        lines.append(f"{rec:g} is the smallest LR tried, the only one stable with a falling loss: the grid may start "
+                     f"too high; extend it downward with --lr_sweep {grid}")
     return "\n".join(lines)
 
 

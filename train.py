@@ -39,7 +39,7 @@ from lock import lease_lost, run_folder_lock, stop_if_taken_over
 from runtime import (PendingDeviceStats, Runtime, StopRequested, StopSignals, adamw_state, any_process,
                      check_ranks_agree, gather_objects, global_value, mark_step, master_decides, materialize_state,
                      place_model, probes_in_this_process, reduce_mean, setup_runtime, state_bytes_per_device,
-                     to_device, wrap_ddp, xla_counters)
+                     to_device, wrap_ddp)
 from phantom import ensure_builtin_phantoms
 from schedules import Hyperparameters, describe_extension, hyperparameters_at
 
@@ -64,8 +64,7 @@ def make_optimizer(model: VJEPA3D, cfg: Config, rt: Runtime) -> torch.optim.Opti
     the very first update, and XLA compiles the update once). Its own weight decay stays 0: optimizer_step applies
     the scheduled one. CPU and CUDA use the fused kernel (one pass over all parameters; 2.3x faster than the
     for-loop AdamW on CPU at the demo size). On XLA it is capturable: lr and the step count stay on the device."""
-    xla = rt.kind == "xla"
-    implementation = {"capturable": xla, "foreach": False if xla else None, "fused": None if xla else True}
+    implementation = rt.adamw_options
     optimizer = torch.optim.AdamW(model.param_groups(), lr=cfg.base_lr, weight_decay=0.0,
                                   betas=tuple(cfg.adam_betas), **implementation)
     for group in optimizer.param_groups:
@@ -100,19 +99,16 @@ def optimizer_step(optimizer: torch.optim.Optimizer, lr, wd, skip: Optional[torc
 
 def compile_model(model: VJEPA3D, batch_size: int, cfg: Config, rt: Runtime, log: RunLog) -> None:
     """With cfg.compile: compile the model's parts now in cfg.compile_mode, on inputs of the training update's shapes
-    and dtypes (a forward and backward whose gradients are dropped), and print how long that took. Ignored on XLA,
-    which compiles the whole update by itself."""
+    and dtypes (a forward and backward whose gradients are dropped), and print how long that took (never on XLA:
+    plan.choose_auto_settings turns it off there)."""
     if not cfg.compile:
-        return
-    if rt.kind == "xla":
-        log.print("compile: ignored on xla (XLA compiles the whole update by itself)")
         return
     start = time.perf_counter()
     model.compile_parts(cfg.compile_mode)
     context, target = mask_generator_from_config(cfg)(np.random.default_rng(0))  # [Nc], [Nt] or [M, Nc], [M, Nt]
     volume = torch.zeros(batch_size, 1, *cfg.image_size, device=rt.device)
     context_idx, target_idx = (torch.from_numpy(i).to(rt.device).expand(batch_size, *i.shape) for i in (context, target))
-    with torch.autocast(rt.kind, dtype=torch.bfloat16, enabled=cfg.use_bf16):
+    with rt.autocast(cfg.use_bf16):
         out = model(volume, context_idx.contiguous(), target_idx.contiguous())
     out.loss.backward()
     model.zero_grad(set_to_none=True)
@@ -127,7 +123,7 @@ def forward_backward(model, micro_batches: list, cfg: Config, rt: Runtime):
     for i, batch in enumerate(micro_batches):
         accumulating = isinstance(model, DistributedDataParallel) and i < len(micro_batches) - 1
         with model.no_sync() if accumulating else contextlib.nullcontext(), \
-                torch.autocast(rt.kind, dtype=torch.bfloat16, enabled=cfg.use_bf16):
+                rt.autocast(cfg.use_bf16):
             out = model(batch["volume"], batch["context_idx"], batch["target_idx"])
             (out.loss / len(micro_batches)).backward()
         loss_sum += out.loss.detach()
@@ -173,10 +169,7 @@ def train_update(model, optimizer, micro_batches: list, hp: Hyperparameters, cfg
     norm, step the optimizer and the EMA target. A non-finite loss or grad norm changes nothing (NaN guard, decided
     on the device: the update reads nothing on the host)."""
     raw_model = model.module if isinstance(model, DistributedDataParallel) else model
-    lr, wd, ema = hp.lr, hp.wd, hp.ema
-    if rt.kind == "xla":
-        # One 1-d device tensor: a Python float or a 0-d tensor would be a graph constant (a new graph per value).
-        lr, wd, ema = torch.tensor([lr, wd, ema], dtype=torch.float32).to(rt.device).unbind()
+    lr, wd, ema = rt.update_scalars(hp.lr, hp.wd, hp.ema)
     for group in optimizer.param_groups:
         group["lr"] = lr
     if raw_model.cudagraphs:  # compile_mode reduce-overhead: the last update's graph outputs are consumed, not its
@@ -185,10 +178,10 @@ def train_update(model, optimizer, micro_batches: list, hp: Hyperparameters, cfg
     loss, target_std = reduce_mean(torch.stack([loss, target_std]).float(), rt).unbind()  # same on all ranks
     grad_norm = clip_and_measure(raw_model, cfg)  # before optimizer.step() and zero_grad (incident 1)
     finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
-    if rt.kind == "xla":  # XLA's AdamW (capturable, not fused) cannot skip itself: select old or new values
-        guarded_step(optimizer, finite, lambda: optimizer_step(optimizer, lr, wd))
-    else:  # the fused AdamW skips itself: no copies, no host sync (a CUDA update runs ahead of the host)
+    if rt.adamw_options["fused"]:  # the fused AdamW skips itself: no copies, no host sync (CUDA runs ahead)
         optimizer_step(optimizer, lr, wd, skip=~finite)
+    else:  # XLA's AdamW (capturable) cannot skip itself: select old or new values
+        guarded_step(optimizer, finite, lambda: optimizer_step(optimizer, lr, wd))
     raw_model.update_target(torch.where(finite, ema, 1.0))  # momentum 1 (no change) when skipped, on the device
     optimizer.zero_grad(set_to_none=True)
     stats = torch.stack([loss, target_std, grad_norm.float(), finite.float()])  # before the XLA sync (no recompile)
@@ -268,7 +261,7 @@ def validate(model: VJEPA3D, loader, volumes: int, cfg: Config, rt: Runtime, max
     with model.eager():  # compiled parts are for the training update: no eval recompiles
         for batch in loader:
             batch = to_device(batch, rt)
-            with torch.autocast(rt.kind, dtype=torch.bfloat16, enabled=cfg.use_bf16):
+            with rt.autocast(cfg.use_bf16):
                 out = model(batch["volume"], batch["context_idx"], batch["target_idx"])
                 tokens = model.encode(batch["volume"]).float().cpu()  # [B, N, E]
             if unseen <= 0:  # a padding batch: run only so that a sharded model's processes gather weights together
@@ -336,7 +329,7 @@ class Run:
         """The first val_batches x global_batch_size val volumes, the same on any number of processes (XLA: a
         multiple of the device count, as every device takes part in each forward); 0 turns validation off."""
         volumes = min(len(self.val_ds), self.cfg.val_batches * self.plan.global_batch_size)
-        return volumes - volumes % self.rt.world_size if self.rt.kind == "xla" else volumes
+        return volumes - volumes % self.rt.replicas_per_forward
 
     @property
     def checkpoint_time_due(self) -> bool:
@@ -528,9 +521,8 @@ def log_train(run: Run, newest: dict, hp: Hyperparameters, speed: Throughput) ->
     record = {"split": "train", "step": state.step, "epoch": (state.step - 1 + state.data_skip) // plan.steps_per_epoch,
               "loss": newest["loss"], "lr": hp.lr, "wd": hp.wd, "ema_momentum": hp.ema,
               "grad_norm": newest["grad_norm"], "target_std": newest["target_std"],
-              "nonfinite_skipped": state.nonfinite_skipped, **speed.rates(plan.global_batch_size)}
-    if run.rt.kind == "xla":
-        record.update(xla_counters())
+              "nonfinite_skipped": state.nonfinite_skipped, **speed.rates(plan.global_batch_size),
+              **run.rt.compiler_counters()}
     run.log.metrics(record)
     run.log.print(format_train_line(record, plan))
     speed.reset()

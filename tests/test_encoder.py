@@ -31,7 +31,7 @@ from config import DEMO_FLAGS, ConfigError, load_config
 from data import load_val_sample
 from helpers import one_thread, phantom_flags  # noqa: F401 (one_thread: autouse, tiny models in one thread)
 from index import find_files, scan_files
-from labels import read_labels
+from labels import read_label_table
 from model import Encoder
 from pretrained import ExportError, load_encoder, random_encoder, save_encoder
 from checkpoint import read_model_checkpoint
@@ -151,6 +151,29 @@ def test_hugging_face_from_pretrained_reads_the_export_and_saves_it_back(export_
     assert str(Path(export_dir).parent) not in card and "/tmp" not in card and "runs/" not in card
 
 
+def test_hugging_face_save_pretrained_keeps_the_card_and_writes_a_folder_load_encoder_reads(export_dir,
+                                                                                            trained_checkpoint,
+                                                                                            tmp_path):
+    """A researcher saves the export the Hugging Face way before push_to_hub (local folders only: no network)."""
+    pytest.importorskip("huggingface_hub", reason="huggingface-hub (requirements-dev.txt) is not installed")
+    encoder = pretrained.HubEncoder.from_pretrained(export_dir)
+    encoder.save_pretrained(tmp_path / "saved")
+    saved = tmp_path / "saved"
+    assert sorted(os.listdir(saved)) == ["README.md", "config.json", "model.safetensors"]  # data only, no code
+    card = (saved / "README.md").read_text()
+    assert card == Path(export_dir, "README.md").read_text()
+    assert "## Preprocessing" in card and "## Intended use" in card and "HubEncoder.from_pretrained" in card
+    config, exported = (json.loads(Path(folder, "config.json").read_text()) for folder in (saved, export_dir))
+    assert {**config, "weights": None} == {**exported, "weights": None}  # the weights' sha256: of the file written
+    trained, cfg, _ = read_model_checkpoint(trained_checkpoint)
+    volume = torch.randn(2, 1, *cfg.image_size, generator=torch.Generator().manual_seed(6))
+    again = pretrained.HubEncoder.from_pretrained(saved)
+    for loaded in (load_encoder(str(saved)), again):
+        assert float((loaded.encode(volume) - trained.encode(volume)).abs().max()) <= 1e-6
+    again.save_pretrained(tmp_path / "twice")  # a second trip keeps the card too
+    assert (tmp_path / "twice" / "README.md").read_text() == card
+
+
 @pytest.fixture(scope="module")
 def linear_export(tmp_path_factory, smoke_phantoms) -> str:
     """The export of a 3-update run of the smoke config with the linear tubelet stem (the default before the recipe;
@@ -202,6 +225,35 @@ def test_the_recipes_hmlp_export_loads_with_both_loaders_and_in_monai_with_its_s
     again = export.import_standalone(export_dir)  # the standalone module's copy of monai_vit does the same
     with torch.no_grad():
         assert float((again.monai_vit(again.load(export_dir))(volume)[0] - encoder(volume)).abs().max()) <= 1e-5
+
+
+def test_monai_unetr_segments_with_the_encoder_inside_at_both_shipped_patch_sizes(export_dir):
+    """MONAI's UNETR takes no patch size (16 voxels on every axis); configs/ ship [4, 8, 8] and [4, 16, 16] tubelets."""
+    pytest.importorskip("monai", reason="monai (requirements-dev.txt) is not installed")
+    exported = load_encoder(export_dir)  # [4, 8, 8], trained
+    config = json.loads(Path(export_dir, "config.json").read_text())
+    production = pretrained.ExportedEncoder({**config, "architecture": {**config["architecture"],
+                                                                        "patch_size": [4, 16, 16]}})
+    size = [16, 32, 32]  # UNETR's grid: [1, 2, 2]
+    volume = torch.randn(2, 1, *size, generator=torch.Generator().manual_seed(10))
+    for encoder in (exported, production):
+        unetr = pretrained.monai_unetr(encoder, out_channels=2, img_size=size)
+        logits = unetr(volume)
+        assert logits.shape == (2, 2, *size)
+        with torch.no_grad():
+            tokens = encoder(volume).view(2, *encoder.token_grid(volume), -1)
+            assert float((unetr.vit.vit(volume)[0] - encoder(volume)).abs().max()) <= 1e-5  # the encoder inside
+            gd, gh, gw = [g // u for g, u in zip(encoder.token_grid(volume), [1, 2, 2])]  # tokens per UNETR cell
+            first_cell = tokens[:, :gd, :gh, :gw].mean((1, 2, 3))
+            assert float((unetr.vit(volume)[0][:, 0] - first_cell).abs().max()) <= 1e-5
+        logits.square().mean().backward()  # fine-tuning UNETR trains the encoder's weights
+        assert float(unetr.vit.vit.blocks[0].attn.qkv.weight.grad.abs().sum()) > 0
+    code = docs_block("python", 3).replace("path/to/encoder", export_dir)  # the documented route runs
+    scope = {"x": torch.randn(1, 1, 16, 64, 64)}
+    exec(code, scope)
+    assert scope["logits"].shape == (1, 2, 16, 64, 64)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        pretrained.monai_unetr(exported, out_channels=2)  # the trained size, [8, 32, 32]
 
 
 @pytest.mark.parametrize("written", ["encoder.safetensors without a contract", "model.safetensors with its contract"])
@@ -368,7 +420,7 @@ def test_embed_stores_what_standardizing_needs_and_the_position_share_of_the_tok
              "--save_every", "4"]
     assert encoder_cli.main(flags + ["--out", str(tmp_path / "raw.npz"), "--with_paths"]) == 0
     printed = capsys.readouterr()
-    assert "of the token variance (position_share)" in printed.out
+    assert "of these volumes' token variance (position_share)" in printed.out
     # no terminal (stderr captured): plain progress lines, with the time left until the last
     assert re.search(r"^embed: 1/10 volumes, \d+s, about \S+ left$", printed.err, re.MULTILINE), printed.err
     assert re.search(r"^embed: 10/10 volumes, \S+$", printed.err, re.MULTILINE)
@@ -470,13 +522,29 @@ def colour_gap(rgb: np.ndarray) -> float:
 def test_show_of_a_large_labels_file_fits_on_a_sample_of_each_class_and_the_chosen_rows(export_dir, phantom_dir,
                                                                                           tmp_path):
     """Memory grows with --fit_volumes, not with the labels file (docs/performance.md)."""
-    labels = [label for _, label in read_labels(f"{phantom_dir}/labels.csv")]
+    labels = list(read_label_table(f"{phantom_dir}/labels.csv").values["label"])
     rows = encoder_cli.fitting_rows(labels, [10], 5, seed=0)
     assert 10 in rows and len(rows) <= 6 and {labels[r - 1] for r in rows} == set(labels)
     assert encoder_cli.fitting_rows(labels, None, 10, seed=0) == list(range(1, 11))
     drawn = encoder_cli.show(export_dir, f"{phantom_dir}/labels.csv", str(tmp_path / "show.png"),
                              load_config(["--device", "cpu"]), vs_random=False, volumes=[10], fit_volumes=5)
     assert drawn["rows"] == [10] and "(a sample of the file's 10)" in drawn["title"]
+
+
+def test_show_for_a_quick_look_reads_the_sample_size_asked_the_same_each_time_and_names_the_flag(
+        export_dir, phantom_dir, tmp_path, capsys):
+    """show took 170 s on 256 volumes: its progress lines and --help say how to ask for fewer, and why 256."""
+    labels = list(read_label_table(f"{phantom_dir}/labels.csv").values["label"])
+    sample = encoder_cli.fitting_rows(labels, None, 6, seed=3)
+    assert sample == encoder_cli.fitting_rows(labels, None, 6, seed=3)  # reproducible: --seed
+    assert {labels[r - 1] for r in sample} == set(labels)  # stratified: every class
+    assert encoder_cli.main(["show", "--encoder", export_dir, "--labels", f"{phantom_dir}/labels.csv", "--out",
+                             str(tmp_path / "quick.png"), "--no_random", "--fit_volumes", "6", "--seed", "3"]) == 0
+    assert f"show: encode (at most --fit_volumes 6): {len(sample)}/{len(sample)} volumes" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        encoder_cli.main(["show", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "the sample size" in help_text and "Default 256, as before: bounded" in help_text
 
 
 def test_shows_pca_of_position_centred_tokens_differs_between_classes_where_plain_pca_shows_position(export_dir,
@@ -526,7 +594,7 @@ def test_the_docs_commands_run_in_order(smoke_phantoms, tmp_path, capsys):
              str(runs), "--max_steps", "4", "--probe_labels", str(labels)]
     assert train.main(flags + DEMO_FLAGS) == 0  # the demo's run folder: runs/demo
     summary = capsys.readouterr().out
-    commands = [line.replace("runs/demo", f"{runs}/demo").replace("data/phantoms_probe/labels.csv", str(labels))
+    commands = [line.replace("runs/demo", f"{runs}/demo").replace("data/phantoms_suite/labels.csv", str(labels))
                 .replace("data/phantoms ", f"{smoke_phantoms} ") for line in docs_block("bash").splitlines()]
     assert len(commands) == 4
     readme = (REPO / "README.md").read_text()
@@ -560,7 +628,7 @@ def test_each_commands_help_lists_the_config_flags_it_takes_and_claims_no_others
     printed = capsys.readouterr().out
     assert stopped.value.code == 0 and "Every Config field is also a flag" not in printed
     assert "The config flags it takes: --device, --cache_dir, --workers, --data_root" in " ".join(printed.split())
-    assert "runs/demo/checkpoints" in encoder_cli.__doc__ and "data/phantoms_probe/labels.csv" in encoder_cli.__doc__
+    assert "runs/demo/checkpoints" in encoder_cli.__doc__ and "data/phantoms_suite/labels.csv" in encoder_cli.__doc__
 
 
 def test_the_scripts_import_no_compiler_before_parsing_their_arguments_and_train_no_probes_or_plots():

@@ -3,6 +3,8 @@ probe.py's numbers back when asking for probe.py's splits."""
 import csv
 import json
 import os
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,9 +17,11 @@ import pytest
 import safetensors.torch
 import torch
 
+import encoder as encoder_cli
 import finetune
 import lock
 import probe
+import readouts
 from helpers import REPO, one_thread  # noqa: F401 (one_thread: autouse, tiny models, one thread)
 from pretrained import load_encoder, random_encoder
 from privacy import volume_key
@@ -158,6 +162,50 @@ def test_bad_labels_and_too_many_folds_stop_with_a_message_naming_the_fix(export
     assert "9 folds need at least 9 patients and a class" in capsys.readouterr().err
     assert finetune.main(flags + ["--labels", binary_labels, "--embed_dim", "8"]) == 2
     assert "the config flags that finetune.py takes: --device, --seed" in capsys.readouterr().err
+
+
+def test_intervals_of_scores_stay_in_their_range_when_a_few_folds_vary_wildly():
+    """Three folds of a small set score AUROC 1.0, 0.4 and 0.75: their t-interval would run from -0.03 to 1.46. The
+    table a user reads keeps AUROC and balanced accuracy in [0, 1] and their paired differences in [-1, 1]."""
+    def arm(aurocs, accuracies):
+        return finetune.summarize({"attentive": [{"auroc": a, "balanced_accuracy": b}
+                                                 for a, b in zip(aurocs, accuracies)]})
+    encoder, random = arm((1.0, 0.4, 0.75), (1.0, 0.5, 0.75)), arm((0.0, 0.6, 0.25), (0.5, 0.5, 0.5))
+    report = {"fold_count": 3, "splits": "kfold", "volumes": 12, "patients": 6, "task": "binary",
+              "arms": {"encoder": encoder, "random init": random},
+              "pretrained_minus_random": finetune.paired_differences(encoder, random)}
+    table = finetune.format_report(report)
+    assert "encoder        attentive   0.717 [ 0.000,  1.000]     0.750 [ 0.129,  1.000]" in table
+    assert "enc - random   attentive  +0.433 [-1.000, +1.000]    +0.250 [-0.371, +0.871]" in table
+    # probe.py's intervals over seeds too; a value that is not a score keeps its whole t-interval
+    seeds = readouts.intervals([{"auroc": a} for a in (1.0, 0.4, 0.75)])["auroc"]
+    assert (seeds["low"], seeds["high"]) == (0.0, 1.0)
+    assert readouts.interval([1.0, 0.4, 0.75])["high"] == pytest.approx(1.465, abs=1e-3)
+    # one seed: the whole range instead of an infinite interval; as before, it beats nothing and nothing beats it
+    one = readouts.intervals([{"auroc": 0.9}])["auroc"]
+    assert (one["low"], one["high"]) == (0.0, 1.0)
+    assert not readouts.beats(one, seeds) and not readouts.beats(seeds, one)
+
+
+def test_a_checkpoint_given_as_encoder_gets_the_export_command_that_makes_one(trained_checkpoint, binary_labels,
+                                                                              tmp_path, capsys):
+    """`finetune.py --encoder runs/demo/checkpoints` (a training run's checkpoints, not an export) prints the export
+    command; run as printed, it writes runs/demo/encoder, which finetune.py then loads."""
+    run_dir = tmp_path / "runs" / "demo"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    shutil.copy(trained_checkpoint, run_dir / "checkpoints")
+    flags = ["--labels", binary_labels, "--out", str(tmp_path / "ft"), "--modes", "frozen", "--folds", "2"]
+    commands = []
+    for given in (run_dir / "checkpoints", run_dir / "checkpoints" / os.path.basename(trained_checkpoint)):
+        assert finetune.main(["--encoder", str(given), *flags]) == 2
+        err = capsys.readouterr().err
+        commands.append(shlex.split(err.split("`")[1]))
+        export = ["python", "encoder.py", "export", "--ckpt", str(given), "--out", str(run_dir / "encoder")]
+        assert commands[-1] == export
+        assert f"then give --encoder {run_dir / 'encoder'}" in err
+    assert encoder_cli.main(commands[0][2:]) == 0  # the folder's command, as printed
+    assert finetune.load_export(str(run_dir / "encoder")).config["source"]["checkpoint"] == os.path.basename(
+        trained_checkpoint)
 
 
 def test_random_init_is_the_architecture_initialised_as_pretraining_starts(export_dir):

@@ -1,5 +1,5 @@
-"""Labels CSV: every mistake a spreadsheet makes is refused with the row and the fix, by probe.py and finetune.py
-alike (real phantom DICOM files beside the CSV)."""
+"""Labels CSV: every mistake a spreadsheet makes is refused with the row and the fix, by the one reader that
+probe.py, encoder.py show, finetune.py and the verdict share (real phantom DICOM files beside the CSV)."""
 import os
 import shutil
 from pathlib import Path
@@ -24,8 +24,7 @@ LABEL_CASES = {  # what a labels CSV holds -> what the message must say
 
 @pytest.mark.parametrize("case", sorted(LABEL_CASES))
 def test_a_labels_csv_with_a_mistake_is_refused_by_probe_and_finetune_naming_the_row(case, tmp_path, phantom_dir):
-    from labels import read_labels
-    from finetune import read_label_table
+    from labels import read_label_table
     text, message = LABEL_CASES[case]
     a, b = sorted(p.name for p in Path(phantom_dir).glob("*.dcm"))[:2]
     for name in (a, b):
@@ -33,32 +32,28 @@ def test_a_labels_csv_with_a_mistake_is_refused_by_probe_and_finetune_naming_the
     labels = tmp_path / "labels.csv"
     labels.write_text(text.format(a=a, b=b))
     with pytest.raises(ConfigError) as refused:
-        read_labels(str(labels), ("label",) if "patient" not in text else ("label", "patient"))
+        read_label_table(str(labels), ("label",))
     assert message.format(a=a) in str(refused.value)
-    with pytest.raises(ConfigError):
-        read_label_table(str(labels))
 
 
 def test_a_labels_csv_saved_by_excel_with_a_bom_reads_and_unknown_paths_are_named(tmp_path, phantom_dir, capsys):
-    from labels import read_labels
-    from finetune import read_label_table
+    from labels import classification_targets, read_label_table
     a, b = sorted(p.name for p in Path(phantom_dir).glob("*.dcm"))[:2]
     for name in (a, b):
         shutil.copy(Path(phantom_dir) / name, tmp_path / name)
     labels = tmp_path / "labels.csv"
     labels.write_bytes(f"\ufeffpath,label\n{a},yes\n{b},no\ngone.dcm,no\n".encode())
-    assert [row[1] for row in read_labels(str(labels))] == ["yes", "no", "no"]
+    assert list(read_label_table(str(labels)).values["label"]) == ["yes", "no", "no"]
     assert "gone.dcm" in capsys.readouterr().err
     one_class = tmp_path / "one.csv"
     one_class.write_text(f"path,label\n{a},yes\n{b},yes\n")
     with pytest.raises(ConfigError, match="needs at least two classes"):
-        read_label_table(str(one_class))
+        classification_targets(read_label_table(str(one_class)), str(one_class))
 
 
 @pytest.mark.parametrize("alias", ["symlinked folder", "symlink", "hard link"])
 def test_one_scan_listed_twice_through_a_link_is_refused_by_probe_and_finetune(alias, tmp_path, phantom_dir):
-    from labels import read_labels
-    from finetune import read_label_table
+    from labels import read_label_table
     a, b = sorted(p.name for p in Path(phantom_dir).glob("*.dcm"))[:2]
     (tmp_path / "scans").mkdir()
     for name in (a, b):
@@ -75,6 +70,29 @@ def test_one_scan_listed_twice_through_a_link_is_refused_by_probe_and_finetune(a
     labels = tmp_path / "labels.csv"  # the alias as another patient: one scan would sit in train and in test
     labels.write_text(f"path,label,patient\nscans/{a},yes,p1\nscans/{b},no,p2\n{again},yes,p3\n")
     with pytest.raises(ConfigError, match=f"line 4: {again} is the volume of line 2 again"):
-        read_labels(str(labels), ("label", "patient"))
-    with pytest.raises(ConfigError, match="line 4"):
-        read_label_table(str(labels))
+        read_label_table(str(labels), ("label", "patient"))
+
+
+def test_one_number_written_two_ways_is_one_class_but_patient_ids_stay_as_written(tmp_path, phantom_dir, capsys):
+    from labels import classification_targets, read_label_table
+    names = sorted(p.name for p in Path(phantom_dir).glob("*.dcm"))[:4]
+    for name in names:
+        shutil.copy(Path(phantom_dir) / name, tmp_path / name)
+    labels = tmp_path / "labels.csv"  # a spreadsheet that wrote 1.0 for some rows and 1 for others
+    labels.write_text("path,label,patient\n" + "".join(f"{n},{v},{p}\n" for n, v, p in
+                                                       zip(names, ("1", "1.0", "0", "0.0"), ("001", "1", "7", "7"))))
+    table = read_label_table(str(labels))
+    targets, classes, task = classification_targets(table, str(labels))
+    assert classes == ["0", "1"] and task == "binary" and list(targets) == [1, 1, 0, 0]
+    assert list(table.patients) == ["001", "1", "7", "7"]  # two patients 001 and 1: ids are not numbers
+    assert "read as" in capsys.readouterr().err
+
+
+def test_every_tool_reads_a_labels_csv_with_the_one_reader():
+    import ast
+    repo = Path(__file__).resolve().parents[1]
+    for tool in ("probe", "runprobe", "encoder", "finetune"):
+        source = (repo / f"{tool}.py").read_text()
+        assert "csv" not in {a.name for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Import)
+                             for a in n.names}, f"{tool}.py reads a CSV itself"
+        assert "read_label_table" in source or "load_labelled_volumes" in source, tool

@@ -17,7 +17,8 @@ IMAGE, PATCH = [8, 32, 32], [4, 8, 8]
 
 def tiny_model(**kw):
     torch.manual_seed(0)
-    args = dict(embed_dim=64, depth=2, num_heads=4, pred_embed_dim=48, pred_depth=2, pred_num_heads=4)
+    args = dict(embed_dim=64, depth=2, num_heads=4, pred_embed_dim=48, pred_depth=2, pred_num_heads=4,
+                patch_stem="linear", local_loss_weight=0.0, local_loss_split=(1, 1, 1))  # the plain V-JEPA unless a test asks for the recipe
     args.update(kw)
     return VJEPA3D(image_size=IMAGE, patch_size=PATCH, **args)
 
@@ -260,3 +261,16 @@ def test_frozen_target_overfits_one_batch():
         model.update_target(1.0)  # momentum 1.0: the target stays frozen
         first = first if first is not None else out.loss.item()
     assert out.loss.item() < 0.1 * first
+
+
+def test_a_model_built_without_arguments_is_the_recipe_that_the_configs_train():
+    """The model's defaults live in one place, config.py's Config: VJEPA3D() is the demo's and learn.yaml's model."""
+    for config in ([], ["--config", "configs/demo.yaml"], ["--config", "configs/learn.yaml"]):
+        torch.manual_seed(0)
+        built = VJEPA3D()
+        torch.manual_seed(0)
+        configured = VJEPA3D.from_config(load_config(config))
+        assert built.encoder.patch_embed.__class__.__name__ == "HMLPStem" and built.local_head is not None
+        assert {k: v.shape for k, v in built.state_dict().items()} == \
+            {k: v.shape for k, v in configured.state_dict().items()}, config
+        assert all(torch.equal(v, configured.state_dict()[k]) for k, v in built.state_dict().items()), config

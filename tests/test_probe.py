@@ -1,6 +1,10 @@
 """probe.py: linear probes on frozen target-encoder features, the evidence that pretraining learned something."""
+import dataclasses
 import json
 import math
+import os
+import subprocess
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -13,14 +17,14 @@ import probe
 import readouts
 import references
 import runprobe
-from config import load_config
+from config import EXIT_CODES, Preempted, load_config
 from health import rankme
 from model import VJEPA3D
 from objectives import feature_std
 from phantom import INNER_VARIED_LABELS, VARIED_LABELS, Eye, draw_eye, synth_reflectivity, write_phantom_set
 import tokens as tokens_module
 from tokens import TokenFile
-from helpers import one_thread, phantom_flags  # noqa: F401 (one_thread: autouse, tiny models in one thread)
+from helpers import REPO, one_thread, phantom_flags  # noqa: F401 (one_thread: autouse, tiny models in one thread)
 
 TINY = ["--image_size", "8,32,32", "--patch_size", "4,8,8", "--embed_dim", "24", "--depth", "1", "--num_heads", "2",
         "--pred_embed_dim", "12", "--pred_depth", "1", "--pred_num_heads", "2"]
@@ -163,7 +167,7 @@ def test_labels_may_hold_series_folders_and_absolute_paths(tmp_path):
     rows = [("/abs/a.dcm", "x"), ("sub/b", "y")]
     (tmp_path / "sub" / "b").mkdir(parents=True)  # one path that exists: the other is named on stderr
     (tmp_path / "labels.csv").write_text("path,label\n" + "".join(f"{p},{l}\n" for p, l in rows))
-    assert labels.read_labels(str(tmp_path / "labels.csv")) == [("/abs/a.dcm", "x"), (str(tmp_path / "sub/b"), "y")]
+    assert labels.read_label_table(str(tmp_path / "labels.csv")).paths == ["/abs/a.dcm", str(tmp_path / "sub/b")]
 
 
 def test_unreadable_labelled_files_are_counted_by_reason(tmp_path, phantom_dir):
@@ -224,6 +228,83 @@ def test_labels_with_a_single_class_exit_2(capsys, tmp_path, phantom_dir):
     (tmp_path / "labels.csv").write_text(f"path,label\n{phantom_dir}/{first},none\n{phantom_dir}/{second},none\n")
     code, err = run_cli(capsys, "--ckpt", "random", "--labels", str(tmp_path / "labels.csv"), *TINY)
     assert code == 2 and "two classes" in err
+
+
+def patient_labels(path: Path, phantom_dir: str, label_of) -> str:
+    """A user's labels.csv path,label,patient of the 10 volumes of phantom_dir: two scans per patient (p0 to p4),
+    label_of(patient number) the label of both."""
+    names = [line.split(",")[0] for line in open(f"{phantom_dir}/labels.csv").read().splitlines()[1:]]
+    rows = [f"{phantom_dir}/{name},{label_of(i // 2)},p{i // 2}" for i, name in enumerate(names)]
+    path.write_text("path,label,patient\n" + "\n".join(rows) + "\n")
+    return str(path)
+
+
+def test_scans_of_one_patient_never_sit_on_both_sides_of_a_probe_split(capsys, tmp_path, phantom_dir):
+    """Several scans per patient: a split by volume let the probes meet a test patient in training."""
+    labels_csv = patient_labels(tmp_path / "labels.csv", phantom_dir, lambda patient: "ab"[patient % 2])
+    code = probe.main(["--ckpt", "random", *TINY, "--labels", labels_csv, "--seeds", "3", "--readouts", "mean_pool",
+                       "--no_reference", "--json", str(tmp_path / "probe.json")])
+    assert code == 0
+    task = json.loads((tmp_path / "probe.json").read_text())["tasks"]["label"]
+    assert task["split_by"] == "patient" and task["patients"] == 5
+    assert "label: auroc, 10 volumes of 5 patients (split by patient)" in capsys.readouterr().out
+    rng = np.random.default_rng(0)  # the splits probe.py draws, on 30 patients of one to four scans
+    patients = np.repeat(np.arange(30), rng.integers(1, 5, size=30)).astype(str)
+    targets = np.array([int(p) % 3 for p in patients])
+    for train, test in probe.probe_splits(targets, ["a", "b", "c"], patients, 10, labels_csv):
+        assert not set(patients[train]) & set(patients[test])
+        assert sorted(np.concatenate([train, test])) == list(range(len(patients)))
+        assert set(targets[train]) == set(targets[test]) == {0, 1, 2}
+    for seed, split in enumerate(probe.probe_splits(targets, ["a", "b", "c"], None, 3, labels_csv)):  # no patients:
+        assert all(map(np.array_equal, split, readouts.probe_split(targets, seed)))  # the built-in suite's splits
+
+
+def test_a_class_of_a_single_patient_exits_2_naming_the_fix(capsys, tmp_path, phantom_dir):
+    labels_csv = patient_labels(tmp_path / "labels.csv", phantom_dir, lambda patient: "abacb"[patient])
+    code, err = run_cli(capsys, "--ckpt", "random", *TINY, "--labels", labels_csv, "--no_reference")
+    assert code == 2 and "split by patient, class c has no volume to hold out" in err and "two patients" in err
+
+
+def test_probe_shows_the_progress_of_encoding_each_read_out_and_each_cnn_fit(capsys, phantom_dir, monkeypatch):
+    """It once printed nothing for 7 minutes while the supervised CNN trained (stderr is a log here: plain lines)."""
+    monkeypatch.setattr(references, "VOLUME_CNN", dataclasses.replace(references.VOLUME_CNN, steps=20))  # short fits
+    code, err = run_cli(capsys, "--ckpt", "random", *TINY, "--data_root", phantom_dir, "--seeds", "2",
+                        "--readouts", "mean_pool")
+    assert code == 0
+    for line in ("encode: 10/10 volumes", "encoder read-outs: 2/2 splits", "hand-made features: 2/2 splits",
+                 "supervised CNN, split 1 of 2: 20/20 steps", "supervised CNN, split 2 of 2: 20/20 steps"):
+        assert line in err, err[-2000:]
+
+
+# A probe.py process that gets Ctrl-C as its second task starts (the first one finished), in a small built-in suite
+INTERRUPTED_PROBE = """
+import os, signal, sys
+sys.path.insert(0, sys.argv[1])
+import labels, probe
+labels.PHANTOM_SETS["varied"] = (8, *labels.PHANTOM_SETS["varied"][1:])
+real_dense_report = probe.dense_report
+def dense_report(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGINT)
+    return real_dense_report(*args, **kwargs)
+probe.dense_report = dense_report
+sys.exit(probe.main(sys.argv[2:]))
+"""
+
+
+def test_ctrl_c_keeps_the_tasks_finished_marked_partial_and_says_where(tmp_path):
+    out_json, out_png = tmp_path / "probe.json", tmp_path / "probe.png"
+    stopped = subprocess.run(
+        [sys.executable, "-c", INTERRUPTED_PROBE, str(REPO), "--ckpt", "random", *TINY, "--device", "cpu",
+         "--phantom_dir", str(tmp_path / "phantoms"), "--tasks", "lesion,lesion_tokens", "--seeds", "2",
+         "--readouts", "mean_pool", "--no_reference", "--json", str(out_json), "--plot", str(out_png)],
+        cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert stopped.returncode == Preempted.exit_code and Preempted.exit_code in EXIT_CODES, stopped.stderr[-3000:]
+    assert "Traceback" not in stopped.stderr
+    assert stopped.stderr.splitlines()[-1] == (f"preempted: SIGINT: probe.py interrupted; kept the tasks finished "
+                                               f"(lesion), marked partial, in {out_json} and {out_png}")
+    report = json.loads(out_json.read_text())
+    assert report["partial"] is True and report["stopped_by"] == "SIGINT" and list(report["tasks"]) == ["lesion"]
+    assert "lesion: auroc, 8 volumes" in stopped.stdout and out_png.stat().st_size > 0
 
 
 @pytest.mark.slow
@@ -371,7 +452,7 @@ def varied_set(tmp_path_factory) -> str:
 
 
 def test_suite_tasks_have_balanced_labels_and_reproducible_splits(varied_set, tmp_path):
-    rows = {c: np.array([r[1] for r in labels.read_labels(f"{varied_set}/labels.csv", (c,))]) for c in ("lesion",)}
+    rows = {c: labels.read_label_table(f"{varied_set}/labels.csv", (c,)).values[c] for c in ("lesion",)}
     for task in probe.SUITE["varied"]:
         targets, names = labels.task_targets(rows[task.column])
         assert names == ["no", "yes"] and list(np.bincount(targets)) == [4, 4]  # balanced

@@ -1,6 +1,7 @@
 """sanity.py: every check passes on a healthy setup and fails, with its cause and exit code 1, when the thing it
 guards is broken the way the incidents of docs/incidents.md broke it; the LR sweep tells a stable LR from an exploding one."""
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -216,6 +217,23 @@ def test_lr_sweep_picks_a_stable_lr_and_marks_an_exploding_one_unstable(capsys, 
     assert lines["1.0e-03"].endswith("stable") and lines["1.0e-01"].endswith("UNSTABLE")
     assert "recommended base_lr: 0.001" in out
     assert (tmp_path / "lr_sweep.png").stat().st_size > 0 and f"loss curves: {tmp_path}/lr_sweep.png" in out
+
+
+@pytest.mark.slow
+def test_lr_sweep_whose_best_lr_is_at_an_edge_of_its_grid_gives_the_flag_that_extends_it(capsys, tmp_path,
+                                                                                         smoke_phantoms):
+    code, out = run_sanity(capsys, tmp_path, smoke_phantoms, "--lr_sweep", "1e-4,1e-3")
+    assert code == 0 and "recommended base_lr: 0.001" in out
+    assert "0.001 is the largest LR tried, and a larger one may be stable too" in out
+    flag = re.search(r"extend the grid upward with (--lr_sweep \S+)", out).group(1)
+    assert flag == "--lr_sweep 0.001,0.003,0.01,0.03,0.1"
+    code, out = run_sanity(capsys, tmp_path, smoke_phantoms, *flag.split())  # the user reruns with it
+    lines = {line.split()[0]: line for line in out.splitlines() if line.strip().startswith(("1.0e-", "3.0e-"))}
+    assert code == 0 and lines["1.0e-01"].endswith("UNSTABLE")  # the grid now reaches past the stable LRs
+    assert "recommended base_lr" in out and "LR tried" not in out
+    code, out = run_sanity(capsys, tmp_path, smoke_phantoms, "--lr_sweep", "1e-3,1e-1")  # only the smallest stable
+    assert code == 0 and "0.001 is the smallest LR tried, the only one stable with a falling loss" in out
+    assert "extend it downward with --lr_sweep 1e-05,3e-05,0.0001,0.0003,0.001" in out
 
 
 def test_lr_sweep_takes_its_default_grid_without_a_value():

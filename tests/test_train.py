@@ -444,6 +444,23 @@ def test_auto_settings_weigh_the_memory_estimate_against_the_device_and_say_why(
     assert plan.choose_auto_settings(fixed, cpu, 2) == (fixed, [])
 
 
+def test_a_production_config_on_a_laptop_starts_no_more_loader_workers_than_it_has_cores_and_says_so():
+    cfg = load_config(["--config", str(REPO / "configs" / "pretrain_single_domain.yaml")])
+    assert cfg.workers == 8
+    cpu = Runtime(torch.device("cpu"), "cpu", 1, 0, 1, 1)
+    chosen, notes = plan.choose_auto_settings(cfg, cpu, 1)
+    cores = plan.usable_cores()
+    assert chosen.workers == min(8, cores)
+    assert any(n.startswith(f"workers 8 -> {cores}:") for n in notes) == (cores < 8)
+
+
+def test_compile_true_on_xla_is_turned_off_where_the_run_starts_with_a_line_saying_why():
+    cfg = load_config(["--config", SMOKE, "--compile", "true", "--grad_checkpointing", "false"])
+    xla = Runtime(torch.device("cpu"), "xla", 1, 0, 1, 1)
+    chosen, notes = plan.choose_auto_settings(cfg, xla, 2)
+    assert chosen.compile is False and notes == ["compile: ignored on xla (XLA compiles the whole update by itself)"]
+
+
 @pytest.mark.slow
 def test_ddp_two_processes_match_one_process(tmp_path, smoke_phantoms):
     flags = ["--max_steps", "6", "--ckpt_dir", "none", "--val_every_steps", "100"]
@@ -510,6 +527,25 @@ def test_a_resumed_run_logs_into_the_same_wandb_run(tmp_path, smoke_phantoms):
     assert ids == {(run_dir / "wandb_id").read_text()}
 
 
+def test_wandb_auto_without_a_login_says_once_that_it_logs_offline_and_how_to_log_online(tmp_path, monkeypatch,
+                                                                                         capsys):
+    """`wandb: auto` with no W&B key at hand (no WANDB_API_KEY, no `wandb login` in ~/.netrc) logs offline: the user is
+    told so on stderr, why, and how to log online or upload the run later."""
+    from runlog import RunLog
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for name in ("WANDB_API_KEY", "WANDB_BASE_URL", "NETRC"):
+        monkeypatch.delenv(name, raising=False)
+    run_dir = tmp_path / "runs" / "r"
+    log = RunLog(str(run_dir), load_config(["--config", SMOKE, "--wandb", "auto"]), active=True)
+    log.close()
+    err = capsys.readouterr().err
+    assert err.count("W&B logs offline") == 1
+    assert f"no WANDB_API_KEY or `wandb login` key for api.wandb.ai in {tmp_path}/home/.netrc" in err
+    assert "to log online: `wandb login` or WANDB_API_KEY, or --wandb online" in err
+    assert f"wandb sync {run_dir}/wandb/offline-run-*" in err
+    assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 1  # it logged offline, where it said
+
+
 @pytest.mark.slow
 def test_checkpoints_go_to_gs_and_the_run_resumes_from_there(tmp_path, smoke_phantoms, gcs_emulator):
     ckpt_dir = f"gs://{gcs_emulator.bucket}/ckpts/{tmp_path.name}"
@@ -563,3 +599,15 @@ def test_probe_every_steps_logs_the_probe_auroc_during_pretraining(tmp_path, smo
     probes = [r for r in read_jsonl(tmp_path / "runs" / "r" / "metrics.jsonl") if r["split"] == "probe"]
     assert [r["step"] for r in probes] == [4, 8]
     assert all(0.0 <= r["probe_auroc"] <= 1.0 and 0.0 <= r["probe_bal_acc"] <= 1.0 for r in probes)
+
+
+def test_the_summary_of_a_phantom_run_points_its_next_commands_at_the_labelled_set_its_verdict_wrote():
+    """The demo's verdict writes the varied labelled phantoms (runprobe.prepare_probe_set); show and finetune, as the
+    summary prints them, must read that file, not one the demo never writes."""
+    import runlog
+    from config import phantom_labels_path
+    cfg = load_config(["--config", str(REPO / "configs" / "demo.yaml")])
+    commands = runlog.next_commands(cfg, "runs/demo")
+    verdict_labels = phantom_labels_path(cfg, varied=True)
+    assert sum(f"--labels {verdict_labels} " in c for c in commands) == 2, commands
+    assert "_suite" in verdict_labels
