@@ -103,7 +103,10 @@ def environment() -> dict:
         except importlib.metadata.PackageNotFoundError:
             versions[package] = None
     here = os.path.dirname(os.path.abspath(__file__))
-    git = lambda *args: subprocess.run(["git", *args], cwd=here, capture_output=True, text=True).stdout.strip()
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=here, capture_output=True, text=True).stdout.strip()
+
     return {"device": {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(),
                        "torch_threads": torch.get_num_threads()},
             "versions": versions, "git_commit": git("rev-parse", "HEAD") or None,

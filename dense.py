@@ -123,7 +123,7 @@ def fit_token_cnn(volumes: torch.Tensor, targets: np.ndarray, train_idx: np.ndar
     """The supervised reference of the dense task: references.fit_cnn (on `device`) of a SmallCNN with a lesion logit
     per token of the grid, on the token targets [M, N] (set_token_targets) of the training volumes."""
     token_maps = torch.from_numpy(targets.astype(np.float32)).view(len(targets), *grid)  # [M, gd, gh, gw]
-    return fit_cnn(volumes, token_maps, train_idx, token_loss, 1, budget, seed, grid, device)
+    return fit_cnn(volumes, token_maps, train_idx, token_loss, 1, budget, seed, grid, device, f"token CNN, seed {seed}")
 
 
 def target_grid(image_size: Sequence[int]) -> List[int]:

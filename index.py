@@ -102,8 +102,9 @@ def scan_files(files: Sequence[str], sop_classes: str = "oct", progress: bool = 
     """Index records, one per volumes.units verdict (a volume: a multi-frame file or the single-frame files of one
     series; or files rejected together), so every file appears exactly once. A record has paths, sources
     (source_identity of each), ok, reason (None when ok), detail, manufacturer, model, series, shape [D,H,W], spacing
-    [dz,dy,dx] or None, spacing_issue, patient, study, laterality. `identities` ({path: source_identity}, e.g. from list_sources) saves
-    looking them up. The site's key file is read (or created: privacy.site_secret) before any file.
+    [dz,dy,dx] or None, spacing_issue, patient, study, laterality. `identities` ({path: source_identity}, e.g. from
+    list_sources) saves looking them up. The site's key file is read (or created: privacy.site_secret) before any
+    file.
     """
     site_secret(create=True)  # a key file this user cannot use stops the scan here, not as every file "corrupt"
     def inspect(path):

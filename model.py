@@ -426,7 +426,8 @@ class VJEPA3D(nn.Module):
 
     @torch.no_grad()
     def encode(self, volume: torch.Tensor) -> torch.Tensor:
-        """Frozen target-encoder features of whole volumes: [B,1,D,H,W] -> [B, N, E] (eager, after compile_parts too)."""
+        """Frozen target-encoder features of whole volumes: [B,1,D,H,W] -> [B, N, E] (eager, after compile_parts
+        too)."""
         with self.eager():
             return self.target_encoder(volume)
 

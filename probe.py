@@ -46,7 +46,7 @@ from health import position_share
 from labels import PATIENT_COLUMN, load_labelled_volumes, phantom_set_labels, task_targets
 from phantom import set_voxel_layers
 from progress import counted
-from readouts import (READOUTS, TEST_FRACTION, Task, beats, intervals, paired_difference, probe_split, split_scores)
+from readouts import READOUTS, TEST_FRACTION, Task, beats, intervals, paired_difference, probe_split, readout_scores
 from references import VALID_CEILING_MIN, VALID_SHORTCUT_MAX, Split, handmade_scores, supervised_scores
 from runprobe import random_model
 from runtime import StopRequested, StopSignals, probe_device
@@ -66,7 +66,8 @@ SUITE = {"plain": (Task("plain_lesion"),),
 def probe_splits(labels: np.ndarray, classes: List[str], patients: Optional[np.ndarray], seeds: int,
                  source: str) -> List[Split]:
     """(train, test) of each probe seed of the class ids labels [M] (class names `classes`): readouts.probe_split of
-    the volumes, or with patients [M] readouts.patient_split. ConfigError (naming `source`) when a class cannot be held out."""
+    the volumes, or with patients [M] readouts.patient_split. ConfigError (naming `source`) when a class cannot be
+    held out."""
     splits = [probe_split(labels, seed, patients) for seed in range(seeds)]
     if patients is None:
         return splits
@@ -81,17 +82,6 @@ def probe_splits(labels: np.ndarray, classes: List[str], patients: Optional[np.n
 # A task's report: every encoder and read-out beside the shortcut and the ceiling
 # ----------------------------------------------------------------------------------------------------------
 
-def encoder_scores(tokens: torch.Tensor, grid: Sequence[int], labels: np.ndarray, splits: Sequence[Split],
-                   readouts: Sequence[str], device, name: str) -> Dict[str, Dict[str, dict]]:
-    """readouts.readout_scores on given splits (split i: probe seed i), with progress named after the encoder:
-    {readout: {metric: interval over splits}}."""
-    runs: Dict[str, List[dict]] = {r: [] for r in readouts}
-    for seed, (train, test) in enumerate(counted(splits, f"{name} read-outs", "split")):
-        for readout, scores in split_scores(tokens, labels, train, test, seed, readouts, grid, device).items():
-            runs[readout].append(scores)
-    return {r: intervals(s) for r, s in runs.items()}
-
-
 def task_report(labels: np.ndarray, tokens: Dict[str, torch.Tensor], grid: Sequence[int],
                 volumes: torch.Tensor, splits: Sequence[Split], readouts: Sequence[str] = READOUTS,
                 reference: bool = True, device="cpu") -> dict:
@@ -101,8 +91,8 @@ def task_report(labels: np.ndarray, tokens: Dict[str, torch.Tensor], grid: Seque
     trained on `device`): {"metric", "encoders": {name: {readout: {metric: interval}}}, "handmade": {features: ...},
     "best_handmade", "supervised": {metric: interval}, "valid", "versus": {name: {readout: comparisons}}}."""
     metric, seeds = "auroc", range(len(splits))
-    report = {"metric": metric, "encoders": {name: encoder_scores(t, grid, labels, splits, readouts, device, name)
-                                             for name, t in tokens.items()}}
+    report = {"metric": metric, "encoders": {name: readout_scores(t, grid, labels, seeds, readouts, device, splits,
+                                                                  f"{name} read-outs") for name, t in tokens.items()}}
     if reference:
         report = with_references(report, handmade_scores(volumes, labels, seeds, splits),
                                  supervised_scores(volumes, labels, seeds, device, splits))

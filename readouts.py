@@ -30,6 +30,7 @@ from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
 from model import POOLS, pool_tokens
+from progress import counted
 from tokens import Tokens, chunk_rows, token_chunks
 
 TEST_FRACTION = 0.4  # share of each class held out
@@ -272,12 +273,14 @@ def split_scores(tokens: Tokens, labels: np.ndarray, train_idx: np.ndarray, test
 
 
 def readout_scores(tokens: torch.Tensor, grid: Sequence[int], labels: np.ndarray, seeds: Sequence[int],
-                   readouts: Sequence[str] = READOUTS, device="cpu") -> Dict[str, Dict[str, dict]]:
+                   readouts: Sequence[str] = READOUTS, device="cpu", splits: Optional[Sequence[tuple]] = None,
+                   desc: Optional[str] = None) -> Dict[str, Dict[str, dict]]:
     """{readout: {metric: interval over seeds}} of one encoder's frozen tokens [M, N, E] (token grid `grid`) for the
-    class ids labels [M], on the probe splits of `seeds` (the attentive read-out trained on `device`)."""
+    class ids labels [M], on the probe splits of `seeds` or the (train, test) `splits` given, one per seed (the
+    attentive read-out trained on `device`); with `desc`, progress of the splits under that name."""
     runs: Dict[str, List[dict]] = {r: [] for r in readouts}
-    for seed in seeds:
-        train, test = probe_split(labels, seed)
+    splits = splits if splits is not None else [probe_split(labels, seed) for seed in seeds]
+    for (train, test), seed in zip(counted(splits, desc, "split") if desc else splits, seeds):
         for readout, scores in split_scores(tokens, labels, train, test, seed, readouts, grid, device).items():
             runs[readout].append(scores)
     return {r: intervals(s) for r, s in runs.items()}

@@ -67,9 +67,9 @@ def test_a_compiled_update_gives_the_eager_loss_and_grad_norm_without_graph_brea
 
 @pytest.mark.slow
 def test_the_reduce_overhead_mode_gives_the_eager_update_and_marks_each_update(monkeypatch):
-    """compile_mode reduce-overhead: CUDA graphs on a GPU; on the CPU the default mode, which this checks: the same loss,
-    grad norm and weights as eager for an update of two micro-batches, and each update (not each micro-batch, nor
-    validation) starts a CUDA-graph step. Every update has the same shapes: one compile, not two."""
+    """compile_mode reduce-overhead: CUDA graphs on a GPU; on the CPU the default mode, which this checks: the same
+    loss, grad norm and weights as eager for an update of two micro-batches, and each update (not each micro-batch,
+    nor validation) starts a CUDA-graph step. Every update has the same shapes: one compile, not two."""
     cfg = load_config(["--config", SMOKE, "--compile_mode", "reduce-overhead"])
     micro_batches = halves(synthetic_batch(cfg, cfg.per_core_batch_size))  # the shapes of every update here
     torch._dynamo.reset()

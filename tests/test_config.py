@@ -116,7 +116,10 @@ def test_a_scripts_bad_option_exits_2_like_a_bad_config_flag_naming_the_closest_
 def test_every_exit_status_of_every_script_is_in_the_one_table_in_config():
     import ast
     from config import EXIT_CODES, ExitError
-    import encoder, finetune, sanity  # noqa: F401  (every script's errors; train, data, probe, model come along)
+    # every script's errors (train, data, probe, model come along)
+    import encoder  # noqa: F401
+    import finetune  # noqa: F401
+    import sanity  # noqa: F401
     errors, todo = [], [ExitError]
     while todo:
         errors.append(todo.pop())

@@ -4,6 +4,7 @@ DICOM reader. The README stays a front door, and experiments/ holds only evidenc
 import ast
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -146,6 +147,14 @@ def test_the_training_loop_branches_on_no_device_kind_the_runtime_decides_once()
     device differences once)."""
     train = MODULES["train"].read_text()
     assert not re.findall(r"\.kind\s*[!=]=|torch\.autocast\(", train), re.findall(r".*\.kind\s*[!=]=.*", train)
+
+
+def test_ruff_finds_nothing_to_fix():
+    """ruff.toml's lint (pyflakes, pycodestyle) over every Python file of the repository."""
+    ruff = Path(sys.executable).with_name("ruff")
+    result = subprocess.run([str(ruff) if ruff.exists() else "ruff", "check", "--no-cache", "."], cwd=REPO,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_the_readme_is_a_front_door_not_a_manual():

@@ -18,7 +18,8 @@ IMAGE, PATCH = [8, 32, 32], [4, 8, 8]
 def tiny_model(**kw):
     torch.manual_seed(0)
     args = dict(embed_dim=64, depth=2, num_heads=4, pred_embed_dim=48, pred_depth=2, pred_num_heads=4,
-                patch_stem="linear", local_loss_weight=0.0, local_loss_split=(1, 1, 1))  # the plain V-JEPA unless a test asks for the recipe
+                # the plain V-JEPA unless a test asks for the recipe
+                patch_stem="linear", local_loss_weight=0.0, local_loss_split=(1, 1, 1))
     args.update(kw)
     return VJEPA3D(image_size=IMAGE, patch_size=PATCH, **args)
 

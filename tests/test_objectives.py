@@ -16,7 +16,8 @@ IMAGE, PATCH = [8, 32, 32], [4, 8, 8]
 
 def tiny_model(**kw):
     torch.manual_seed(0)
-    plain = dict(patch_stem="linear", local_loss_weight=0.0, local_loss_split=(1, 1, 1))  # the plain JEPA loss unless a test asks for more
+    # the plain JEPA loss unless a test asks for more
+    plain = dict(patch_stem="linear", local_loss_weight=0.0, local_loss_split=(1, 1, 1))
     return VJEPA3D(image_size=IMAGE, patch_size=PATCH, embed_dim=32, depth=4, num_heads=4, pred_embed_dim=24,
                    pred_depth=2, pred_num_heads=4, **{**plain, **kw})
 

@@ -166,7 +166,7 @@ def test_probe_auroc_leaves_the_model_as_it_found_it(phantom_dir):
 def test_labels_may_hold_series_folders_and_absolute_paths(tmp_path):
     rows = [("/abs/a.dcm", "x"), ("sub/b", "y")]
     (tmp_path / "sub" / "b").mkdir(parents=True)  # one path that exists: the other is named on stderr
-    (tmp_path / "labels.csv").write_text("path,label\n" + "".join(f"{p},{l}\n" for p, l in rows))
+    (tmp_path / "labels.csv").write_text("path,label\n" + "".join(f"{p},{label}\n" for p, label in rows))
     assert labels.read_label_table(str(tmp_path / "labels.csv")).paths == ["/abs/a.dcm", str(tmp_path / "sub/b")]
 
 
@@ -317,7 +317,8 @@ def test_probe_of_a_checkpoint_reports_intervals_over_seeds(capsys, tmp_path, ph
     task = json.loads((tmp_path / "probe.json").read_text())["tasks"]["label"]
     assert task["volumes"] == 10 and list(task["class_counts"]) == ["drusen", "fluid", "none"]
     for iv in [*(task["encoders"]["encoder"][r]["auroc"] for r in readouts.READOUTS), task["supervised"]["auroc"],
-               *(task["handmade"][f]["auroc"] for f in references.HANDMADE)]:  # the floor... and the ceiling and shortcut
+               # the floor... and the ceiling and shortcut
+               *(task["handmade"][f]["auroc"] for f in references.HANDMADE)]:
         assert len(iv["values"]) == 2 and iv["low"] <= iv["mean"] <= iv["high"]
     assert task["best_handmade"] in references.HANDMADE and isinstance(task["valid"], bool)
     out = capsys.readouterr().out

@@ -1,6 +1,6 @@
-"""The reader (dicom.py) and data.py on the shapes real OCT exports take: Zeiss Cirrus, non-raster scans, broken series, garbled
-headers, per-frame functional groups, line scans, damaged files, stale indexes and caches; whatever a scan accepts is
-read without an exception."""
+"""The reader (dicom.py) and data.py on the shapes real OCT exports take: Zeiss Cirrus, non-raster scans, broken
+series, garbled headers, per-frame functional groups, line scans, damaged files, stale indexes and caches; whatever a
+scan accepts is read without an exception."""
 import json
 import os
 import shutil

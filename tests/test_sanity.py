@@ -1,5 +1,6 @@
 """sanity.py: every check passes on a healthy setup and fails, with its cause and exit code 1, when the thing it
-guards is broken the way the incidents of docs/incidents.md broke it; the LR sweep tells a stable LR from an exploding one."""
+guards is broken the way the incidents of docs/incidents.md broke it; the LR sweep tells a stable LR from an
+exploding one."""
 import math
 import re
 import shutil
@@ -131,7 +132,8 @@ def test_sanity_fails_when_the_target_encoder_receives_gradients(capsys, tmp_pat
         m.target_encoder.requires_grad_(True)
         return m
     monkeypatch.setattr(model.VJEPA3D, "from_config", staticmethod(trainable_target))
-    monkeypatch.setattr(model.VJEPA3D, "all_target_features", model.VJEPA3D.all_target_features.__wrapped__)  # no no_grad
+    # no no_grad
+    monkeypatch.setattr(model.VJEPA3D, "all_target_features", model.VJEPA3D.all_target_features.__wrapped__)
     code, out = run_sanity(capsys, tmp_path, smoke_phantoms, "--checks", "model")
     assert code == 1
     assert "FAIL" in row(out, "model")

@@ -24,9 +24,11 @@ cfg, volumes, task, targets = lesion_suite()
 
 
 def by_token(features: np.ndarray, grid: list, split: list) -> np.ndarray:
-    """Features [M, N*S, F] of the sub-block grid (grid times split per axis) grouped by token of `grid`: [M, N, S*F]."""
+    """Features [M, N*S, F] of the sub-block grid (grid times split per axis) grouped by token of `grid`: [M, N,
+    S*F]."""
     (gd, gh, gw), (sd, sh, sw), (M, _, F) = grid, split, features.shape
-    x = features.reshape(M, gd, sd, gh, sh, gw, sw, F).transpose(0, 1, 3, 5, 2, 4, 6, 7)  # [M, gd, gh, gw, sd, sh, sw, F]
+    # [M, gd, gh, gw, sd, sh, sw, F]
+    x = features.reshape(M, gd, sd, gh, sh, gw, sw, F).transpose(0, 1, 3, 5, 2, 4, 6, 7)
     return x.reshape(M, gd * gh * gw, -1)
 
 

@@ -1,7 +1,7 @@
-"""How well a run's tokens hold each token's own voxel statistics (the local loss's targets, objectives.token_voxel_statistics):
-the local head's l1 error on the context and on the target encoder's tokens (runs with --local_loss_weight), and the
-held-out R^2 of a ridge regression from each encoder's tokens to the statistics (half the tokens fit, half scored), on
-60 of the suite's labelled varied phantoms, no masking.
+"""How well a run's tokens hold each token's own voxel statistics (the local loss's targets,
+objectives.token_voxel_statistics): the local head's l1 error on the context and on the target encoder's tokens (runs
+with --local_loss_weight), and the held-out R^2 of a ridge regression from each encoder's tokens to the statistics (half
+the tokens fit, half scored), on 60 of the suite's labelled varied phantoms, no masking.
 
     python experiments/dense/local_fit.py RUN [RUN...]     # RUN: a folder of experiments/runs/
 """

@@ -2,8 +2,8 @@
 
     python experiments/gpu/recipe.py OUT [--train_seconds 210] [--probe_seconds 120] [--go FILE] [--smoke]
 
-Every arm is train.py with configs/learn.yaml (or configs/demo.yaml) and a few flags, as a user runs it; --parallel
-runs go at once (one GPU, OMP_NUM_THREADS=1 each), and probe.py probes each run's last checkpoint as soon as the run ends:
+Every arm is train.py with configs/learn.yaml (or configs/demo.yaml) and a few flags, as a user runs it; --parallel runs
+go at once (one GPU, OMP_NUM_THREADS=1 each), and probe.py probes each run's last checkpoint as soon as the run ends:
 
   geometry  the production tubelet (4x16x16) on 16x128x128 inputs from the same 32x128x128 phantoms (learn.yaml's
             4x8x8 token grid), 3000 updates, seeds 0-2: the old recipe (linear stem, no local loss), the recipe (hmlp

@@ -473,7 +473,9 @@ def run_phase(arms, device, warmup: int, rounds: int, per_round: int, compiled: 
 # ----------------------------------------------------------------------------------------------------------
 
 def environment(device, ref) -> dict:
-    git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
     env = {"python": platform.python_version(), "torch": torch.__version__, "device": device.type,
            "octjepa_commit": git("rev-parse", "HEAD") or None,
            "octjepa_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
