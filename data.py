@@ -27,7 +27,7 @@ import sys
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -40,7 +40,7 @@ from index import (format_reason_table, format_scan_report, index_records, index
                    reason_counts, source_identity, update_index, write_index)
 from masks import mask_generator_from_config
 from privacy import site_secret
-from storage import write_atomic
+from storage import exists, write_atomic
 from volumes import Volume, read_volume, source_paths
 
 
@@ -339,19 +339,21 @@ def val_draw(seed: int, patient: str) -> float:
     return int.from_bytes(digest[:8], "big") / 2 ** 64
 
 
-def split_by_patient(records: Sequence[dict], val_fraction: float, seed: int) -> Tuple[List[dict], List[dict]]:
-    """(train, val) records: whole patients (PatientID, else file) go to val by a hash of (seed, patient), so a
-    patient's side never depends on the other patients (a lost or added file moves no one else). A set too small
-    for that still gets one val patient and keeps one train patient."""
-    draws = {p: val_draw(seed, p) for p in {r["patient"] for r in records}}
+def split_by_patient(records: Sequence[dict], val_fraction: float, seed: int,
+                     unit: Optional[Callable[[dict], str]] = None) -> Tuple[List[dict], List[dict]]:
+    """(train, val) records: whole patients (PatientID, else file; or another `unit` of a record) go to val by a hash
+    of (seed, patient), so a patient's side never depends on the other patients (a lost or added file moves no one
+    else). A set too small for that still gets one val patient and keeps one train patient."""
+    unit = unit or (lambda record: record["patient"])
+    draws = {p: val_draw(seed, p) for p in {unit(r) for r in records}}
     val_patients = {p for p, u in draws.items() if u < val_fraction}
     by_draw = sorted(draws, key=draws.get)
     if val_fraction > 0 and not val_patients and len(by_draw) > 1:
         val_patients = {by_draw[0]}
     if len(val_patients) == len(by_draw) and by_draw:
         val_patients.discard(by_draw[-1])
-    return ([r for r in records if r["patient"] not in val_patients],
-            [r for r in records if r["patient"] in val_patients])
+    return ([r for r in records if unit(r) not in val_patients],
+            [r for r in records if unit(r) in val_patients])
 
 
 def build_datasets(cfg: Config) -> Tuple[OCTDataset, OCTDataset]:
@@ -360,6 +362,7 @@ def build_datasets(cfg: Config) -> Tuple[OCTDataset, OCTDataset]:
     bad files: BENIGN_REASONS)."""
     if cfg.cache_dir is not None and cfg.cache_dir.startswith("gs://"):
         raise ConfigError("cache_dir: the decoded-volume cache must be a local folder (it is read at every step).")
+    builtin = cfg.data_root is None and cfg.manifest_path is None and not (cfg.index_path and exists(cfg.index_path))
     if cfg.data_root is None and cfg.manifest_path is None and cfg.cache_dir is None:
         cfg = replace(cfg, cache_dir=cfg.phantom_dir.rstrip("/") + "-cache")  # decode the built-in phantoms once
     records = index_records(cfg)
@@ -377,7 +380,10 @@ def build_datasets(cfg: Config) -> Tuple[OCTDataset, OCTDataset]:
     if len(usable) < len(records):  # incident 11: every file that is not used is reported, by reason
         print(f"{len(records) - len(usable)} of {len(records)} index records are not used:\n"
               f"{format_reason_table(reason_counts(records))}", file=sys.stderr)
-    train, val = split_by_patient(usable, cfg.val_fraction, cfg.seed)
+    # The built-in phantoms hold no patients: they split by file name, the same on every machine (their keyed
+    # patient ids follow the site key, which would draw another split, and another run length, per machine).
+    unit = (lambda record: os.path.relpath(record["paths"][0], cfg.phantom_dir)) if builtin else None
+    train, val = split_by_patient(usable, cfg.val_fraction, cfg.seed, unit)
     return OCTDataset(train, cfg, train=True), OCTDataset(val, cfg, train=False)
 
 

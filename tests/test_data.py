@@ -1,5 +1,6 @@
 """dicom.py and data.py: every maker's OCT DICOM to static-shape normalized batches, bad files reported, gs://, cache
 (incidents 5, 11)."""
+import hashlib
 import json
 import os
 import pickle
@@ -502,3 +503,22 @@ def test_gs_scan_lists_every_object_and_writes_the_index_to_the_bucket(gcs_emula
     assert {Path(r["paths"][0]).name: r["reason"] for r in records} == expected
     write_index(records, f"{url}/index.jsonl")
     assert read_index(f"{url}/index.jsonl") == json.loads(json.dumps(records))
+
+
+def test_the_built_in_phantoms_split_alike_under_every_site_key_while_real_patients_follow_their_key(
+        tmp_path, phantom_dir, monkeypatch):
+    """The demo trains the same volumes, and so makes the same number of updates, on every machine; a site's own
+    data keeps its keyed patient split (two keys: two splits, neither linkable to the other)."""
+    val_files = {}
+    for key in ("site-a", "site-b"):  # two fixed secrets: the same outcome on every run of the test
+        key_file = tmp_path / f"{key}.key"
+        key_file.write_text(hashlib.sha256(key.encode()).hexdigest() + "\n")
+        key_file.chmod(0o600)
+        monkeypatch.setenv("OCTJEPA_PATIENT_KEY_FILE", str(key_file))
+        for data in ("built-in", "own"):
+            flags = ["--phantom_dir", phantom_dir, "--cache_dir", str(tmp_path / f"cache-{key}-{data}"),
+                     "--val_fraction", "0.4", "--index_path", str(tmp_path / f"index-{key}-{data}.jsonl")]
+            _, val = build_datasets(load_config(flags + (["--data_root", phantom_dir] if data == "own" else [])))
+            val_files[key, data] = sorted(os.path.basename(r["paths"][0]) for r in val.records)
+    assert val_files["site-a", "built-in"] == val_files["site-b", "built-in"]
+    assert val_files["site-a", "own"] != val_files["site-b", "own"]
