@@ -141,7 +141,7 @@ class Config:
     val_batches: int = 4  # validation uses the first val_batches x global_batch_size val volumes (fixed crops and masks, the same on any number of processes)
     probe_every_steps: Optional[int] = None  # linear probes of the target encoder every N updates (runprobe.py); None = off
     probe_labels: Optional[str] = None  # labels.csv (path,label) of the run's probes; None = the suite's lesion task on labelled phantoms
-    summary_probe: bool = True  # end of run: the verdict: does the encoder beat a random init and hand-made features (attentive, depth-row read-outs)?
+    summary_probe: bool = True  # end of run: the verdict: does the encoder beat a random init and hand-made features (the attentive read-out)?
     collapse_min_target_std: float = 0.05  # warn (events.jsonl, console) when target_std falls under this
     collapse_min_rankme: float = 2.0  # warn when val RankMe falls under this
     collapse_window_steps: int = 1000  # warn when either falls under half its best of this many updates (probe AUROC: half its gain over 0.5)

@@ -275,3 +275,24 @@ def test_a_model_built_without_arguments_is_the_recipe_that_the_configs_train():
         assert {k: v.shape for k, v in built.state_dict().items()} == \
             {k: v.shape for k, v in configured.state_dict().items()}, config
         assert all(torch.equal(v, configured.state_dict()[k]) for k, v in built.state_dict().items()), config
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["torch's checkpoint", "a reentrant one, as torch_xla's"])
+def test_grad_checkpointing_gives_every_weight_the_gradient_it_has_without_it_the_hmlp_stem_included(reentrant):
+    """A reentrant checkpoint gives the weights inside no gradient when no input asks for one: the hmlp stem, whose
+    input is the volume, never trained on XLA with grad checkpointing (FSDP over 4 XLA devices then parted from one
+    device: tests/test_xla.py)."""
+    model = tiny_model(patch_stem="hmlp", local_loss_weight=0.5, local_loss_split=(1, 4, 1))
+    volume = torch.randn(2, 1, *IMAGE)
+    ctx, tgt = masks(model, 2)
+    grads = []
+    for checkpointed in (False, True):
+        model.set_grad_checkpointing(checkpointed, lambda block, x: torch.utils.checkpoint.checkpoint(
+            block, x, use_reentrant=reentrant))
+        model.zero_grad(set_to_none=True)
+        model(volume, ctx, tgt).loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+    assert set(grads[1]) == set(grads[0])
+    for name, grad in grads[0].items():
+        assert grads[1][name] is not None, f"{name}: no gradient under grad checkpointing"
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
