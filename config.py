@@ -15,11 +15,12 @@ import functools
 import math
 import os
 import re
+import shlex
 import sys
 import typing
 import warnings
 from dataclasses import dataclass, field
-from typing import Iterable, List, Optional, Set, Tuple, Union
+from typing import Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 import yaml
 
@@ -361,12 +362,58 @@ def parse_flags(argv: List[str], script_options: Iterable[str] = ()) -> dict:
     return flags
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a mapping with a key twice (PyYAML would keep the later value without a word)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise yaml.MarkedYAMLError(problem=f"the key {key!r} is given twice, on lines {seen[key]} and {line}",
+                                         problem_mark=key_node.start_mark)
+            seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
+def yaml_fix(error: yaml.YAMLError) -> str:
+    """What to do about a YAML error, in words."""
+    text = str(error)
+    if "'\\t'" in text or "\\t(TAB)" in text:
+        return "indent with spaces: YAML does not allow tabs"
+    if "tag:yaml.org,2002:python/" in text or "could not determine a constructor" in text:
+        return "write plain values (numbers, strings, lists): a config does not run Python, so YAML tags like " \
+               "!!python/... are refused"
+    if "given twice" in text:
+        return "delete the line you do not mean"
+    return "fix the YAML at that line (the values of a field are in `python train.py --help`)"
+
+
 def load_yaml(path: str) -> dict:
-    """Read a YAML config file into a dict of raw values (unknown keys are errors)."""
-    if not os.path.exists(path):
-        raise ConfigError(f"config: file {path!r} not found.")
-    with open(path) as f:
-        raw = yaml.safe_load(f) or {}
+    """Read a YAML config file into a dict of raw values. ConfigError naming the file, the line and the fix for a
+    file that is not there, not UTF-8, not YAML, runs Python tags, or gives a key twice; unknown keys are errors."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise ConfigError(f"config: file {path!r} not found.") from None
+    except OSError as e:
+        raise ConfigError(f"config: cannot read {path} ({e.strerror or e}); give a readable YAML file.") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise ConfigError(f"config: {path}, line {line}: byte 0x{data[e.start]:02x} is not UTF-8 text (Latin-1?); save "
+                          f"the file as UTF-8, e.g. `iconv -f latin1 -t utf-8 {shlex.quote(path)} > fixed.yaml`, and "
+                          f"give --config fixed.yaml.") from None
+    try:
+        raw = yaml.load(text, Loader=UniqueKeyLoader) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f", line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e)
+        raise ConfigError(f"config: {path}{where}: {problem}; {yaml_fix(e)}.") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"config: {path} must be a mapping of field: value.")
     raw = without_removed_fields(raw, f"config: {path}: ")  # a run's config.yaml of an older octjepa holds them
@@ -392,6 +439,18 @@ def load_config(argv: Optional[List[str]] = None, defaults: Optional[dict] = Non
     cfg = Config(**values)
     validate(cfg)
     return cfg
+
+
+def hmlp_stem_problem(patch_size: Sequence[int], embed_dim: int) -> Optional[str]:
+    """Why the hmlp stem cannot embed tubelets of patch_size at width embed_dim, or None when it can: it cuts each
+    tubelet into 1x2x2 cells, then 2x2x2 of those, then the rest, with embed_dim / 2 channels in between (the one
+    rule of config.validate and model.tubelet_embedding)."""
+    pd, ph, pw = patch_size
+    if pd % 2 or ph % 4 or pw % 4 or embed_dim % 2:
+        return (f"hmlp cuts each tubelet into 1x2x2 cells, then 2x2x2 of those, then the rest: it needs an even pd, "
+                f"ph and pw multiples of 4 and an even embed_dim, got patch_size {list(patch_size)} and embed_dim "
+                f"{embed_dim}")
+    return None
 
 
 def validate(cfg: Config) -> None:
@@ -440,11 +499,9 @@ def validate(cfg: Config) -> None:
     if any(n < 1 or p % n for n, p in zip(cfg.local_loss_split, cfg.patch_size)):
         raise ConfigError(f"local_loss_split: {cfg.local_loss_split} must cut the tubelet {cfg.patch_size} into whole "
                           f"sub-blocks: each a positive divisor of patch_size on its axis, e.g. 1,2,1.")
-    pd, ph, pw = cfg.patch_size
-    if cfg.patch_stem == "hmlp" and (pd % 2 or ph % 4 or pw % 4 or cfg.embed_dim % 2):
-        raise ConfigError(f"patch_stem: hmlp cuts each tubelet into 1x2x2 cells, then 2x2x2 of those, then the rest: "
-                          f"it needs an even pd, ph and pw multiples of 4 and an even embed_dim, got patch_size "
-                          f"{cfg.patch_size} and embed_dim {cfg.embed_dim}; use e.g. 4,8,8, or patch_stem linear.")
+    stem_problem = hmlp_stem_problem(cfg.patch_size, cfg.embed_dim) if cfg.patch_stem == "hmlp" else None
+    if stem_problem:
+        raise ConfigError(f"patch_stem: {stem_problem}; use e.g. patch_size 4,8,8, or patch_stem linear.")
     if cfg.embed_dim % cfg.num_heads or cfg.pred_embed_dim % cfg.pred_num_heads:
         raise ConfigError("embed_dim/pred_embed_dim: must be divisible by num_heads/pred_num_heads.")
     for name in ("embed_dim", "depth", "num_heads", "pred_embed_dim", "pred_depth", "pred_num_heads", "epochs",

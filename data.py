@@ -22,6 +22,7 @@ import io
 import json
 import math
 import os
+import shlex
 import signal
 import sys
 from collections import Counter
@@ -34,13 +35,13 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from config import Config, ConfigError, NoUsableData, ScriptParser, load_config, script_main
+from config import Config, ConfigError, NoUsableData, ScriptParser, StorageFailed, load_config, script_main
 from dicom import BENIGN_REASONS, UnusableFile
 from index import (format_reason_table, format_scan_report, index_records, index_source, list_sources,
                    reason_counts, source_identity, update_index, write_index)
 from masks import mask_generator_from_config
 from privacy import site_secret
-from storage import exists, write_atomic
+from storage import exists, storage_errors, write_atomic
 from volumes import Volume, read_volume, source_paths
 
 
@@ -420,6 +421,11 @@ def prepare_cache(cfg: Config, progress: bool = True) -> Tuple[int, List[Tuple[s
     return len(jobs) - len(failed), failed
 
 
+class IndexNotWritten(StorageFailed):
+    """`scan --out` could not write its index (exit 74, as for checkpoint storage)."""
+    prefix = "index storage failed: "
+
+
 @script_main
 def main(argv: List[str]) -> int:
     parser = ScriptParser(__doc__, prog="data.py")
@@ -437,7 +443,13 @@ def main(argv: List[str]) -> int:
         records = update_index([], identities, cfg.sop_classes, progress=True)
         print(format_scan_report(records))
         if args.out:
-            write_index(records, args.out, index_source(cfg.data_root, cfg.manifest_path, cfg.sop_classes, identities))
+            try:  # written whole or not at all (an index already at --out stays as it was)
+                write_index(records, args.out, index_source(cfg.data_root, cfg.manifest_path, cfg.sop_classes,
+                                                            identities))
+            except storage_errors() as e:  # a full disk, a read-only folder, a bucket that refuses
+                raise IndexNotWritten(f"the index {args.out} could not be written ({e.strerror or e}); the files at "
+                                      f"--out are as they were. Free space there (or choose another --out) and run "
+                                      f"the same command again: {shlex.join(['python', 'data.py', *argv])}") from None
             print(f"index of {len(records)} records written to {args.out}")
         return 0
     done, failed = prepare_cache(replace(cfg, cache_dir=args.cache))

@@ -6,26 +6,28 @@ After the demo (`python train.py`, which writes runs/demo/ and its labelled phan
     python encoder.py show --encoder runs/demo/encoder --labels data/phantoms_suite/labels.csv --out runs/demo/show.png
     python encoder.py embed --encoder DIR --data_root gs://bucket/oct --out oct.npz --pool depth_rows --device cuda
 
-Fine-tuning on labelled volumes is finetune.py. An export is a folder that loads anywhere (torch, safetensors and
-numpy; no octjepa checkout): model.safetensors (the EMA target encoder, keys as model.Encoder), config.json (format
-version, architecture, the preprocessing contract, the training-time augmentation, the input sizes, the weights'
-sha256, and where they came from), octjepa_encoder.py (the encoder code of model.py and pretrained.py, and a
-loader: load(DIR), OCTJEPAEncoder.from_pretrained(DIR) with huggingface_hub, monai_vit(encoder)), hubconf.py
-(torch.hub.load(DIR, "encoder", source="local")) and README.md (the model card). In this checkout:
+Fine-tuning on labelled volumes is finetune.py. An export is a folder of data that loads anywhere (torch, safetensors
+and numpy) and runs no code of its own: model.safetensors (the EMA target encoder, keys as model.Encoder), config.json
+(format version, architecture, the preprocessing contract, the training-time augmentation, the input sizes, the
+weights' sha256, and where they came from) and README.md (the model card). In this checkout:
 pretrained.load_encoder(DIR), and data.load_val_sample(path, encoder.settings) preprocesses a DICOM file or series as
-the contract says.
+the contract says; elsewhere the repository's octjepa_encoder.py (load(DIR)) and hubconf.py (torch.hub.load(OCTJEPA,
+"encoder", path=DIR)). export --with_loader_code also writes those two into the folder, where torch.hub.load(DIR,
+"encoder", source="local") runs them: only for a receiver who trusts the sender.
 
 embed writes one row per usable volume to an .npz (numpy only), safe to share (docs/privacy.md): volume (a keyed id
 of its path below data_root: privacy.volume_key), files, patient (the index's keyed hash of PatientID), laterality,
 manufacturer, model, spacing [dz,dy,dx] mm (nan when unknown), shape [D,H,W] as stored, embedding [M,E] (--pool
 mean_pool) or [M, gh*E] (--pool depth_rows: the mean of each depth row of tokens; model.pool_tokens, as probe.py's
 read-outs of those names), each dimension's mean and std (standardize before cosine or kNN; --standardize stores
-standardized rows), position_share (the share of token variance grid position explains); and skipped_volume,
+standardized rows), position_share (the share of token variance grid position explains), key_fingerprint (which
+patient-key secret made the patient column: tables join only under one, join_embedding_tables); and skipped_volume,
 skipped_reason for every file the reader or the preprocessing could not use (the reason codes of `python data.py
 scan`). --with_paths adds path (the file, or the folder of a series' files), study, series, skipped_path and
 skipped_detail, for this machine only. Every --save_every volumes the rows done are saved in OUT.partial/: the same
 command started again after a kill computes only the rest (only rows of the same export's contract are reused),
-and its file equals an uninterrupted run's byte for byte. Static shapes (the last batch is padded): it runs on cpu,
+and its file equals an uninterrupted run's byte for byte; a second embed into the same OUT while one runs is
+refused (exit 2). Static shapes (the last batch is padded): it runs on cpu,
 cuda and xla.
 
 show draws, for one labelled volume of each class and for the encoder beside a random init of its architecture: a
@@ -64,7 +66,9 @@ from index import format_reason_table, index_records
 from model import POOLS, pool_name, pool_tokens
 from pretrained import (CONFIG_FILE, WEIGHTS_FILE, ExportError, PretrainedEncoder, export_contract, load_encoder,
                         random_encoder)
-from privacy import keyed_id, share_safe_source, volume_key
+from lock import LOCK_NAME, release_lock, take_lock
+from privacy import (check_same_key, key_fingerprint, keyed_id, share_safe_source, table_key_fingerprint,
+                     volume_key)
 from labels import read_label_table, task_targets
 from readouts import fit_attentive, stratified_split
 from progress import counted, progress
@@ -332,6 +336,43 @@ def embed(encoder_dir: str, out: str, cli: Config, pool: str = "mean_pool", batc
     if cli.data_root is None and cli.manifest_path is None:
         raise ConfigError("data_root: give the folder, glob or gs:// prefix of the DICOM files to embed "
                           "(or --manifest_path).")
+    partial = out + ".partial"
+    with embed_lock(out, partial):
+        table, computed = embed_locked(encoder_dir, out, partial, cli, pool, batch_size, save_every, standardize,
+                                       with_paths)
+    shutil.rmtree(partial, ignore_errors=True)  # once the lock in it is given back
+    return table, computed
+
+
+@contextlib.contextmanager
+def embed_lock(out: str, partial: str):
+    """One embed at a time into `out`: the lock of its OUT.partial/ folder (lock.take_lock) for as long as the block
+    runs. Another embed writing it now is a ConfigError (exit 2) naming it, as is an `out` written meanwhile."""
+    try:
+        lock = take_lock(partial)
+    except ConfigError as e:
+        record = os.path.join(partial, LOCK_NAME)
+        try:
+            with open(record) as f:
+                holder = json.load(f)
+            who = f"process {holder['pid']} on {holder['host']}, since {holder['since']}"
+        except (OSError, ValueError, KeyError, TypeError):
+            raise ConfigError(f"out: cannot take the lock of {out} ({e}).") from None
+        raise ConfigError(f"out: another `encoder.py embed` ({who}) is writing {out} now; wait for it to finish (its "
+                          f"table is then there), or give another --out. If that process is gone on another machine, "
+                          f"delete {record} and run the same command again: it continues from the rows saved (one "
+                          f"gone on this machine is noticed by itself).") from None
+    try:
+        if os.path.exists(out):  # the other one finished while this one started
+            raise ConfigError(f"out: {out} exists; choose another --out or delete it (nothing is overwritten).")
+        yield
+    finally:
+        release_lock(lock)
+
+
+def embed_locked(encoder_dir: str, out: str, partial: str, cli: Config, pool: str, batch_size: int, save_every: int,
+                 standardize: bool, with_paths: bool) -> Tuple[dict, int]:
+    """embed's work once it holds the lock of `out` (embed_lock): the scan, the rows, then the table."""
     encoder = load_encoder(encoder_dir)
     cfg = replace(encoder.settings, **{k: getattr(cli, k) for k in CLI_FIELDS["embed"]})
     rt = setup_runtime(cfg)
@@ -345,7 +386,6 @@ def embed(encoder_dir: str, out: str, cli: Config, pool: str = "mean_pool", batc
     if not usable:
         raise NoUsableData(f"no usable volume in {cfg.data_root or cfg.manifest_path}:\n"
                            f"{format_reason_table(Counter(r['reason'] for r in records))}")
-    partial = out + ".partial"
     paths, computed = embed_records(encoder.to(rt.device), usable, cfg, partial, pool, batch_size, save_every, rt,
                                     with_paths)
     stats = chunk_statistics(paths)
@@ -355,11 +395,36 @@ def embed(encoder_dir: str, out: str, cli: Config, pool: str = "mean_pool", batc
                           f"refuses NaN weights) and those files.")
     shared_config = {**encoder.config, "source": share_safe_source(encoder.config.get("source", {}))}
     extra = {"pool": np.array(pool), "encoder": np.array(json.dumps(shared_config)),
-             "position_share": np.array(stats.get("position_share", np.nan))}
+             "position_share": np.array(stats.get("position_share", np.nan)),
+             "key_fingerprint": np.array(key_fingerprint())}  # which secret made the patient keys (privacy.py)
     table = write_embedding_table(out, usable, paths, [r for r in records if not r["ok"]], extra, stats, standardize,
                                   cfg.data_root, with_paths)
-    shutil.rmtree(partial, ignore_errors=True)
     return table, computed
+
+
+ROW_COLUMNS = ("volume", "files", "patient", "laterality", "manufacturer", "model", "spacing", "shape", "embedding")
+SKIPPED_COLUMNS = ("skipped_volume", "skipped_reason")
+
+
+def join_embedding_tables(paths: List[str]) -> dict:
+    """The rows of several embed tables (e.g. two sites' or two data roots') as one table's arrays, for one analysis
+    across them: only tables whose patient keys join (the same key_fingerprint: privacy.check_same_key), of one
+    encoder and pool, none standardized (each has its own mean). A ConfigError naming the tables and the fix
+    otherwise: tables of two secrets share no patient key, so their merge would split every patient in two."""
+    tables = []
+    for path in paths:
+        with np.load(path) as table:
+            tables.append({k: table[k] for k in table.files})
+    check_same_key({p: table_key_fingerprint(t) for p, t in zip(paths, tables)},
+                   "embed every data root again under one key file (the same OCTJEPA_PATIENT_KEY_FILE: python "
+                   "encoder.py embed --encoder DIR --data_root ROOT --out NEW.npz), then join those")
+    made_by = {(json.loads(str(t["encoder"]))["weights"]["sha256"], str(t["pool"])) for t in tables}
+    if len(made_by) > 1 or any(bool(t["standardized"]) for t in tables):
+        raise ConfigError(f"{', '.join(paths)}: only tables of one encoder and --pool, without --standardize, join "
+                          f"(they hold {len(made_by)} encoder and pool pairs); embed them again alike.")
+    joined = {c: np.concatenate([t[c] for t in tables]) for c in ROW_COLUMNS + SKIPPED_COLUMNS}
+    return {**joined, "pool": tables[0]["pool"], "encoder": tables[0]["encoder"],
+            "key_fingerprint": tables[0]["key_fingerprint"], "standardized": np.array(False)}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -547,6 +612,9 @@ def main(argv: List[str]) -> int:
     ex.add_argument("--ckpt", required=True, help="a train.py checkpoint, or a run's checkpoints folder (newest step)")
     ex.add_argument("--out", required=True, help="the export folder")
     ex.add_argument("--force", action="store_true", help="replace an export already in --out")
+    ex.add_argument("--with_loader_code", action="store_true", help="also write octjepa_encoder.py and hubconf.py "
+                    "into the folder: torch.hub.load(FOLDER, ...) then runs the folder's code (load such a folder only "
+                    "from a sender you trust); by default the folder holds data only")
     em = command("embed", "one embedding per volume of a folder, manifest or gs:// prefix")
     em.add_argument("--encoder", required=True, help="an export folder")
     em.add_argument("--out", required=True, help="the .npz to write (OUT.partial/ holds the rows done so far)")
@@ -579,10 +647,11 @@ def main(argv: List[str]) -> int:
                           f"the config flags that `{args.command}` takes: {allowed}.")
     cli = load_config(rest)
     if args.command == "export":
-        error = export(args.ckpt, args.out, args.force)
+        error = export(args.ckpt, args.out, args.force, args.with_loader_code)
+        code = f", {STANDALONE_MODULE}, {HUBCONF}" if args.with_loader_code else ""
         print(f"exported the EMA encoder of {resolve_checkpoint(args.ckpt)} to {args.out} ({CONFIG_FILE}, "
-              f"{WEIGHTS_FILE}, {STANDALONE_MODULE}, {HUBCONF}, {MODEL_CARD}); round trip: largest |difference| of "
-              f"the loaded tokens {error:.1g}")
+              f"{WEIGHTS_FILE}, {MODEL_CARD}{code}); round trip: largest |difference| of the loaded tokens "
+              f"{error:.1g}")
     elif args.command == "embed":
         if args.batch_size < 1 or args.save_every < 1:
             parser.error("--batch_size and --save_every must be at least 1")

@@ -34,12 +34,23 @@ OUT/full/r{repeat}_f{fold}/: config.json and model.safetensors (pretrained.load_
 loss of every epoch); none of them holds a path (docs/privacy.md). The config flags that apply:
 device, seed (splits, probes, heads and the random init follow from it).
 """
+import os
+import signal
+
+if __name__ == "__main__":  # a stop signal while the imports run (seconds: nothing started yet) is a preemption too
+    def stopped_while_starting(signum, frame):
+        os.write(2, f"preempted: {signal.Signals(signum).name} while finetune.py started; nothing was done yet: "
+                    f"run the same command again\n".encode())
+        os._exit(75)  # config.Preempted's code; at once: an exception raised inside torch's import could crash it
+
+    for stop in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(stop, stopped_while_starting)
+
 import copy
 import glob
 import hashlib
 import json
 import math
-import os
 import shlex
 import shutil
 import sys
@@ -63,7 +74,7 @@ from index import format_reason_table
 from labels import classification_targets, read_label_table
 from lock import process_is_gone, process_started, this_machine
 from pretrained import ExportError, PretrainedEncoder, load_encoder, random_encoder, save_encoder
-from privacy import share_safe_source, site_secret, volume_key
+from privacy import KEY_FILE_ENV, check_recorded_key, key_fingerprint, share_safe_source, site_secret, volume_key
 from readouts import (SCORE_BOUNDS, AttentiveProbe, classification_scores, fit_attentive, interval,
                       paired_difference, probe_split, split_scores)
 from progress import counted
@@ -154,13 +165,14 @@ class FullSettings:
 # Labelled volumes
 # ----------------------------------------------------------------------------------------------------------
 
-def load_labelled_set(labels_csv: str, cfg: Config) -> LabelledSet:
+def load_labelled_set(labels_csv: str, cfg: Config, create_key: bool = True) -> LabelledSet:
     """The labelled volumes of a CSV read and prepared with cfg (an export's settings); unusable files are left out
-    and counted by reason. A read of a source without an index: it may create the site's key file (privacy)."""
+    and counted by reason. A read of a source without an index: it may create the site's key file (privacy), unless
+    not create_key (a resumed fine-tuning, whose finished folds name their secret)."""
+    site_secret(create=create_key)
     table = read_label_table(labels_csv)
     targets, classes, task = classification_targets(table, labels_csv)
     paths, patients = table.paths, table.patients
-    site_secret(create=True)
     keep, prepared, keys, skipped = [], PreparedVolumes(), [], Counter()
     for i, path in enumerate(counted(paths, "read", "volume")):
         try:
@@ -544,10 +556,10 @@ def main(argv: List[str]) -> int:
         except StopRequested as stop:
             raise Preempted(f"{stop}: fine-tuning stopped; the splits finished so far are kept in "
                             f"{os.path.join(args.out, 'folds')}, and the same command continues from them.") from None
-    print(format_report(report))
-    with open(report_path, "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"report: {report_path}")
+        print(format_report(report))  # a signal from here on waits for the report: every split is done
+        with open(report_path, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"report: {report_path}")
     return 0
 
 
@@ -572,7 +584,11 @@ def finetune(args, settings: FullSettings, modes: List[str], cli: Config) -> dic
     encoder = load_export(args.encoder)
     cfg = replace(encoder.settings, **{k: getattr(cli, k) for k in CLI_FIELDS})
     device = probe_device(cfg)
-    data = load_labelled_set(args.labels, cfg)
+    folds_dir = os.path.join(args.out, "folds")
+    finished = sorted(glob.glob(os.path.join(glob.escape(folds_dir), "*.json")))
+    if finished:  # a resume: the key file that made the finished folds' keys and splits, never a new one
+        check_resumed_key(finished[0], args.out)
+    data = load_labelled_set(args.labels, cfg, create_key=not finished)
     if data.skipped:
         print(f"unusable files left out:\n{format_reason_table(data.skipped)}", file=sys.stderr)
     splits = fold_splits(data, args.splits, args.folds, args.repeats, cfg.seed)
@@ -585,9 +601,11 @@ def finetune(args, settings: FullSettings, modes: List[str], cli: Config) -> dic
               "fold_count": len(splits), "seed": cfg.seed, "full_settings": vars(settings), "arms": {}}
     with open(args.labels, "rb") as f:
         labels_sha = hashlib.sha256(f.read()).hexdigest()
-    done = {"directory": os.path.join(args.out, "folds"), "fingerprint": {
+    report["key_fingerprint"] = key_fingerprint()  # which secret made the patient keys and volume ids (privacy.py)
+    done = {"directory": folds_dir, "fingerprint": {
         "encoder": encoder.config["weights"]["sha256"], "labels": labels_sha, "splits": args.splits,
-        "folds": args.folds, "seed": cfg.seed, "full_settings": vars(settings)}}
+        "folds": args.folds, "seed": cfg.seed, "full_settings": vars(settings),
+        "key_fingerprint": report["key_fingerprint"]}}
     for arm, arm_encoder in arms.items():
         save = {"directory": os.path.join(args.out, "full"), "source": source} if arm == "encoder" else None
         report["arms"][arm] = summarize(run_arm(arm, arm_encoder, data, splits, modes, cfg, settings, device, save,
@@ -595,6 +613,17 @@ def finetune(args, settings: FullSettings, modes: List[str], cli: Config) -> dic
     if args.vs_random:
         report["pretrained_minus_random"] = paired_differences(report["arms"]["encoder"], report["arms"]["random init"])
     return report
+
+
+def check_resumed_key(finished: str, out: str) -> None:
+    """That a resumed fine-tuning's key file is the one its finished split `finished` was made with (its patient keys
+    draw the splits, its volume ids fill fold.json): a ConfigError naming the key file, before any key file is
+    created, when it is missing or holds another secret (privacy.check_same_key)."""
+    with open(finished) as f:
+        recorded = (json.load(f).get("fingerprint") or {}).get("key_fingerprint")
+    check_recorded_key(recorded, f"out: the finished folds in {os.path.join(out, 'folds')}",
+                       f"point {KEY_FILE_ENV} at the key file the finished folds were made with, or start over in "
+                       f"another --out (or delete {os.path.join(out, 'folds')})")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ as validation samples, and their targets (their frozen tokens: tokens.py). probe
 show read their labels here.
 """
 import csv
+import io
 import os
 import sys
 from collections import Counter
@@ -11,13 +12,15 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
+import pydicom
 import torch
 
 from config import Config, ConfigError, phantom_set_labels_path
 from data import load_val_sample
-from dicom import UnusableFile
+from dicom import UnusableFile, inspect_file
 from phantom import ensure_phantom_set
 from progress import counted
+from volumes import _instances, source_paths
 
 PROBE_PHANTOMS = 240  # volumes of the plain labelled phantom set (plain_lesion, and the probe during pretraining)
 PROBE_PHANTOM_SEED = 1  # the pretraining phantoms use seed 0
@@ -38,14 +41,15 @@ MISSING_LABEL_WORDS = ("nan", "na", "n/a", "null")  # what a spreadsheet writes 
 def read_label_rows(path: str, header_hint: str) -> List[dict]:
     """The rows of a labels CSV as dicts (an Excel BOM is fine), their `path` made absolute (relative to the CSV's
     folder unless a URL or absolute). A ConfigError naming the rows and the fix, adding header_hint (what the CSV
-    should hold): a missing file, a header alone, a header cell in another case or padded (`Label`), an empty path
-    or one leaving the CSV's folder (`..`), the same volume twice, an empty, NaN or padded value, a blank patient
-    cell, no path that exists. Paths that do not exist, when others do, are named on stderr (and left out later)."""
+    should hold): a missing file, a file that is not UTF-8 (read_utf8), a header alone, a header cell in another case
+    or padded (`Label`), an empty path or one leaving the CSV's folder (`..`), the same volume twice (also through a
+    link), an empty, NaN or padded value, a blank patient cell, no path that exists, a copy of another row's scan
+    (copied_rows: a byte copy, perhaps under another PatientID). Paths that do not exist, when others do, are named
+    on stderr (and left out later)."""
     if not os.path.isfile(path):
         raise ConfigError(f"labels: {path} not found; {header_hint}.")
-    with open(path, newline="", encoding="utf-8-sig") as f:
-        reader = csv.DictReader(f)
-        rows, header = list(reader), reader.fieldnames or []
+    reader = csv.DictReader(io.StringIO(read_utf8(path), newline=""))
+    rows, header = list(reader), reader.fieldnames or []
     for cell in header:
         if cell != cell.strip().lower() and cell.strip().lower() in ("path", "label", "patient"):
             raise ConfigError(f"labels: {path}: the header cell {cell!r} should read {cell.strip().lower()!r} (lower "
@@ -87,7 +91,73 @@ def read_label_rows(path: str, header_hint: str) -> List[dict]:
     if unknown:
         print(f"labels: {len(unknown)} paths in {path} do not exist and are left out: {', '.join(unknown[:5])}"
               + (" ..." if len(unknown) > 5 else ""), file=sys.stderr)
+    copies = [f"line {line}: {shown(rows[line - 2]['path'], root)} holds a copy of the scan of line {first} "
+              f"({shown(rows[first - 2]['path'], root)}): the same SOPInstanceUID and voxels" for line, first in
+              copied_rows([r.get("path") or "" for r in rows])]
+    if copies:
+        raise ConfigError(f"labels: {path}:\n    " + "\n    ".join(copies[:10]) +
+                          (f"\n    ... and {len(copies) - 10} more" if len(copies) > 10 else "") +
+                          "\nA copied file is one scan (`python data.py scan` calls it duplicate_instance), here on two "
+                          "rows, maybe under another patient: it could land on both sides of a split. Keep one row per "
+                          "scan: delete the copy's row (or the copied file).")
     return rows
+
+
+def read_utf8(path: str) -> str:
+    """The text of a labels CSV (an Excel BOM dropped); a ConfigError naming the first line that is not UTF-8 (a
+    spreadsheet's Latin-1 or Windows-1252 export) and how to save it as UTF-8."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise ConfigError(f"labels: {path}: line {line} is not UTF-8 (byte 0x{raw[e.start]:02x}, e.g. an accented "
+                          f"letter saved as Latin-1 or Windows-1252). Save the CSV as UTF-8 (Excel: Save As 'CSV UTF-8'; "
+                          f"or iconv -f latin1 -t utf-8 {path} > utf8.csv and use that).") from None
+
+
+def shown(path: str, root: str) -> str:
+    """A row's path as the CSV gives it: below the CSV's folder `root` when it lies there."""
+    return os.path.relpath(path, root) if path.startswith(root.rstrip("/") + "/") else path
+
+
+def copied_rows(paths: Sequence[str]) -> List[Tuple[int, int]]:
+    """(line, earlier line) of the labels CSV (2 = the first row) for each row whose volume holds a copy of a file of
+    an earlier row's: the same SOPInstanceUID and voxels, the rule by which a scan calls a file duplicate_instance
+    (volumes._instances). Local files only; their SOPInstanceUIDs are read first, and only files that share one are
+    decoded to compare their voxels."""
+    by_uid: Dict[str, List[Tuple[int, str]]] = {}
+    for row, path in enumerate(paths):
+        if "://" in path or not os.path.exists(path):
+            continue
+        for file in source_paths(path):
+            uid = sop_instance_uid(file)
+            if uid:
+                by_uid.setdefault(uid, []).append((row, file))
+    pairs = set()
+    for same in by_uid.values():
+        if len({row for row, _ in same}) < 2:
+            continue
+        row_of, headers = {}, []
+        for row, file in same:
+            try:
+                headers.append(inspect_file(file))
+            except UnusableFile:
+                continue
+            row_of[file] = row
+        _, copies, _ = _instances(headers)
+        pairs |= {(row_of[c.path] + 2, row_of[o.path] + 2) for c, o in copies if row_of[c.path] != row_of[o.path]}
+    return sorted(pairs)
+
+
+def sop_instance_uid(file: str) -> str:
+    """The SOPInstanceUID of a local DICOM file, read without its pixels; '' for a file that is not one."""
+    try:
+        return str(pydicom.dcmread(file, stop_before_pixels=True, specific_tags=["SOPInstanceUID"]).get(
+            "SOPInstanceUID", ""))
+    except Exception:  # not DICOM, unreadable: the volume's reader says why
+        return ""
 
 
 def file_identity(path: str):

@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from config import Config
+from config import Config, hmlp_stem_problem
 from objectives import LOCAL_FEATURES, LOSSES, elementwise_error, jepa_loss, token_voxel_statistics
 
 RECIPE = Config()  # VJEPA3D's defaults: the recipe, written once as config.py's Config defaults
@@ -167,17 +167,16 @@ class HMLPStem(nn.Sequential):
         return x.permute(0, 4, 1, 2, 3)
 
 
-def tubelet_embedding(patch_size: Sequence[int], dim: int, stem: str = "linear") -> nn.Module:
+def tubelet_embedding(patch_size: Sequence[int], dim: int, stem: str) -> nn.Module:
     """The tubelet embedding, volume [B,1,D,H,W] -> [B,E,gd,gh,gw]: each token a function of its own tubelet's voxels
     only, so no masked voxel reaches a context token. 'linear': one Conv3d whose kernel is its stride (ViT's). 'hmlp':
-    HMLPStem, a nonlinear map of the same voxels. ValueError for another stem, or a tubelet hmlp cannot cut (pd even,
-    ph and pw multiples of 4)."""
-    pd, ph, pw = patch_size
+    HMLPStem, a nonlinear map of the same voxels. ValueError for another stem, or a tubelet hmlp cannot cut
+    (config.hmlp_stem_problem)."""
     if stem == "linear":
         return nn.Conv3d(1, dim, kernel_size=tuple(patch_size), stride=tuple(patch_size))
-    if stem != "hmlp" or pd % 2 or ph % 4 or pw % 4:
-        raise ValueError(f"patch_stem {stem!r} with patch_size {list(patch_size)}: expected 'linear', or 'hmlp' with "
-                         f"an even pd and ph, pw multiples of 4")
+    problem = hmlp_stem_problem(patch_size, dim) if stem == "hmlp" else f"patch_stem {stem!r}: expected linear or hmlp"
+    if problem:
+        raise ValueError(problem)
     return HMLPStem(patch_size, dim)
 
 
@@ -185,7 +184,7 @@ class Encoder(nn.Module):
     """Tubelet embedding + ViT. Key layout (export): patch_embed.weight/bias (the hmlp stem: patch_embed.{0,2,4}.*),
     blocks.{i}.*, norm.*"""
 
-    def __init__(self, *, image_size, patch_size, dim, depth, num_heads, mlp_ratio, patch_stem: str = "linear"):
+    def __init__(self, *, image_size, patch_size, dim, depth, num_heads, mlp_ratio, patch_stem: str):
         super().__init__()
         self.grid, self.patch_size = [s // p for s, p in zip(image_size, patch_size)], list(patch_size)
         self.patch_embed = tubelet_embedding(patch_size, dim, patch_stem)

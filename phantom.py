@@ -28,12 +28,16 @@ https://github.com/pydicom/pydicom/discussions/1618), with PixelSpacing written 
 that of the real device. The other objects that share real folders, broken files and odd exports that a reader
 must report are the tests' own (tests/corpora.py).
 """
+import contextlib
 import csv
 import io
 import json
 import os
 import shutil
+import signal
+import socket
 import sys
+import threading
 import warnings
 import zlib
 from dataclasses import dataclass
@@ -494,6 +498,30 @@ def write_oct(path: str, voxels: np.ndarray, spacing: Optional[Sequence[float]],
     return [path]
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@contextlib.contextmanager
+def stop_signals_held():
+    """SIGTERM and Ctrl-C held back while it runs, then handed to the handlers they had. The JPEG 2000 encoder
+    (openjpeg's encode_buffer) crashes the process (SIGSEGV) when a Python signal handler raises while it encodes a
+    frame (train.py's verdict raises StopRequested, a plain Ctrl-C raises KeyboardInterrupt): it waits for the
+    volume being written instead, then stops between volumes."""
+    if threading.current_thread() is not threading.main_thread():  # Python runs handlers in the main thread only
+        yield
+        return
+    held = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: held.append(signum)) for sig in STOP_SIGNALS
+                if signal.getsignal(sig) is not None}  # (None: a handler not set from Python, left alone)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for sig in held:
+            signal.raise_signal(sig)  # its handler runs here, in Python code (the default action: the process ends)
+
+
 def write_phantom(path: str, style_name: str, shape: Sequence[int] = DEFAULT_SIZE, seed: int = 0,
                   label: str = "none", bits: Optional[int] = None, patient_id: str = "PHANTOM-000", eye: Eye = Eye(),
                   **write_kwargs) -> Tuple[np.ndarray, Tuple[float, float, float], list]:
@@ -502,8 +530,9 @@ def write_phantom(path: str, style_name: str, shape: Sequence[int] = DEFAULT_SIZ
     rng = np.random.default_rng([seed, ALL_LABELS.index(label)])
     voxels = quantize(synth_reflectivity(shape, rng, label, eye), bits or style.bits)
     spacing = spacing_for(style, shape)
-    paths = write_oct(path, voxels, spacing, style, patient_id=patient_id, uid_seed=f"{style_name}-{seed}",
-                      laterality="R" if seed % 2 == 0 else "L", **write_kwargs)
+    with stop_signals_held():  # a stop signal waits for the encoder (a crash otherwise): see stop_signals_held
+        paths = write_oct(path, voxels, spacing, style, patient_id=patient_id, uid_seed=f"{style_name}-{seed}",
+                          laterality="R" if seed % 2 == 0 else "L", **write_kwargs)
     return voxels, spacing, paths
 
 
@@ -562,6 +591,31 @@ def set_voxel_layers(directory: str) -> Dict[str, np.ndarray]:
     return out
 
 
+PARTIAL = ".partial-"  # DIR.partial-HOST-PID: the set a writer is writing, renamed to DIR when complete
+
+
+def remove_stale_partials(directory: str) -> None:
+    """Delete the half-written sets of `directory` (DIR.partial-HOST-PID) whose writer on this host is gone (killed
+    with SIGKILL, a crash): a live writer's folder, or another host's, is left alone."""
+    prefix, parent = f"{os.path.basename(directory)}{PARTIAL}", os.path.dirname(directory)
+    for name in os.listdir(parent) if os.path.isdir(parent) else []:
+        host, _, pid = name[len(prefix):].rpartition("-")  # (DIR.partial-PID, of older versions: this host's)
+        if name.startswith(prefix) and host in ("", socket.gethostname()) and pid.isdigit() and not process_alive(
+                int(pid)):
+            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+
+
+def process_alive(pid: int) -> bool:
+    """True when a process of this id runs on this host."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 def write_phantom_set(directory: str, n: int, shape: Sequence[int] = DEFAULT_SIZE, seed: int = 0,
                       varied: bool = False, lesions: str = "rpe") -> str:
     """Write n phantoms (makers in turn, three volumes per patient, random labels) and DIR/labels.csv.
@@ -579,16 +633,21 @@ def write_phantom_set(directory: str, n: int, shape: Sequence[int] = DEFAULT_SIZ
         return directory
     if os.path.isdir(directory) and os.listdir(directory) and not os.path.exists(os.path.join(directory, MARKER)):
         raise FileExistsError(f"{directory} exists and is not a phantom set; choose an empty or new folder")
-    tmp = f"{directory}.partial-{os.getpid()}"
+    remove_stale_partials(directory)
+    tmp = f"{directory}{PARTIAL}{socket.gethostname()}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     rows = []
-    for i in range(n):
-        name, style_name, label, eye = set_member(i, seed, varied, lesions)
-        write_phantom(os.path.join(tmp, name), style_name, shape, seed=seed * 100003 + i, label=label,
-                      patient_id=f"PHANTOM-{seed:02d}-{i // 3:03d}", eye=eye)
-        rows.append((name, label, "no" if label == "none" else "yes", f"{retina_thickness(eye):.4f}") if varied
-                    else (name, label))
+    try:
+        for i in range(n):
+            name, style_name, label, eye = set_member(i, seed, varied, lesions)
+            write_phantom(os.path.join(tmp, name), style_name, shape, seed=seed * 100003 + i, label=label,
+                          patient_id=f"PHANTOM-{seed:02d}-{i // 3:03d}", eye=eye)
+            rows.append((name, label, "no" if label == "none" else "yes", f"{retina_thickness(eye):.4f}") if varied
+                        else (name, label))
+    except BaseException:  # a stop signal, Ctrl-C, a full disk: no half set is left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     header = ("path", "label", "lesion", "retina_thickness") if varied else ("path", "label")
     with open(os.path.join(tmp, "labels.csv"), "w", newline="") as f:
         csv.writer(f).writerows([header, *rows])
@@ -634,6 +693,11 @@ def ensure_builtin_phantoms(cfg: Config) -> None:
 # CLI
 # ----------------------------------------------------------------------------------------------------------
 
+def stop_writing(signum, frame) -> None:
+    """SIGTERM or Ctrl-C: a KeyboardInterrupt naming the signal, out of the writer."""
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
 @script_main
 def main(argv: List[str]) -> int:
     """Write the phantom set of a command line; ConfigError for a bad size or a folder in the way."""
@@ -653,10 +717,15 @@ def main(argv: List[str]) -> int:
         shape = []
     if len(shape) != 3 or min(shape) < 8 or args.n < 1:
         raise ConfigError(f"--size needs three sizes >= 8 like 32,128,128 (got {args.size!r}) and --n >= 1.")
+    for stop in STOP_SIGNALS:  # the half-written set is deleted, and the stop said in words
+        signal.signal(stop, stop_writing)
     try:
         write_phantom_set(args.dir, args.n, shape, args.seed, args.varied, args.lesions)
     except FileExistsError as e:
         raise ConfigError(str(e)) from None
+    except KeyboardInterrupt as e:
+        print(f"stopped ({e}): no phantom set was written; the same command writes it", file=sys.stderr)
+        return 75  # config.Preempted's code: try again
     print(f"wrote {args.n} phantom volumes of {shape[0]}x{shape[1]}x{shape[2]} to {args.dir} "
           f"(labels in {os.path.join(args.dir, 'labels.csv')})")
     return 0

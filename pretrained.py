@@ -5,11 +5,14 @@ An export (`python encoder.py export`, export.py) loads without train.py or the 
 PretrainedEncoder, volume [B,1,D,H,W] -> tokens [B,N,E] or a pooled embedding (model.pool_tokens). config.json holds
 the architecture, the preprocessing contract, the training-time augmentation and where the weights came from;
 model.safetensors the Encoder's weights with that contract in their metadata, so the weights' sha256 covers both.
-ExportedEncoder, monai_vit, monai_unetr and export_contract are copied from this source (and model.py's) into an
-export's standalone octjepa_encoder.py (export.model_definitions): they use nothing of octjepa but model.py.
+ExportedEncoder, monai_vit, monai_unetr and export_contract are copied from this source (and model.py's) into the
+repository's standalone octjepa_encoder.py (export.model_definitions): they use nothing of octjepa but model.py.
+An export folder holds data only (config.json, model.safetensors, README.md); load_encoder imports nothing from it
+and refuses a folder that holds anything else (a planted huggingface_hub.py would run under `import`).
 """
 import hashlib
 import json
+import os
 from typing import List, Optional, Sequence
 
 import safetensors.torch
@@ -19,7 +22,7 @@ import torch.nn.functional as F
 
 from config import Config, ConfigError, load_config
 from model import VJEPA3D, Encoder, check_encoder_input, pool_name, pool_tokens, tubelet_embedding
-from storage import exists, read_bytes, write_atomic
+from storage import exists, glob_paths, read_bytes, write_atomic
 
 try:  # optional (requirements-dev.txt): HubEncoder's save_pretrained, from_pretrained and push_to_hub
     from huggingface_hub import PyTorchModelHubMixin
@@ -31,6 +34,10 @@ EXPORT_VERSION = 3  # bump when config.json or the weights' layout changes meani
 # (2: architecture.patch_stem; 3: the weights bind all of config.json, provenance and code files' sha256 included)
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"  # the names Hugging Face's hub tools read
 EARLIER_WEIGHTS_FILE = "encoder.safetensors"  # what exports before 2026-11-25 named their weights
+MODEL_CARD = "README.md"  # the model card of an export (export.model_card), the file Hugging Face's hub shows
+STANDALONE_MODULE, HUBCONF = "octjepa_encoder.py", "hubconf.py"  # the loader: the repository's, in a folder by opt-in
+FOLD_FILES = ("heads.safetensors", "fold.json")  # finetune.save_fold's, beside a fine-tuned export's weights
+GIT_FILES = (".git", ".gitattributes")  # a Hugging Face hub repo cloned with git
 ARCHITECTURE_FIELDS = ("image_size", "patch_size", "patch_stem", "embed_dim", "depth", "num_heads", "mlp_ratio")
 VERSION_1_ARCHITECTURE = {"patch_stem": "linear"}  # the fields format_version 1 did not write, as they were then
 PREPROCESSING_FIELDS = ("image_size", "target_spacing", "missing_spacing", "clip_percentiles", "sop_classes")
@@ -314,24 +321,53 @@ def check_bound(config: dict, header: dict, directory: str) -> None:
                           f"edited, or the weights belong to another export; export the checkpoint again.")
 
 
-def check_code_files(config: dict, directory: str) -> None:
-    """That the folder's code files (what torch.hub.load and `import octjepa_encoder` would run) are the ones exported:
-    their sha256 in config.json `code` (format 3); ExportError naming the file otherwise. Runs none of them."""
-    for code, digest in (config.get("code") or {}).items():
-        code = f"{directory.rstrip('/')}/{str(code).rsplit('/', 1)[-1]}"  # a file left out runs nothing
-        if exists(code) and _sha256(read_bytes(code)) != digest:
-            raise ExportError(f"{code} is not the file that was exported (its sha256 differs from {CONFIG_FILE} "
+def check_folder_files(config: dict, directory: str) -> None:
+    """That the folder holds only what load_encoder knows: config.json, the weights, the model card, a fine-tuned fold's
+    heads and fold.json, a git clone's .git, and the loader files of an export written with --with_loader_code (what
+    torch.hub.load(FOLDER) and `import octjepa_encoder` would run) only when their sha256 is config.json `code`'s.
+    ExportError naming the others: a module beside the weights (huggingface_hub.py, safetensors/) would run when
+    Python imports that name from the folder. Runs none of them."""
+    where, code = f"{directory.rstrip('/')}/{CONFIG_FILE}", config.get("code", {})
+    if not isinstance(code, dict) or not set(code) <= {STANDALONE_MODULE, HUBCONF} or \
+            not all(isinstance(d, str) for d in code.values()):
+        raise ExportError(f"{where}: code {str(code)[:120]} is not what an export writes (a dict of "
+                          f"{STANDALONE_MODULE} and {HUBCONF} to their sha256); export the checkpoint again.")
+    weights = config.get("weights") if isinstance(config.get("weights"), dict) else {}
+    known = {CONFIG_FILE, WEIGHTS_FILE, MODEL_CARD, *FOLD_FILES, *GIT_FILES, *code,
+             *([EARLIER_WEIGHTS_FILE] if weights.get("file") == EARLIER_WEIGHTS_FILE else [])}
+    if directory.startswith("gs://"):
+        found = {p.rstrip("/").rsplit("/", 1)[-1] for p in glob_paths(f"{directory.rstrip('/')}/*")}
+    else:
+        found = set(os.listdir(directory)) if os.path.isdir(directory) else set()
+    unknown = sorted(found - known)
+    if unknown:
+        raise ExportError(f"{directory.rstrip('/')} holds {', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''}"
+                          f", which an export does not: files of code or data that came with the folder (Python would "
+                          f"import a module of that name from it). Delete them, or copy only {CONFIG_FILE}, "
+                          f"{WEIGHTS_FILE} and {MODEL_CARD} into a new folder, and load that.")
+    for name, digest in code.items():
+        path = f"{directory.rstrip('/')}/{name}"  # a loader file left out runs nothing
+        if name in found and _sha256(read_bytes(path)) != digest:
+            raise ExportError(f"{path} is not the file that was exported (its sha256 differs from {CONFIG_FILE} "
                               f"code): torch.hub.load and `import octjepa_encoder` would run it; export it again.")
 
 
-def load_encoder(directory: str, encoder_class: type = PretrainedEncoder) -> PretrainedEncoder:
-    """The encoder exported to `directory` (local or gs://), in eval mode on the CPU, running no code of the folder.
-    The weights must match config.json exactly (sha256, check_bound, every key, shape and dtype: all checked before
-    the architecture is built), and so must the code files (check_code_files). Raises ExportError naming the file,
-    key or field. encoder_class: PretrainedEncoder or a subclass (HubEncoder)."""
+def load_encoder(directory: str, encoder_class: type = PretrainedEncoder,
+                 allow_older_format: bool = False) -> PretrainedEncoder:
+    """The encoder exported to `directory` (local or gs://), in eval mode on the CPU, importing nothing of the folder.
+    The folder must hold only an export's files (check_folder_files), the weights must match config.json exactly
+    (sha256, check_bound, every key, shape and dtype: all checked before the architecture is built). Raises
+    ExportError naming the file, key or field. An export of an older format_version (its weights bind less of
+    config.json) is refused unless allow_older_format. encoder_class: PretrainedEncoder or a subclass (HubEncoder).
+    These checks find damage and edits made by hand; they cannot prove who made an export (anyone can recompute
+    a sha256): trust a received export as much as its sender."""
     config = read_export_config(directory)
     settings = export_settings(config, f"{directory.rstrip('/')}/{CONFIG_FILE}")  # every field, before any weight
-    check_code_files(config, directory)
+    if config["format_version"] < EXPORT_VERSION and not allow_older_format:
+        raise ExportError(f"{directory.rstrip('/')}/{CONFIG_FILE}: format_version {config['format_version']}, older "
+                          f"than this octjepa's {EXPORT_VERSION}: its weights bind less of config.json. Export the "
+                          f"checkpoint again, or load_encoder(DIR, allow_older_format=True) if you trust its sender.")
+    check_folder_files(config, directory)
     weights = config.get("weights") if isinstance(config.get("weights"), dict) else {}
     name = weights.get("file") if weights.get("file") in (WEIGHTS_FILE, EARLIER_WEIGHTS_FILE) else WEIGHTS_FILE
     path = f"{directory.rstrip('/')}/{name}"
@@ -364,15 +400,12 @@ def load_encoder(directory: str, encoder_class: type = PretrainedEncoder) -> Pre
     return encoder.eval()
 
 
-MODEL_CARD = "README.md"  # the model card of an export (export.model_card), the file Hugging Face's hub shows
-
-
 class HubEncoder(PretrainedEncoder, PyTorchModelHubMixin):
     """An exported encoder with Hugging Face's save_pretrained / push_to_hub / from_pretrained (needs huggingface_hub),
     octjepa's code doing both sides: from_pretrained(local folder or hub repo) is load_encoder of its config.json,
     model.safetensors and README.md (no code of the folder runs); save_pretrained(folder) writes those three: the
     weights with their contract (save_encoder), and the model card it was loaded with, so load_encoder reads the
-    folder. No code files: the export's octjepa_encoder.py and hubconf.py stay behind."""
+    folder. No code files (an export written with --with_loader_code keeps its octjepa_encoder.py and hubconf.py)."""
     card: Optional[bytes] = None  # README.md of the folder it was loaded from
 
     def _save_pretrained(self, save_directory) -> None:

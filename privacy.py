@@ -5,8 +5,9 @@ a secret of this site: 32 random bytes in a key file created once, readable by i
 (OCTJEPA_PATIENT_KEY_FILE, an absolute path, else ~/.config/octjepa/site.key). Without the secret a key neither
 reverses (no dictionary of MRNs finds it) nor links with another site's keys; two sites that mean to link their tables
 use the same key file (copy it, as one copies a password). The secret is never logged nor written anywhere else; an
-index and a checkpoint record which secret made their keys as a keyed fingerprint (key_fingerprint), so that one made
-with another secret is refused, naming the key file.
+index, a checkpoint, an embed table and a fine-tuning's results record which secret made their keys as a keyed
+fingerprint (key_fingerprint), so that one made with another secret is refused, naming the key file; what joins keys
+of several sources checks they share one (check_same_key, check_recorded_key).
 """
 import hashlib
 import hmac
@@ -19,7 +20,10 @@ from typing import Dict, Optional
 from config import PATH_FIELDS, ConfigError
 
 KEY_FILE_ENV = "OCTJEPA_PATIENT_KEY_FILE"
+DEFAULT_KEY_FILE = "~/.config/octjepa/site.key"
 KEY_PREFIX = "pk1-"  # a keyed patient key; older indexes hold a bare sha256 of PatientID or "file:<path>"
+PLACEHOLDER_WORDS = (b"changeme", b"change-me", b"change_me", b"password", b"placeholder", b"example", b"xxxxxxxx",
+                     b"replace")  # in a key file: someone's template, not a secret
 _SECRETS: Dict[str, bytes] = {}  # key file -> its secret, read once per process
 
 
@@ -27,7 +31,11 @@ def patient_key_file() -> str:
     """Where this site's patient-key secret lives: $OCTJEPA_PATIENT_KEY_FILE, else ~/.config/octjepa/site.key. A
     relative path is a ConfigError: the key file, and with it every key and split, would follow the folder a command
     is started in."""
-    given = os.environ.get(KEY_FILE_ENV) or "~/.config/octjepa/site.key"
+    given = os.environ.get(KEY_FILE_ENV, DEFAULT_KEY_FILE)
+    if not given.strip():
+        raise ConfigError(f"{KEY_FILE_ENV} is set but empty, so it names no key file; give the absolute path of this "
+                          f"site's key file (export {KEY_FILE_ENV}=/secure/place/site.key), or unset it for the "
+                          f"default {DEFAULT_KEY_FILE} (unset {KEY_FILE_ENV}).")
     path = os.path.expanduser(given)
     if not os.path.isabs(path):
         raise ConfigError(f"{KEY_FILE_ENV}: {given!r} is a relative path, so the key file would depend on the folder "
@@ -50,9 +58,15 @@ def site_secret(create: bool = False) -> bytes:
 
 
 def _create_key_file(path: str) -> None:
-    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     tmp = f"{path}.{os.getpid()}-{secrets.token_hex(4)}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as e:
+        raise ConfigError(f"{KEY_FILE_ENV}: cannot create the key file {path} ({e.strerror or e}). Make its folder "
+                          f"{os.path.dirname(path)} writable by this user (mkdir -p -m 700 {os.path.dirname(path)}), or "
+                          f"point {KEY_FILE_ENV} at a writable place (export {KEY_FILE_ENV}=/secure/place/site.key); "
+                          f"if this site has a key file, point it there.") from None
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(32) + "\n")
     try:
@@ -85,16 +99,25 @@ def _read_key_file(path: str) -> bytes:
         raise ConfigError(f"{where} can be read or written by others than its owner (mode {stat.S_IMODE(mode):o}): "
                           f"anyone who reads it can link the keys back to patients. Run chmod 600 {path}.")
     try:
-        with open(path) as f:
-            secret = f.read().strip()
-    except (OSError, UnicodeDecodeError) as e:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
         raise ConfigError(f"{where} cannot be read by this user (uid {os.getuid()}; {e}); run as its owner, or give "
                           f"this user a copy of it (chmod 600).") from None
+    try:
+        secret = raw.decode().strip().encode()  # octjepa writes 64 hex characters and a newline
+    except UnicodeDecodeError:
+        secret = raw  # random bytes (head -c 32 /dev/urandom): the secret as they are
     if len(secret) < 32:
         raise ConfigError(f"{where} holds no patient-key secret (at least 32 characters; it holds {len(secret)}). "
                           f"Restore this site's key file there; or delete it, and a scan creates a new one (then "
                           f"every key changes: scan every index again, start new runs).")
-    return secret.encode()
+    if len(set(secret)) < 8 or any(word in secret.lower() for word in PLACEHOLDER_WORDS):
+        raise ConfigError(f"{where} holds a placeholder, not a secret (a known word such as 'changeme', or fewer than 8 "
+                          f"different characters): whoever guesses it can link the keys back to patients. Restore this "
+                          f"site's key file there; or delete it (rm {path}), and a scan creates a random one (then every "
+                          f"key changes: scan every index again, start new runs).")
+    return secret
 
 
 def key_fingerprint() -> str:
@@ -124,6 +147,49 @@ def check_index_key(built_from: Optional[dict], index_path: str) -> None:
             f"at the key file that made the index; or, to key the whole index with this one on purpose, scan it "
             f"again: python data.py scan DATA_ROOT --out {index_path} (every key and split changes: start new runs, "
             f"embed again).")
+
+
+def table_key_fingerprint(table: dict) -> Optional[str]:
+    """The key_fingerprint a table (an embed .npz's arrays, a report) records, or None for one made before tables
+    recorded it."""
+    recorded = table.get("key_fingerprint")
+    return None if recorded is None else str(recorded)
+
+
+def check_same_key(fingerprints: Dict[str, Optional[str]], fix: str) -> str:
+    """That patient keys meeting from several sources ({source: the key_fingerprint it records}: embed tables to
+    join, a resumed fine-tuning's finished folds and this run) were made with one secret; returns it. Else a
+    ConfigError naming each source's fingerprint, the key file and `fix` (the command that makes them agree): keys of
+    two secrets never join, so a merge would split every patient in two (and put them on both sides of a split)."""
+    unknown = [source for source, fingerprint in fingerprints.items() if fingerprint is None]
+    if unknown:
+        raise ConfigError(f"{', '.join(unknown)} records no patient-key fingerprint (made before octjepa recorded "
+                          f"one), so nothing shows that its patient keys join the others'. To fix: {fix}.")
+    if len(set(fingerprints.values())) > 1:
+        listed = "; ".join(f"{source}: {fingerprint}" for source, fingerprint in fingerprints.items())
+        raise ConfigError(f"patient keys of different secrets ({listed}) never join: merged, every patient would be "
+                          f"two patients. The key file {patient_key_file()} makes {_fingerprint_or_none()}. "
+                          f"To fix: {fix}.")
+    return next(iter(fingerprints.values()))
+
+
+def check_recorded_key(recorded: Optional[str], source: str, fix: str) -> None:
+    """That this site's key file exists and holds the secret whose fingerprint `source` recorded (a resumed run's
+    finished results): never creates a key file. A ConfigError naming the source, the key file and `fix` otherwise
+    (check_same_key)."""
+    try:
+        now = key_fingerprint()
+    except ConfigError as e:
+        raise ConfigError(f"{source}: made with the patient-key secret {recorded or '(not recorded: an older octjepa)'};"
+                          f" {e} To continue, {fix}.") from None
+    check_same_key({source: recorded, f"the key file {patient_key_file()}": now}, fix)
+
+
+def _fingerprint_or_none() -> str:
+    try:
+        return key_fingerprint()
+    except ConfigError:
+        return "no fingerprint (it cannot be used now)"
 
 
 def keyed_id(kind: str, text: str) -> str:

@@ -226,7 +226,9 @@ class StopSignals:
     @contextlib.contextmanager
     def at_once(self):
         """Within it, a stop signal (or one received before) raises StopRequested out of the code running, for work
-        that has no update boundary to wait for (the end-of-run summary probe: the checkpoint is written)."""
+        that has no update boundary to wait for (the end-of-run summary probe: the checkpoint is written). C code that
+        calls back into Python and ignores an exception there crashes when the handler raises inside it (openjpeg's
+        JPEG 2000 encoder: SIGSEGV): such code runs with the signals held (phantom.stop_signals_held)."""
         if self.received is not None:
             raise StopRequested(self.received)
         self.interrupting = True

@@ -94,6 +94,28 @@ def test_unknown_yaml_key_suggests_the_closest_name(tmp_path):
         load_config(["--config", write_yaml(tmp_path, "warmup_step: 10\n")])
 
 
+@pytest.mark.parametrize("content, message", [
+    (b"base_lr: 1e-4\nimage_size:\n\t- 8\n", "line 3: found character '\\t' that cannot start any token; indent with spaces"),
+    (b"base_lr: 1e-4\nrun_name: !!python/object/apply:os.system [touch HACKED]\n",
+     "line 2: could not determine a constructor for the tag 'tag:yaml.org,2002:python/object/apply:os.system'; "
+     "write plain values"),
+    (b"base_lr: 1e-4\nrun_name: \xe9tude\n", "line 2: byte 0xe9 is not UTF-8 text (Latin-1?); save the file as UTF-8, "
+                                             "e.g. `iconv -f latin1 -t utf-8"),
+    (b"base_lr: 1e-4\nmax_steps: 5\nbase_lr: 3e-4\n", "line 3: the key 'base_lr' is given twice, on lines 1 and 3; "
+                                                      "delete the line you do not mean"),
+], ids=["tab", "python_tag", "latin1", "key_twice"])
+def test_a_yaml_config_that_cannot_be_read_as_written_is_refused_with_its_line_and_the_fix(tmp_path, content, message):
+    """A config that PyYAML refuses (a tab, a Python tag, Latin-1 text) once ended in a traceback, and one that gives a
+    key twice silently trained with the later value."""
+    config = tmp_path / "job.yaml"
+    config.write_bytes(content)
+    refused = subprocess.run([sys.executable, str(REPO / "train.py"), "--config", str(config), "--dry_run", "true"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
+    assert f"config: {config}, {message}" in refused.stderr
+    assert not (tmp_path / "HACKED").exists() and config.read_bytes() == content  # nothing ran, nothing was changed
+
+
 @script_main
 def seeds_script(argv):
     """A script with its own --seeds option next to the config flags, as probe.py has."""

@@ -5,6 +5,8 @@ import json
 import os
 import pickle
 import shutil
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -522,3 +524,24 @@ def test_the_built_in_phantoms_split_alike_under_every_site_key_while_real_patie
             val_files[key, data] = sorted(os.path.basename(r["paths"][0]) for r in val.records)
     assert val_files["site-a", "built-in"] == val_files["site-b", "built-in"]
     assert val_files["site-a", "own"] != val_files["site-b", "own"]
+
+
+def test_scan_out_on_a_full_disk_exits_74_with_a_message_and_keeps_the_index_there(phantom_dir, tmp_path):
+    """`data.py scan --out` to a full disk once ended in an OSError traceback: now the storage exit code, what
+    happened and the command to run again, and the index already at --out is left whole (no tmp file beside it)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    # A 16 KiB disk, 12,000 bytes of it taken by the index of an earlier scan: the new index does not fit.
+    full_disk = ('mount -t tmpfs -o size=16k tmpfs "$0" && head -c 12000 /dev/zero | tr "\\0" x > "$0/index.jsonl" '
+                 '&& { "$@"; code=$?; ls -A "$0"; wc -c < "$0/index.jsonl"; exit $code; }')
+    if subprocess.run(["unshare", "--mount", "sh", "-c", full_disk, str(disk), "true"], capture_output=True).returncode:
+        pytest.skip("cannot mount a tiny tmpfs here (needs root in a mount namespace): no full disk to write to")
+    repo = Path(__file__).resolve().parents[1]
+    full = subprocess.run(["unshare", "--mount", "sh", "-c", full_disk, str(disk), sys.executable,
+                           str(repo / "data.py"), "scan", phantom_dir, "--out", str(disk / "index.jsonl")],
+                          cwd=repo, capture_output=True, text=True, timeout=600)
+    assert full.returncode == 74, full.stderr[-2000:]
+    assert f"index storage failed: the index {disk / 'index.jsonl'} could not be written (No space left on device)" \
+           in full.stderr and "Traceback" not in full.stderr
+    assert f"run the same command again: python data.py scan {phantom_dir} --out {disk / 'index.jsonl'}" in full.stderr
+    assert full.stdout.splitlines()[-2:] == ["index.jsonl", "12000"]  # the earlier index whole, no tmp file left

@@ -25,6 +25,7 @@ import export
 import finetune
 import health
 import model
+import octjepa_encoder
 import pretrained
 import train
 from config import DEMO_FLAGS, ConfigError, load_config
@@ -88,34 +89,52 @@ def test_another_input_size_gives_the_tokens_of_an_encoder_built_natively_at_tha
 
 
 LOAD_IN_ANOTHER_PROJECT = """
+import os
 import sys
 import numpy as np
 import torch
-sys.path.insert(0, PROJECT)  # its own config.py, data.py, model.py and pretrained.py: importing any raises
-encoder = torch.hub.load(EXPORT, "encoder", source="local")
-sys.path.insert(0, EXPORT)
-import octjepa_encoder
-again = octjepa_encoder.load(EXPORT)
+sys.path.insert(0, PROJECT)  # its own config.py, data.py, model.py and pretrained.py, and octjepa's octjepa_encoder.py
+encoder = torch.hub.load(OCTJEPA, "encoder", source="local", path=EXPORT)  # octjepa's hubconf.py, not the folder's
+from octjepa_encoder import load
+again = load(EXPORT)
 volume = torch.from_numpy(np.load("volume.npy"))
 with torch.no_grad():
     np.save("tokens.npy", encoder(volume).numpy())
     np.save("again.npy", again.embed(volume).numpy())
 assert not {"config", "data", "model", "pretrained", "probe", "train"} & set(sys.modules), sorted(sys.modules)
+assert not [m.__file__ for m in list(sys.modules.values()) if (getattr(m, "__file__", None) or "").startswith(EXPORT)]
 """
 
 
-def test_an_export_loads_from_an_empty_folder_of_another_project_with_its_own_config_data_and_model(
+def plant_modules(export: Path, witness: Path) -> None:
+    """What a hostile sender adds to an export: modules that Python would import from the folder by their names
+    (huggingface_hub, safetensors), each leaving a witness file when it runs."""
+    code = f"open({str(witness)!r}, 'w').write('ran')\nraise ImportError('planted')\n"
+    (export / "huggingface_hub.py").write_text(code)
+    (export / "safetensors").mkdir()
+    (export / "safetensors" / "__init__.py").write_text(code)
+
+
+def test_an_export_loads_from_an_empty_folder_of_another_project_and_runs_none_of_the_folders_files(
         export_dir, trained_checkpoint, tmp_path):
-    project, elsewhere, copied = tmp_path / "their_project", tmp_path / "empty", tmp_path / "copied_export"
-    project.mkdir()
-    elsewhere.mkdir()
+    """The default ways to load a received export without an octjepa checkout: torch.hub.load of octjepa's
+    hubconf.py (a copy of the repository's two loader files, as torch.hub fetches them) with path=EXPORT, and `from
+    octjepa_encoder import load` with that file copied into the project. The export came with modules planted beside
+    its weights (the hostile review's repro): neither route imports them."""
+    project, octjepa, elsewhere, copied = (tmp_path / name for name in ("their_project", "octjepa", "empty", "export"))
+    for folder in (project, octjepa, elsewhere):
+        folder.mkdir()
     for name in ("config", "data", "model", "pretrained"):
         (project / f"{name}.py").write_text(f"raise ImportError('their own {name}.py, not octjepa\\'s')\n")
+    shutil.copy(REPO / "octjepa_encoder.py", project)  # the loader file, copied into their project
+    for name in ("hubconf.py", "octjepa_encoder.py"):
+        shutil.copy(REPO / name, octjepa)
     shutil.copytree(export_dir, copied)  # the folder alone: no octjepa checkout beside it
+    plant_modules(copied, tmp_path / "PWNED")
     trained, cfg, _ = read_model_checkpoint(trained_checkpoint)
     volume = torch.randn(2, 1, *cfg.image_size, generator=torch.Generator().manual_seed(5))
     np.save(elsewhere / "volume.npy", volume.numpy())
-    code = f"PROJECT, EXPORT = {str(project)!r}, {str(copied)!r}\n" + LOAD_IN_ANOTHER_PROJECT
+    code = f"PROJECT, OCTJEPA, EXPORT = {str(project)!r}, {str(octjepa)!r}, {str(copied)!r}\n" + LOAD_IN_ANOTHER_PROJECT
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"OMP_NUM_THREADS": "1"}
     result = subprocess.run([sys.executable, "-I", "-c", code], cwd=elsewhere, capture_output=True, text=True,
                             env=env, timeout=600)  # -I: neither the checkout nor PYTHONPATH on sys.path
@@ -123,19 +142,89 @@ def test_an_export_loads_from_an_empty_folder_of_another_project_with_its_own_co
     expected = trained.encode(volume).numpy()
     assert np.abs(np.load(elsewhere / "tokens.npy") - expected).max() <= 1e-6
     assert np.abs(np.load(elsewhere / "again.npy") - expected.mean(1)).max() <= 1e-6
+    assert not (tmp_path / "PWNED").exists()
 
 
-def test_the_exports_standalone_module_is_the_projects_code_not_a_copy_that_can_drift(export_dir):
-    module = (Path(export_dir) / "octjepa_encoder.py").read_text()
+def test_load_encoder_imports_nothing_of_a_received_export_and_refuses_the_modules_planted_in_it(export_dir, tmp_path):
+    """The hostile review's repro, in a checkout: a module beside unchanged files is refused by name, never run."""
+    directory = tmp_path / "export"
+    shutil.copytree(export_dir, directory)
+    plant_modules(directory, tmp_path / "PWNED")
+    with pytest.raises(ExportError, match=re.escape(f"{directory} holds huggingface_hub.py, safetensors, which an "
+                                                    f"export does not")):
+        load_encoder(str(directory))
+    assert not (tmp_path / "PWNED").exists()
+    shutil.rmtree(directory / "safetensors")
+    (directory / "huggingface_hub.py").unlink()
+    assert load_encoder(str(directory)).embed_dim == 48  # the folder as exported loads
+
+
+def test_an_export_whose_hashes_and_contract_were_recomputed_around_a_planted_file_is_still_refused(export_dir,
+                                                                                                   tmp_path):
+    """Anyone can recompute a sha256: a sender who adds a module and re-signs config.json and the weights passes
+    every checksum, and is refused for the file itself, or for a `code` list that names it."""
+    directory = tmp_path / "export"
+    shutil.copytree(export_dir, directory)
+    (directory / "huggingface_hub.py").write_text("raise ImportError\n")
+    config = {k: v for k, v in json.loads((directory / "config.json").read_text()).items() if k != "weights"}
+    save_encoder(safetensors.torch.load_file(directory / "model.safetensors"), config, str(directory))  # re-signed
+    with pytest.raises(ExportError, match="holds huggingface_hub.py, which an export does not"):
+        load_encoder(str(directory))
+    listed = {**config, "code": {"huggingface_hub.py": hashlib.sha256(b"raise ImportError\n").hexdigest()}}
+    save_encoder(safetensors.torch.load_file(directory / "model.safetensors"), listed, str(directory))
+    with pytest.raises(ExportError, match="code {'huggingface_hub.py': .* is not what an export writes"):
+        load_encoder(str(directory))
+
+
+def test_the_repositorys_loader_files_are_generated_from_the_projects_code_not_copies_that_can_drift():
+    """octjepa_encoder.py and hubconf.py at the repository root (what torch.hub.load and a copied file run) are what
+    export.py generates: after an edit of model.py or pretrained.py, regenerate them."""
+    fix = 'regenerate them: python -c "import export; export.write_loader_files()"'
+    module = (REPO / "octjepa_encoder.py").read_text()
+    assert module == export.standalone_module(), fix
+    assert (REPO / "hubconf.py").read_text() == export.HUBCONF_SOURCE, fix
     for definition in (model.sincos_pos_embed_3d, model.Block, model.Encoder, model.pool_tokens,
                        pretrained.ExportedEncoder, pretrained.monai_vit, pretrained.export_contract):
         assert inspect.getsource(definition) in module
-    assert not re.search(r"^(import|from) (config|data|storage|dicom)\b", module, re.MULTILINE)
+    assert not re.search(r"^(import|from) (config|data|storage|dicom|pretrained|model)\b", module, re.MULTILINE)
+
+
+@pytest.fixture(scope="module")
+def loader_code_export(tmp_path_factory, trained_checkpoint) -> str:
+    """The smoke run's encoder exported with --with_loader_code: the folder holds the loader's code too."""
+    out = str(tmp_path_factory.mktemp("with_code") / "encoder")
+    assert encoder_cli.main(["export", "--ckpt", trained_checkpoint, "--out", out, "--with_loader_code"]) == 0
+    return out
+
+
+def test_an_export_with_its_loader_code_is_an_opt_in_that_torch_hub_runs_and_load_encoder_checks(
+        loader_code_export, trained_checkpoint, tmp_path):
+    """A sender who wants `torch.hub.load(FOLDER, ...)` to work asks for it; the folder then holds code, and the card
+    says that whoever loads it that way runs it."""
+    assert sorted(os.listdir(loader_code_export)) == ["README.md", "config.json", "hubconf.py", "model.safetensors",
+                                                      "octjepa_encoder.py"]
+    for name in ("hubconf.py", "octjepa_encoder.py"):
+        assert Path(loader_code_export, name).read_text() == (REPO / name).read_text()
+    config = json.loads(Path(loader_code_export, "config.json").read_text())
+    assert all(hashlib.sha256(Path(loader_code_export, name).read_bytes()).hexdigest() == digest
+               for name, digest in config["code"].items()) and len(config["code"]) == 2
+    assert "run those files" in Path(loader_code_export, "README.md").read_text()
+    trained, cfg, _ = read_model_checkpoint(trained_checkpoint)
+    volume = torch.randn(2, 1, *cfg.image_size, generator=torch.Generator().manual_seed(11))
+    copied = tmp_path / "copied"
+    shutil.copytree(loader_code_export, copied)
+    for loaded in (load_encoder(loader_code_export), torch.hub.load(str(copied), "encoder", source="local")):
+        assert float((loaded.encode(volume) - trained.encode(volume)).abs().max()) <= 1e-6
+    changed = tmp_path / "changed"
+    shutil.copytree(loader_code_export, changed)
+    (changed / "hubconf.py").write_text((changed / "hubconf.py").read_text() + "\nimport os  # and anything else\n")
+    with pytest.raises(ExportError, match="hubconf.py is not the file that was exported"):
+        load_encoder(str(changed))
 
 
 def test_hugging_face_from_pretrained_reads_the_export_and_saves_it_back(export_dir, trained_checkpoint, tmp_path):
     pytest.importorskip("huggingface_hub", reason="huggingface-hub (requirements-dev.txt) is not installed")
-    standalone = export.import_standalone(export_dir)
+    standalone = octjepa_encoder  # the repository's loader, which imports nothing from the folder
     trained, cfg, _ = read_model_checkpoint(trained_checkpoint)
     volume = torch.randn(2, 1, *cfg.image_size, generator=torch.Generator().manual_seed(6))
     hub = standalone.OCTJEPAEncoder.from_pretrained(export_dir)
@@ -211,7 +300,7 @@ def test_the_recipes_hmlp_export_loads_with_both_loaders_and_in_monai_with_its_s
     assert cfg.patch_stem == "hmlp" and json.loads(Path(export_dir, "config.json").read_text())[
         "architecture"]["patch_stem"] == "hmlp"
     volume = torch.randn(2, 1, *cfg.image_size, generator=torch.Generator().manual_seed(8))
-    for loaded in (load_encoder(export_dir), export.import_standalone(export_dir).load(export_dir)):
+    for loaded in (load_encoder(export_dir), octjepa_encoder.load(export_dir)):
         assert "patch_embed.2.weight" in loaded.state_dict()
         assert float((loaded.encode(volume) - trained.encode(volume)).abs().max()) <= 1e-6
     pytest.importorskip("monai", reason="monai (requirements-dev.txt) is not installed")
@@ -222,9 +311,9 @@ def test_the_recipes_hmlp_export_loads_with_both_loaders_and_in_monai_with_its_s
         with torch.no_grad():
             assert float((vit(sized)[0] - encoder(sized)).abs().max()) <= 1e-5
     assert isinstance(vit.patch_embedding.patch_embeddings, torch.nn.Sequential)
-    again = export.import_standalone(export_dir)  # the standalone module's copy of monai_vit does the same
-    with torch.no_grad():
-        assert float((again.monai_vit(again.load(export_dir))(volume)[0] - encoder(volume)).abs().max()) <= 1e-5
+    with torch.no_grad():  # the standalone module's copy of monai_vit does the same
+        assert float((octjepa_encoder.monai_vit(octjepa_encoder.load(export_dir))(volume)[0] - encoder(volume))
+                     .abs().max()) <= 1e-5
 
 
 def test_monai_unetr_segments_with_the_encoder_inside_at_both_shipped_patch_sizes(export_dir):
@@ -257,9 +346,10 @@ def test_monai_unetr_segments_with_the_encoder_inside_at_both_shipped_patch_size
 
 
 @pytest.mark.parametrize("written", ["encoder.safetensors without a contract", "model.safetensors with its contract"])
-def test_an_export_of_format_version_1_loads_with_the_linear_stem_it_had(linear_export, tmp_path, written):
+def test_an_export_of_format_version_1_loads_with_the_linear_stem_it_had_when_asked(linear_export, tmp_path, written):
     """Exports are shared and kept: those of format_version 1 (no architecture.patch_stem) load as octjepa wrote
-    them, at first with the weights in encoder.safetensors and no contract in their metadata."""
+    them, at first with the weights in encoder.safetensors and no contract in their metadata, when the caller asks
+    for an older format (its weights bind less of config.json): by default it is refused."""
     config = json.loads(Path(linear_export, "config.json").read_text())
     config["format_version"] = 1
     del config["architecture"]["patch_stem"], config["weights"]
@@ -273,7 +363,9 @@ def test_an_export_of_format_version_1_loads_with_the_linear_stem_it_had(linear_
         tmp_path.joinpath("config.json").write_text(json.dumps(config))
     trained, cfg, _ = read_model_checkpoint(linear_export_checkpoint(linear_export))
     volume = torch.randn(2, 1, *cfg.image_size, generator=torch.Generator().manual_seed(9))
-    encoder = load_encoder(str(tmp_path))
+    with pytest.raises(ExportError, match="format_version 1, older than this octjepa's 3: .*allow_older_format=True"):
+        load_encoder(str(tmp_path))
+    encoder = load_encoder(str(tmp_path), allow_older_format=True)
     assert encoder.settings.patch_stem == "linear"
     assert float((encoder.encode(volume) - trained.encode(volume)).abs().max()) <= 1e-6
 
@@ -296,8 +388,9 @@ def weights_of_another_export(directory: Path) -> bytes:
     """The weights file an export of other provenance (update 999) would hold: the same tensors, bound to its config."""
     config = json.loads((directory / "config.json").read_text())
     other = {**{k: v for k, v in config.items() if k != "weights"}, "source": {**config["source"], "update": 999}}
-    save_encoder(safetensors.torch.load_file(directory / pretrained.WEIGHTS_FILE), other, str(directory / "other"))
-    return (directory / "other" / pretrained.WEIGHTS_FILE).read_bytes()
+    elsewhere = directory.parent / "other_export"
+    save_encoder(safetensors.torch.load_file(directory / pretrained.WEIGHTS_FILE), other, str(elsewhere))
+    return (elsewhere / pretrained.WEIGHTS_FILE).read_bytes()
 
 
 def edit_config(directory: Path, edit) -> None:
@@ -338,9 +431,12 @@ TAMPERINGS = {
     "a garbled value": (lambda d: edit_config(d, lambda c: c["preprocessing"].update(clip_percentiles=[99, 1])),
                         "clip_percentiles: [99.0, 1.0] must satisfy"),
     "a newer format": (lambda d: edit_config(d, lambda c: c.update(format_version=99)), "format_version 99"),
-    "a code file changed": (lambda d: d.joinpath("hubconf.py").write_text(d.joinpath("hubconf.py").read_text()
-                                                                           + "\nimport os  # and anything else\n"),
-                            "hubconf.py is not the file that was exported"),
+    "a module beside the weights": (lambda d: d.joinpath("huggingface_hub.py").write_text("raise ImportError\n"),
+                                    "holds huggingface_hub.py, which an export does not"),
+    "a code list that is not a dict": (lambda d: edit_config(d, lambda c: c.update(code="hubconf.py")),
+                                       "code hubconf.py is not what an export writes"),
+    "a code list of another file": (lambda d: edit_config(d, lambda c: c.update(code={"model.py": "0" * 64})),
+                                    "is not what an export writes"),
     "weights saved again without metadata": (lambda d: resign(d, safetensors.torch.save(
         safetensors.torch.load_file(d / pretrained.WEIGHTS_FILE))), "carries no export contract in its metadata"),
     "another export's weights, their sha256 recorded": (lambda d: resign(d, weights_of_another_export(d)),
@@ -374,6 +470,71 @@ def test_export_refuses_to_overwrite_an_export_and_config_flags_that_do_not_appl
     assert "already holds an export" in capsys.readouterr().err
     assert encoder_cli.main(["embed", "--encoder", export_dir, "--out", "x.npz", "--embed_dim", "8"]) == 2
     assert "--embed_dim: the export brings its own model" in capsys.readouterr().err
+
+
+KILLED_AT_STEP = """
+import os, signal, sys
+steps = 0
+
+
+def kill_at_step(event, args):  # every change of the disk under PARENT, counted; SIGKILL before the STEP-th
+    global steps
+    paths = [a for a in (args[1] if event == "ctypes.call_function" else args) if isinstance(a, (str, bytes))]
+    written = event != "open" or (set(args[1]) & set("wax+") if isinstance(args[1], str) else
+                                  args[2] & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
+    if event in CHANGES and written and any(os.fsencode(p).startswith(os.fsencode(PARENT)) for p in paths):
+        steps += 1
+        if steps == STEP:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+sys.addaudithook(kill_at_step)
+import encoder
+sys.exit(encoder.main(["export", "--ckpt", CKPT, "--out", OUT, "--force"]))
+"""
+DISK_CHANGES = ("open", "os.mkdir", "os.rename", "os.remove", "os.rmdir", "shutil.rmtree", "ctypes.call_function")
+
+
+@pytest.mark.slow
+def test_export_force_killed_at_any_step_leaves_the_old_export_or_the_new_one_each_loading(
+        export_dir, trained_checkpoint, linear_export, tmp_path):
+    """A researcher replaces an export with another checkpoint's, and the job is killed: whenever the kill comes,
+    the folder holds the old export or the new one, and loads (never new weights beside the old config.json)."""
+    out = tmp_path / "encoder"
+    shutil.copytree(export_dir, out)
+    new_checkpoint = linear_export_checkpoint(linear_export)
+    encoders = [read_model_checkpoint(c)[0] for c in (trained_checkpoint, new_checkpoint)]
+    volume = torch.randn(1, 1, *load_encoder(export_dir).image_size, generator=torch.Generator().manual_seed(12))
+    step, loaded, finished = 0, [], False
+    while not finished:
+        step += 1
+        code = (f"PARENT, CKPT, OUT, STEP, CHANGES = {str(tmp_path)!r}, {new_checkpoint!r}, {str(out)!r}, {step}, "
+                f"{DISK_CHANGES!r}\n" + KILLED_AT_STEP)
+        result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert result.returncode in (0, -signal.SIGKILL), result.stderr[-3000:]
+        tokens = load_encoder(str(out)).encode(volume)
+        gaps = [float((tokens - e.encode(volume)).abs().max()) for e in encoders]
+        loaded.append("old" if gaps[0] <= 1e-6 else "new")
+        assert min(gaps) <= 1e-6, (step, gaps)
+        finished = result.returncode == 0
+    assert loaded == sorted(loaded, key=["old", "new"].index) and loaded[-1] == "new" and loaded.count("old") >= 3
+    assert sorted(os.listdir(out)) == ["README.md", "config.json", "model.safetensors"]
+
+
+@pytest.mark.slow
+def test_an_export_in_a_bucket_is_replaced_and_checked_like_a_local_one(export_dir, linear_export, gcs_emulator,
+                                                                        tmp_path):
+    url = gcs_emulator.upload(export_dir, "exports/encoder")
+    assert load_encoder(url).settings.patch_stem == "hmlp"
+    assert encoder_cli.main(["export", "--ckpt", linear_export_checkpoint(linear_export), "--out", url, "--force"]) == 0
+    assert load_encoder(url).settings.patch_stem == "linear"  # the new export, whole
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    (planted / "huggingface_hub.py").write_text("raise ImportError\n")
+    gcs_emulator.upload(str(planted), "exports/encoder")
+    with pytest.raises(ExportError, match="holds huggingface_hub.py, which an export does not"):
+        load_encoder(url)
 
 
 def load_npz(path) -> dict:
@@ -456,6 +617,61 @@ def test_embed_refuses_rows_saved_by_another_encoder_and_never_overwrites(export
     assert "holds rows embedded with other settings" in capsys.readouterr().err
     out.write_bytes(b"precious")
     assert encoder_cli.main(flags) == 2 and out.read_bytes() == b"precious"
+
+
+def key_file(path: Path, secret: str) -> str:
+    """A site's key file (privacy.py) holding `secret`, readable by its owner only."""
+    path.write_text(secret + "\n")
+    path.chmod(0o600)
+    return str(path)
+
+
+def test_tables_embedded_under_two_key_files_say_so_and_refuse_to_join_while_one_key_files_tables_join(
+        export_dir, phantom_dir, tmp_path, monkeypatch):
+    flags = ["embed", "--encoder", export_dir, "--data_root", phantom_dir, "--workers", "0", "--index_path", "none"]
+    site_a = key_file(tmp_path / "a.key", "site-a-secret-" + "0123456789abcdef" * 3)
+    site_b = key_file(tmp_path / "b.key", "site-b-secret-" + "fedcba9876543210" * 3)
+    shared = key_file(tmp_path / "a_copy.key", Path(site_a).read_text().strip())  # site A's file, copied on purpose
+    for name, key in (("a", site_a), ("b", site_b), ("a_again", shared)):
+        monkeypatch.setenv("OCTJEPA_PATIENT_KEY_FILE", key)
+        assert encoder_cli.main(flags + ["--out", str(tmp_path / f"{name}.npz")]) == 0
+    a, b, again = (load_npz(tmp_path / f"{n}.npz") for n in ("a", "b", "a_again"))
+    assert str(a["key_fingerprint"]).startswith("kf1-") and str(a["key_fingerprint"]) != str(b["key_fingerprint"])
+    assert set(a["patient"]).isdisjoint(b["patient"])  # merged, every patient would be two
+    with pytest.raises(ConfigError) as refused:
+        encoder_cli.join_embedding_tables([str(tmp_path / "a.npz"), str(tmp_path / "b.npz")])
+    message = str(refused.value)
+    assert "patient keys of different secrets" in message and str(a["key_fingerprint"]) in message
+    assert str(b["key_fingerprint"]) in message and "embed every data root again under one key file" in message
+    joined = encoder_cli.join_embedding_tables([str(tmp_path / "a.npz"), str(tmp_path / "a_again.npz")])
+    assert len(joined["patient"]) == 2 * len(a["patient"]) == len(joined["embedding"])
+    assert set(joined["patient"]) == set(a["patient"]) == set(again["patient"])  # one key file: the patients link
+    older = {k: v for k, v in a.items() if k != "key_fingerprint"}  # a table of an octjepa before fingerprints
+    np.savez(tmp_path / "older.npz", **older)
+    with pytest.raises(ConfigError, match="records no patient-key fingerprint"):
+        encoder_cli.join_embedding_tables([str(tmp_path / "older.npz"), str(tmp_path / "a.npz")])
+
+
+def test_a_second_embed_into_the_same_out_while_one_runs_is_refused_and_the_first_table_is_whole(
+        export_dir, phantom_dir, tmp_path, capsys):
+    out = tmp_path / "emb.npz"
+    first = subprocess.Popen(embed_command(export_dir, phantom_dir, out), cwd=REPO, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lock = Path(str(out) + ".partial") / ".octjepa-lock"
+    deadline = time.monotonic() + 600
+    while not lock.exists():
+        assert first.poll() is None and time.monotonic() < deadline, first.communicate()[1][-2000:]
+        time.sleep(0.005)
+    assert encoder_cli.main(embed_command(export_dir, phantom_dir, out)[2:]) == 2  # at the same time
+    err = capsys.readouterr().err
+    assert f"another `encoder.py embed` (process {first.pid} on " in err and f"is writing {out} now" in err
+    assert "wait for it to finish" in err and "give another --out" in err
+    stdout, stderr = first.communicate(timeout=600)
+    assert first.returncode == 0, stderr[-2000:]
+    table = load_npz(out)
+    assert len(table["volume"]) == 10 and not Path(str(out) + ".partial").exists()
+    assert encoder_cli.main(embed_command(export_dir, phantom_dir, out)[2:]) == 2  # afterwards: never overwritten
+    assert "exists; choose another --out" in capsys.readouterr().err
 
 
 def embed_command(export_dir, data_root, out):
@@ -606,7 +822,7 @@ def test_the_docs_commands_run_in_order(smoke_phantoms, tmp_path, capsys):
             assert finetune.main(argv + ["--modes", "frozen", "--folds", "2"]) == 0  # quick: no full fine-tuning
         else:
             assert encoder_cli.main(argv) == 0
-    for written in ("encoder/octjepa_encoder.py", "embeddings.npz", "show.png", "finetune/report.json"):
+    for written in ("encoder/model.safetensors", "embeddings.npz", "show.png", "finetune/report.json"):
         assert (runs / "demo" / written).exists(), written
     assert train.main(flags + DEMO_FLAGS) == 0  # the demo again: its run is done, its summary again
     assert commands[0] in capsys.readouterr().out
@@ -674,16 +890,27 @@ def test_embed_on_a_full_disk_stops_with_a_message_and_leaves_no_half_written_ta
     assert "Traceback" not in full.stderr and "run the same command again" in full.stderr
 
 
-def test_the_model_card_leads_with_the_loader_that_runs_no_code_and_says_what_runs_the_folders(export_dir):
+def test_the_docs_torch_hub_route_loads_a_data_only_export_with_octjepas_own_hubconf(export_dir, trained_checkpoint):
+    trained, cfg, _ = read_model_checkpoint(trained_checkpoint)
+    scope = {"x": torch.randn(2, 1, *cfg.image_size, generator=torch.Generator().manual_seed(13))}
+    exec(docs_block("python", 1).replace("path/to/octjepa", str(REPO)).replace("path/to/encoder", export_dir), scope)
+    assert float((scope["tokens"] - trained.encode(scope["x"])).abs().max()) <= 1e-6
+    assert sorted(os.listdir(export_dir)) == ["README.md", "config.json", "model.safetensors"]  # nothing ran there
+
+
+def test_the_model_card_says_the_folder_is_data_what_its_checks_prove_and_how_to_load_it_without_its_code(export_dir):
+    assert sorted(os.listdir(export_dir)) == ["README.md", "config.json", "model.safetensors"]  # data only
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert os.stat(export_dir).st_mode & 0o777 == 0o777 & ~umask  # readable as a folder makedirs makes
     card = (Path(export_dir) / "README.md").read_text()
     use = card[card.index("## Use"):card.index("## Preprocessing")]
-    assert use.index("load_encoder") < use.index("torch.hub.load")  # the no-code loader first
-    assert "run this folder's Python files" in use
-    docs = (REPO / "docs" / "encoder.md").read_text()
+    assert use.index("load_encoder") < use.index("torch.hub.load")  # the checkout's loader first
+    assert 'path="THIS_FOLDER"' in use and "not this folder" in use  # torch.hub runs octjepa's files
+    assert "does not prove who made the export" in use and "recompute every sha256" in use
+    assert "**run those files**" in use  # --with_loader_code: said for what it is
+    docs = " ".join((REPO / "docs" / "encoder.md").read_text().split())
     assert "load_encoder" in docs_block("python", 0) and "torch.hub.load" in docs_block("python", 1)
-    assert "they run the folder's Python" in docs
+    assert "damage" in docs and "not a hostile sender" in docs and "--with_loader_code" in docs
     config = json.loads((Path(export_dir) / "config.json").read_text())
-    assert config["format_version"] == pretrained.EXPORT_VERSION == 3
-    assert set(config["code"]) == {"octjepa_encoder.py", "hubconf.py"}
-    assert all(hashlib.sha256((Path(export_dir) / name).read_bytes()).hexdigest() == digest
-               for name, digest in config["code"].items())
+    assert config["format_version"] == pretrained.EXPORT_VERSION == 3 and "code" not in config

@@ -255,3 +255,21 @@ def test_a_killed_or_preempted_finetuning_resumes_from_its_folds_and_leaves_no_p
     folds = json.loads((out / "report.json").read_text())["arms"]["encoder"]["full"]["folds"]
     assert folds[0] == json.loads(written)["result"] and [f["fold"] for f in folds] == [0, 1]
     assert [p.name for p in (tmp_path / "tmp").iterdir()] == [live.name]  # the killed run's pixels are gone
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
+def test_a_stop_signal_while_finetuning_starts_is_a_preemption_too(export_dir, binary_labels, tmp_path, sig):
+    """A preemption can come at any time, also in the seconds finetune.py spends importing torch (it once died there
+    of the signal: exit 143 in a shell, no message): exit 75, and the same command runs it."""
+    out = tmp_path / "ft"
+    started = subprocess.Popen([sys.executable, str(REPO / "finetune.py"), "--encoder", export_dir, "--labels",
+                                binary_labels, "--out", str(out), "--modes", "frozen", "--folds", "2"], cwd=REPO,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    maps = Path(f"/proc/{started.pid}/maps")
+    while started.poll() is None and "libtorch" not in maps.read_text():  # it is importing torch
+        time.sleep(0.01)
+    started.send_signal(sig)
+    err = started.communicate(timeout=300)[1]
+    assert started.returncode == 75, err[-2000:]
+    assert f"preempted: {signal.Signals(sig).name}" in err and "Traceback" not in err
+    assert not (out / "report.json").exists()

@@ -96,3 +96,37 @@ def test_every_tool_reads_a_labels_csv_with_the_one_reader():
         assert "csv" not in {a.name for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Import)
                              for a in n.names}, f"{tool}.py reads a CSV itself"
         assert "read_label_table" in source or "load_labelled_volumes" in source, tool
+
+
+def test_a_byte_copy_of_a_scan_under_another_patient_id_is_refused_naming_both_rows(tmp_path, phantom_dir):
+    import pydicom
+    from labels import read_label_table
+    a, b = sorted(p.name for p in Path(phantom_dir).glob("*.dcm"))[:2]
+    for name in (a, b):
+        shutil.copy(Path(phantom_dir) / name, tmp_path / name)
+    copy = pydicom.dcmread(tmp_path / a)  # an export of the same scan, filed under another patient
+    copy.PatientID = "9999999"
+    copy.save_as(tmp_path / "other_patient.dcm")
+    labels = tmp_path / "labels.csv"  # as two patients, the one scan could sit in train and in test
+    labels.write_text(f"path,label,patient\n{a},yes,p1\n{b},no,p2\nother_patient.dcm,yes,p3\n")
+    with pytest.raises(ConfigError) as refused:
+        read_label_table(str(labels), ("label", "patient"))
+    message = str(refused.value)
+    assert f"line 4: other_patient.dcm holds a copy of the scan of line 2 ({a})" in message
+    assert "duplicate_instance" in message and "delete the copy's row" in message
+    labels.write_text(f"path,label,patient\n{a},yes,p1\n{b},no,p2\n")  # one row per scan: read as before
+    assert len(read_label_table(str(labels)).paths) == 2
+
+
+def test_a_labels_csv_saved_as_latin_1_is_refused_naming_the_line_and_how_to_save_it(tmp_path, phantom_dir):
+    from labels import read_label_table
+    a, b = sorted(p.name for p in Path(phantom_dir).glob("*.dcm"))[:2]
+    for name in (a, b):
+        shutil.copy(Path(phantom_dir) / name, tmp_path / name)
+    labels = tmp_path / "labels.csv"  # a spreadsheet's export in Latin-1: "drüsen" is one byte 0xfc
+    labels.write_bytes(f"path,label\n{a},healthy\n{b},drüsen\n".encode("latin-1"))
+    with pytest.raises(ConfigError) as refused:
+        read_label_table(str(labels))
+    assert "line 3 is not UTF-8" in str(refused.value) and "Save the CSV as UTF-8" in str(refused.value)
+    labels.write_bytes(f"path,label\n{a},healthy\n{b},drüsen\n".encode())  # saved as UTF-8: read
+    assert list(read_label_table(str(labels)).values["label"]) == ["healthy", "drüsen"]

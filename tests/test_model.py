@@ -203,9 +203,14 @@ def test_the_hmlp_stem_computes_its_three_convolutions_and_their_gradients(patch
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
 
 
-def test_the_hmlp_stem_is_refused_for_a_tubelet_it_cannot_cut_naming_the_sizes():
-    with pytest.raises(ValueError, match=r"'hmlp' with patch_size \[4, 6, 8\]"):
-        tubelet_embedding([4, 6, 8], 64, "hmlp")
+def test_the_hmlp_stem_is_refused_for_a_tubelet_it_cannot_cut_naming_the_sizes_by_the_configs_one_rule():
+    from config import ConfigError
+    for patch, dim in (([4, 6, 8], 64), ([4, 8, 8], 63)):  # config and model once disagreed on the odd width
+        with pytest.raises(ValueError, match=rf"got patch_size \[{patch[0]}, {patch[1]}, {patch[2]}\] and embed_dim {dim}"):
+            tubelet_embedding(patch, dim, "hmlp")
+        with pytest.raises(ConfigError, match="patch_stem: hmlp cuts each tubelet"):
+            load_config(["--patch_size", ",".join(map(str, patch)), "--image_size", "16,48,64", "--embed_dim",
+                         str(dim), "--num_heads", "1", "--local_loss_split", "1,1,1", "--patch_stem", "hmlp"])
     with pytest.raises(ValueError, match="'conv'"):
         tubelet_embedding(PATCH, 64, "conv")
 

@@ -4,6 +4,7 @@ import hashlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -163,8 +164,43 @@ def test_killed_writer_leaves_no_set_that_looks_complete(tmp_path):
     proc.wait()
     assert not phantom_set_complete(str(target), 200)
     assert not target.exists()  # only the sibling temp folder holds the half set
+    (half,) = [p for p in tmp_path.iterdir() if p.name.startswith("set.partial")]
     write_phantom_set(str(target), n=2, shape=(8, 64, 64))
     assert phantom_set_complete(str(target), 2, (8, 64, 64))
+    assert not half.exists()  # the next writer deleted the half set of the killed one (its process is gone)
+
+
+def test_a_stopped_writer_deletes_its_half_set_and_leaves_a_live_writers_alone(tmp_path):
+    """Ctrl-C (or train.py's stop signal) while a set is written: no DIR.partial-* folder is left behind, and another
+    writer's folder, still being written, is not touched."""
+    target, live = tmp_path / "set", tmp_path / f"set.partial-{socket.gethostname()}-{os.getpid()}"
+    live.mkdir()
+    script = ("import os, signal, sys; sys.path.insert(0, sys.argv[1]); import phantom\n"
+              "real = phantom.write_oct\n"
+              "def write_oct(path, *args, **kwargs):\n"
+              "    if path.endswith('0002_zeiss_cirrus.dcm'): os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, mid-set\n"
+              "    return real(path, *args, **kwargs)\n"
+              "phantom.write_oct = write_oct\n"
+              "phantom.write_phantom_set(sys.argv[2], 10, (8, 64, 64))\n")
+    stopped = subprocess.run([sys.executable, "-c", script, str(REPO), str(target)], capture_output=True, text=True,
+                             timeout=120)
+    assert "KeyboardInterrupt" in stopped.stderr and stopped.returncode != 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name]  # its own half set gone, the live one kept
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
+def test_a_stopped_phantom_cli_says_so_and_leaves_no_half_set(tmp_path, sig):
+    target = tmp_path / "set"
+    proc = subprocess.Popen([sys.executable, str(REPO / "phantom.py"), str(target), "--n", "200"], cwd=REPO,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    while not any(p.name.startswith("set.partial") and any(p.iterdir()) for p in tmp_path.iterdir()):
+        assert proc.poll() is None
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 75 and "Traceback" not in err, err[-2000:]
+    assert f"stopped ({signal.Signals(sig).name}): no phantom set was written; the same command writes it" in err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_phantom_cli_writes_a_set_and_rejects_bad_sizes(tmp_path):

@@ -91,6 +91,28 @@ def test_a_stop_during_the_summary_probe_is_a_preemption_after_the_last_checkpoi
     assert f"preempted: {signal.Signals(sig).name} at update 4" in stopped.stderr
 
 
+@pytest.mark.slow
+def test_sigterm_while_the_verdict_writes_its_labelled_phantoms_is_a_preemption_and_the_relaunch_finishes(
+        tmp_path, smoke_phantoms):
+    """A fresh run's verdict first writes the 300 labelled phantoms of its task (JPEG 2000 files): a SIGTERM that came
+    while openjpeg's C encoder ran (tests/faults.py) once crashed the process (exit 139, no message, no event)."""
+    flags = smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "4", "--summary_probe", "true",
+                        "--phantom_dir", str(tmp_path / "phantoms"))  # the labelled set goes to phantoms_suite
+    stopped = subprocess.run([sys.executable, str(REPO / "tests" / "faults.py"), "sigterm_in_encoder", *flags],
+                             cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert stopped.returncode == PREEMPTED, stopped.stderr[-3000:]
+    assert "preempted: SIGTERM at update 4" in stopped.stderr and "Traceback" not in stopped.stderr
+    run_dir = tmp_path / "runs" / "r"
+    (stop,) = events(run_dir, "preempted")
+    assert stop["signals"] == ["SIGTERM"] and stop["checkpoint"].endswith("step_0000004.pt")
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("phantoms_suite")) == []  # no half set
+
+    relaunched = run_cli([*flags, "--resume", "auto"])
+    assert relaunched.returncode == 0, stderr_excerpt(relaunched)
+    assert [e["step"] for e in events(run_dir, "resume")] == [4] and len(events(run_dir, "summary_probe")) == 1
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("phantoms_suite")) == ["phantoms_suite"]
+
+
 def test_a_first_signal_asks_to_stop_and_a_second_one_stops_the_process_at_once():
     child = subprocess.run([sys.executable, "-c", (
         "import os, signal, sys, time; sys.path.insert(0, sys.argv[1]); from runtime import StopSignals\n"

@@ -188,6 +188,8 @@ KEY_FILE_CASES = {  # how a key file this user cannot use looks -> what the mess
     "a folder": (lambda p: p.mkdir(), "is a folder, not a key file"),
     "a dangling link": (lambda p: p.symlink_to(p.parent / "gone.key"), "which does not exist"),
     "readable by others": (lambda p: (p.write_text("s" * 64), p.chmod(0o644)), "chmod 600"),
+    "a placeholder": (lambda p: p.write_text("changeme" * 4 + "\n"), "holds a placeholder, not a secret"),
+    "one character": (lambda p: p.write_bytes(bytes(32)), "holds a placeholder, not a secret"),  # head -c 32 /dev/zero
 }
 
 
@@ -286,3 +288,65 @@ def test_an_interrupted_embed_keeps_keyed_ids_not_paths_in_its_partial_rows(tmp_
     table, computed = encoder.embed(export_dir, str(out), load_config(["--data_root", clinic, "--workers", "0"]),
                                     batch_size=2, save_every=2)
     assert computed == 0 and len(table["volume"])  # the same command continues from the keyed rows
+
+
+def test_a_key_file_of_32_random_bytes_is_a_secret_and_an_empty_or_unmakeable_key_file_is_refused(tmp_path,
+                                                                                                    phantom_dir):
+    raw = tmp_path / "raw" / "site.key"  # head -c 32 /dev/urandom > site.key: bytes, not text
+    raw.parent.mkdir()
+    raw.write_bytes(b"\xff" + os.urandom(31))
+    raw.chmod(0o600)
+    scan = scan_cli(phantom_dir, raw)
+    assert scan.returncode == 0, scan.stderr[-2000:]
+    home = tmp_path / "home"  # an empty variable is no key file: never the default one of this HOME
+    home.mkdir()
+    empty = subprocess.run([sys.executable, str(REPO / "data.py"), "scan", phantom_dir], cwd=REPO,
+                           capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "HOME": str(home), "OCTJEPA_PATIENT_KEY_FILE": ""})
+    assert empty.returncode == 2 and "OCTJEPA_PATIENT_KEY_FILE is set but empty" in empty.stderr
+    assert "unset OCTJEPA_PATIENT_KEY_FILE" in empty.stderr and not (home / ".config").exists()
+    (tmp_path / "a_file").write_text("")  # a key file whose folder cannot be made
+    unmakeable = scan_cli(phantom_dir, tmp_path / "a_file" / "site.key")
+    assert unmakeable.returncode == 2 and "Traceback" not in unmakeable.stderr, unmakeable.stderr[-2000:]
+    assert f"cannot create the key file {tmp_path / 'a_file' / 'site.key'}" in unmakeable.stderr
+
+
+def finetune_cli(labels, export_dir, out, key_file, home):
+    """`python finetune.py` (frozen probes, 2 folds) as its own process with its own HOME and key file."""
+    return subprocess.run([sys.executable, str(REPO / "finetune.py"), "--encoder", export_dir, "--labels", labels,
+                           "--modes", "frozen", "--folds", "2", "--out", str(out)], cwd=REPO, capture_output=True,
+                          text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1", "HOME": str(home),
+                                                       "OCTJEPA_PATIENT_KEY_FILE": str(key_file)})
+
+
+@pytest.mark.slow
+def test_a_finetuning_resumed_under_another_or_a_missing_key_file_is_refused_and_creates_none(
+        tmp_path, smoke_phantoms, export_dir):
+    names = sorted(n for n in os.listdir(smoke_phantoms) if n.endswith(".dcm"))
+    labels = tmp_path / "labels.csv"  # no patient column: the patients, so the folds, are the key file's keys
+    labels.write_text("path,label\n" + "".join(f"{smoke_phantoms}/{n},{'ab'[(i // 2) % 2]}\n"
+                                                for i, n in enumerate(names)))
+    key, home, out = tmp_path / "site.key", tmp_path / "home", tmp_path / "ft"
+    key.write_text("clinic-secret-" + "0123456789abcdef" * 3 + "\n")
+    key.chmod(0o600)
+    home.mkdir()
+    first = finetune_cli(labels, export_dir, out, key, home)
+    assert first.returncode == 0, first.stderr[-2000:]
+    recorded = json.loads((out / "report.json").read_text())["key_fingerprint"]
+    assert recorded.startswith("kf1-")
+    (out / "report.json").unlink()  # as if killed after its folds: the next run resumes from them
+    fresh = tmp_path / "fresh_home"  # a new container: no key file in its HOME
+    fresh.mkdir()
+    missing = finetune_cli(labels, export_dir, out, fresh / ".config" / "octjepa" / "site.key", fresh)
+    assert missing.returncode == 2 and "finished folds in" in missing.stderr, missing.stderr[-2000:]
+    assert f"made with the patient-key secret {recorded}" in missing.stderr and "does not exist" in missing.stderr
+    assert "point OCTJEPA_PATIENT_KEY_FILE at the key file the finished folds were made with" in missing.stderr
+    assert not (fresh / ".config").exists()  # no new secret made before refusing
+    other = tmp_path / "other.key"
+    other.write_text("another-site-" + "fedcba9876543210" * 3 + "\n")
+    other.chmod(0o600)
+    mixed = finetune_cli(labels, export_dir, out, other, home)
+    assert mixed.returncode == 2 and "patient keys of different secrets" in mixed.stderr, mixed.stderr[-2000:]
+    assert recorded in mixed.stderr and "Traceback" not in mixed.stderr
+    again = finetune_cli(labels, export_dir, out, key, home)  # the right key file: it continues
+    assert again.returncode == 0, again.stderr[-2000:]
