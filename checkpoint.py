@@ -7,6 +7,7 @@ train.py calls these; probe.py and encoder.py read a trained model with read_mod
 processes and collectives they run on.
 """
 import contextlib
+import difflib
 import errno
 import hashlib
 import io
@@ -28,10 +29,10 @@ from config import Config, ConfigError, ExitError, RunPlan, StorageFailed, load_
     without_removed_fields
 from model import VJEPA3D
 from privacy import KEY_FILE_ENV, key_fingerprint, patient_key_file
-from lock import lease_lost, stop_if_taken_over
+from lock import LOCK_NAME, fenced, lease_lost, stop_if_taken_over
 from runtime import (Runtime, any_process, broadcast_from_master, gather_objects, master_decides, place_model_state,
                      place_optimizer_state, state_to_host)
-from storage import (copy_atomic, exists, gcs_filesystem, glob_paths, is_transient, open_atomic,
+from storage import (Fenced, copy_atomic, exists, gcs_filesystem, glob_paths, is_transient, open_atomic,
                      read_bytes, remove, remove_stale_tmp, rename, retry, storage_errors, write_atomic)
 
 
@@ -174,17 +175,20 @@ def checkpoint_path(ckpt_dir: str, step: int) -> str:
 
 
 def save_checkpoint(path: str, state: dict, keep_last: int, best: bool, retry_seconds: float = 0.0,
-                    on_error: Optional[Callable[[Exception, float], None]] = None) -> None:
+                    on_error: Optional[Callable[[Exception, float], None]] = None, fence: Optional[Callable] = None
+                    ) -> None:
     """Stream the checkpoint into its file or object atomically (and copy it to best.pt beside it), retrying a
     transient storage error for retry_seconds (on_error is told of each); then delete the step checkpoints older than
-    it beyond keep_last. Never it, nor a newer one: the newest checkpoint is always the one just written."""
+    it beyond keep_last. Never it, nor a newer one: the newest checkpoint is always the one just written. With
+    `fence` (lock.fenced) each file is committed, and the old ones deleted, only while this process holds the run
+    folder: storage.Fenced otherwise."""
     ckpt_dir = path.rsplit("/", 1)[0]
-    retry(_write_checkpoint, path, state, seconds=retry_seconds, on_error=on_error)
+    retry(_write_checkpoint, path, state, fence, seconds=retry_seconds, on_error=on_error)
     if best:
-        retry(copy_atomic, path, f"{ckpt_dir}/best.pt", seconds=retry_seconds, on_error=on_error)
+        retry(copy_atomic, path, f"{ckpt_dir}/best.pt", fence, seconds=retry_seconds, on_error=on_error)
     older = [p for p in list_checkpoints(ckpt_dir) if step_of(p) < step_of(path)]
-    with contextlib.suppress(*storage_errors()):  # a file left over is deleted by the next checkpoint's pass
-        for old in older[keep_last - 1:]:
+    with contextlib.suppress(*storage_errors()), fence() if fence else contextlib.nullcontext():
+        for old in older[keep_last - 1:]:  # a file left over is deleted by the next checkpoint's pass
             remove(old)
 
 
@@ -194,23 +198,28 @@ def checkpoint_everywhere(path: str, model: torch.nn.Module, optimizer, state, p
     save_checkpoint's retries for ckpt_retry_minutes. The master builds the state and writes it (on XLA every host
     takes part in fetching it, and every FSDP2 process in gathering it: a sharded array needs them all); then every
     process learns how that went, so none rolls back to a file not written yet. Returns the write's last error
-    (repr, and whether it was retried) or None, the same in every process. First every process stops
-    (ConfigError) when the master's run-folder lock was taken over by another process: it never writes over it."""
+    (repr, and whether it was retried) or None, the same in every process. Every process stops (ConfigError) when the
+    master's run-folder lock was taken over by another process, before the write or at its commit (lock.fenced): it
+    never writes over the new holder's files."""
     stop_if_taken_over(any_process([rt.is_master and lease_lost(read=True)], rt)[0])
-    error = None
+    error, lost = None, False
     if rt.is_master or rt.kind == "xla" or rt.sharded:
         ckpt = {**checkpoint_state(model, optimizer, state, cfg, rt), "plan": plan}
     if rt.is_master:
         try:
-            save_checkpoint(path, ckpt, cfg.keep_last, best, 60 * cfg.ckpt_retry_minutes, on_error)
+            save_checkpoint(path, ckpt, cfg.keep_last, best, 60 * cfg.ckpt_retry_minutes, on_error, fenced)
+        except Fenced:
+            lost = True
         except storage_errors() as e:  # what happened, as the event and the messages say it
             error = (f"{e!r}, still failing after retrying for {cfg.ckpt_retry_minutes:g} min" if is_transient(e)
                      else f"{e!r}, a permanent error (not retried)")
-    return broadcast_from_master(error, rt)
+    error, lost = broadcast_from_master((error, lost), rt)
+    stop_if_taken_over(lost)
+    return error
 
 
-def _write_checkpoint(path: str, state: dict) -> None:
-    with open_atomic(path) as f:
+def _write_checkpoint(path: str, state: dict, fence: Optional[Callable] = None) -> None:
+    with open_atomic(path, fence) as f:
         try:
             torch.save(state, f)
         except RuntimeError as e:  # torch's zip writer, closed after a failed write, hides the storage's error
@@ -340,8 +349,8 @@ def resumed_plan(saved: dict, cfg: Config, plan: RunPlan, train_ds, val_ds, step
         raise ConfigError(
             f"resume: {ckpt_path} was written for another plan:\n    " + "\n    ".join(changes) +
             "\nA resume continues the plan it was started with (a changed plan would restart or jump the LR, EMA and "
-            f"data order). To continue this run: use its settings (--config {run_dir}/config.yaml --resume auto; with "
-            f"--data_root where the data is now, if it moved)."
+            f"data order). The later checkpoints were left in place. To continue this run: use its settings (--config {run_dir}/config.yaml "
+            f"--resume {cfg.resume or 'auto'}; with --data_root where the data is now, if it moved)."
             + (" To train longer on purpose: add --extend true (the LR, weight decay and EMA continue from their "
                "last values, never back up)." if longer and not cfg.extend and len(changes) == 1 else "")
             + " To train with the new settings: start a new run (another --run_name).")
@@ -352,13 +361,31 @@ def resumed_plan(saved: dict, cfg: Config, plan: RunPlan, train_ds, val_ds, step
     return replace(reference, total_steps=plan.total_steps, extensions=extensions)
 
 
-def set_aside(path: str, reason: str, why: str) -> dict:
+def set_aside(path: str, reason: str, why: str, now: bool = True) -> dict:
     """Rename a step checkpoint out of the run's timeline (list_checkpoints no longer sees it; nothing is deleted):
-    step_0000060.pt -> step_0000060.pt.<reason>-<time>. Returns what was done, for the console and events.jsonl."""
+    step_0000060.pt -> step_0000060.pt.<reason>-<time>. Returns what was done, for the console and events.jsonl;
+    now=False: only what would be done ('pending': carry_out renames it once the resume was accepted)."""
     moved_to = f"{path}.{reason}-{time.strftime('%Y%m%d-%H%M%S')}"
-    rename(path, moved_to)
+    if now:
+        rename(path, moved_to)
     return {"event": f"{reason}_checkpoint", "path": path, "moved_to": moved_to,
-            "why": f"{why}; set aside as {moved_to}"}
+            "why": f"{why}; set aside as {moved_to}", **({} if now else {"pending": True})}
+
+
+def carry_out(moves: List[dict]) -> List[dict]:
+    """Rename the files a resume sets aside (choose_resume_checkpoint's pending moves), once every check of the
+    resume passed: a refused resume changes nothing. Returns the moves as done."""
+    done = []
+    for move in moves:
+        if move.pop("pending", False):
+            try:
+                retry(rename, move["path"], move["moved_to"], seconds=60)
+            except storage_errors() as e:
+                raise StorageFailed(f"resume: {move['path']} could not be set aside as {move['moved_to']} ({e!r}); "
+                                    f"the files set aside so far: {[m['path'] for m in done if 'moved_to' in m]}. "
+                                    f"Run the same command again when the storage is back.") from None
+        done.append(move)
+    return done
 
 
 def choose_resume_checkpoint(cfg: Config) -> Tuple[Optional[str], Optional[dict], List[dict]]:
@@ -366,10 +393,11 @@ def choose_resume_checkpoint(cfg: Config) -> Tuple[Optional[str], Optional[dict]
     plus what it did to the run's files on the way ({event, path, why}). First the tmp files of writers stopped
     mid-write go. resume auto: the newest step checkpoint that loads; each newer one shown to be damaged is set aside
     ('unreadable'). A start from scratch on a run folder that holds an earlier run's history (run_history) stops the
-    run (exit 2, history_refusal) unless resume is 'restart', which first moves that history aside (nothing is
-    deleted). Then every step checkpoint past the resumed update, and a best.pt written after it, is set aside
+    run (exit 2, history_refusal) unless resume is 'restart', or 'auto' where that run never wrote a checkpoint
+    (never_checkpointed: killed before its first), which first move that history aside (nothing is deleted). Then every step checkpoint past the resumed update, and a best.pt written after it, is set aside
     ('abandoned': a timeline left by resuming an earlier file), so neither a later `--resume auto`, keep_last nor a
-    new best overwrites it. A checkpoint that may be intact but does not load stops the run with nothing renamed
+    new best overwrites it: only planned here ('pending'), and done by carry_out once the checkpoint's plan and
+    weights were accepted (a refused resume changes nothing). A checkpoint that may be intact but does not load stops the run with nothing renamed
     (read_checkpoint); a storage error that outlasts ckpt_retry_minutes is StorageFailed, with nothing set aside."""
     retry_seconds = cfg.ckpt_retry_minutes * 60
     path, ckpt = None, None
@@ -391,18 +419,24 @@ def choose_resume_checkpoint(cfg: Config) -> Tuple[Optional[str], Optional[dict]
             ckpt = read_checkpoint(path, retry_seconds)
         if ckpt is None:
             history = run_history(cfg)
-            if history and cfg.resume != "restart":
+            restart = cfg.resume == "restart" or (cfg.resume == "auto" and never_checkpointed(cfg, history))
+            if history and not restart:
                 raise history_refusal(cfg, history)
-            moved += move_history_aside(cfg, history)
+            if history or cfg.resume == "restart":  # the rest of the folder too (an export): nothing stale stays
+                history += other_run_files(cfg, history)
+            moved += move_history_aside(cfg, history, "--resume restart" if cfg.resume == "restart" else
+                                        "--resume auto and the earlier run never wrote a checkpoint (stopped before "
+                                        "its first)")
             return None, None, moved
         check_resumable(path, ckpt)
         step = ckpt["train_state"]["step"]
         for later in list_checkpoints(cfg.ckpt_dir) if cfg.ckpt_dir is not None else []:
             if step_of(later) > step and later != path:
-                moved.append(set_aside(later, "abandoned", f"past update {step}, where this run resumes"))
+                moved.append(set_aside(later, "abandoned", f"past update {step}, where this run resumes", now=False))
         best = f"{cfg.ckpt_dir.rstrip('/')}/best.pt" if cfg.ckpt_dir is not None else None
         if best != path and best_step(best, retry_seconds) > step:
-            moved.append(set_aside(best, "abandoned", f"written after update {step}, where this run resumes"))
+            moved.append(set_aside(best, "abandoned", f"written after update {step}, where this run resumes",
+                                   now=False))
     except FileNotFoundError as e:
         raise ConfigError(f"resume: {cfg.resume} is not a checkpoint file ({e}); give the path of a step_*.pt or "
                           f"best.pt, or auto.") from None
@@ -499,7 +533,37 @@ def saved_ckpt_dir(run_dir: str) -> Optional[str]:
         return None
 
 
-def move_history_aside(cfg: Config, history: List[str]) -> List[dict]:
+def other_run_files(cfg: Config, history: List[str]) -> List[str]:
+    """What else a local run folder holds besides its history (an export, pictures, notes), for a start over to move
+    aside with it: all but the lock, earlier restarted-* folders and the checkpoints folder."""
+    run_dir = os.path.join(cfg.out_dir, cfg.run_name)
+    if run_dir.startswith("gs://") or not os.path.isdir(run_dir):
+        return []
+    ckpt_dir = os.path.abspath(cfg.ckpt_dir) if cfg.ckpt_dir and not cfg.ckpt_dir.startswith("gs://") else None
+    return [os.path.join(run_dir, name) for name in sorted(os.listdir(run_dir))
+            if not name.startswith((LOCK_NAME, "restarted-")) and os.path.join(run_dir, name) not in history
+            and os.path.abspath(os.path.join(run_dir, name)) != ckpt_dir]
+
+
+def never_checkpointed(cfg: Config, history: List[str]) -> bool:
+    """Whether the earlier run of a run folder stopped before its first checkpoint (a kill, an OOM): its history holds
+    no checkpoint file, set aside or not, its events.jsonl logs no checkpoint, and its config.yaml names this
+    ckpt_dir (a relaunch that forgot its --ckpt_dir is refused instead). `--resume auto` then starts it over."""
+    run_dir = os.path.join(cfg.out_dir, cfg.run_name)
+    if any(re.search(r"/(best|step_\d+)\.pt", p) for p in history) or \
+            saved_ckpt_dir(run_dir) not in (None, cfg.ckpt_dir):
+        return False
+    events_path = os.path.join(run_dir, "events.jsonl")
+    if not os.path.exists(events_path):
+        return True
+    for line in read_bytes(events_path).splitlines():
+        with contextlib.suppress(ValueError, AttributeError):
+            if json.loads(line).get("event") in ("checkpoint", "checkpoint_failed", "resume"):
+                return False
+    return True
+
+
+def move_history_aside(cfg: Config, history: List[str], why: str = "--resume restart") -> List[dict]:
     """Move a run folder's history (run_history) into restarted-<time>/ beside it (checkpoints: in ckpt_dir), for a
     run started over on purpose; returns what was done, for the console and events.jsonl."""
     if not history:
@@ -514,7 +578,7 @@ def move_history_aside(cfg: Config, history: List[str]) -> List[dict]:
             os.makedirs(os.path.dirname(moved_to), exist_ok=True)
         rename(path, moved_to)
         moved.append({"event": "restarted", "path": path, "moved_to": moved_to,
-                      "why": f"--resume restart: {run_dir} starts over; its earlier history moved to {moved_to}"})
+                      "why": f"{why}: {run_dir} starts over; its earlier history moved to {moved_to}"})
     return moved
 
 
@@ -558,7 +622,7 @@ def load_resume_checkpoint(cfg: Config, rt: Runtime) -> Tuple[Optional[str], Opt
 
 def resolve_run_dir(cfg: Config) -> Config:
     """Fill run_name and ckpt_dir 'auto' (a run folder's earlier history is checked under its lock:
-    choose_resume_checkpoint)."""
+    choose_resume_checkpoint); a ConfigError for a resume that is neither auto, restart nor an existing file."""
     if cfg.resume == "auto" and cfg.run_name is None:
         raise ConfigError("resume: 'auto' continues the run named by --run_name; give --run_name.")
     run_name = cfg.run_name or time.strftime("run-%Y%m%d-%H%M%S")
@@ -566,6 +630,11 @@ def resolve_run_dir(cfg: Config) -> Config:
     cfg = replace(cfg, run_name=run_name, ckpt_dir=ckpt_dir)
     if cfg.resume == "auto" and ckpt_dir is None:
         raise ConfigError("resume: 'auto' needs checkpoints, but ckpt_dir is null.")
+    if cfg.resume not in (None, "auto", "restart") and not exists(cfg.resume):  # a dry run too: before any run
+        close = difflib.get_close_matches(cfg.resume, ["auto", "restart"], n=1)
+        raise ConfigError(f"resume: {cfg.resume!r} is neither 'auto', 'restart' nor a checkpoint file"
+                          + (f"; did you mean --resume {close[0]}?" if close else
+                             "; give the path of a step_*.pt or best.pt, auto (the newest) or restart."))
     return cfg
 
 

@@ -10,10 +10,15 @@ of two processes that find a stale lock exactly one takes it: a local record is 
 lock file and replaced by rename (flock works across PID namespaces and, through the kernel's NFS locks, across
 machines; the kernel drops it with its process, so a kill leaves no stale guard); a gs:// record only with a
 generation precondition. A holder whose record was taken over (it stopped renewing for a lease, e.g. suspended)
-learns it at its next renewal or checkpoint (locks_lost, check_locks) and stops without writing again.
+learns it at its next renewal or checkpoint (locks_lost, check_locks) and stops without writing again; a checkpoint
+it was writing meanwhile is committed only under the lock (fenced: locally its rename happens under the flock after
+the record was read again; on gs:// the lease is read again right before a copy whose precondition is the object's
+generation when the write began), so a holder stalled past its lease (suspended, a VM pause, a storage stall) never
+replaces what the new holder wrote.
 """
 import contextlib
 import datetime
+import errno
 import fcntl
 import json
 import os
@@ -26,11 +31,13 @@ from typing import List, Optional, Tuple
 
 from config import Config, ConfigError
 from runtime import Runtime, master_decides
-from storage import gcs_filesystem, storage_errors
+from storage import Fenced, gcs_filesystem, storage_errors
 
 LOCK_NAME = ".octjepa-lock"  # in the run folder (and in ckpt_dir when it lies elsewhere)
 LEASE_SECONDS = 600  # a lock its holder has not renewed for this long is taken over (clocks must agree within it)
 RENEW_SECONDS = LEASE_SECONDS / 10  # a few missed renewals (a storage hiccup) do not lose the lease
+LOCK_MODE_ENV = "OCTJEPA_LOCK"  # =lease: a lease-only lock, for a filesystem without flock (NFS nolock, some FUSE)
+NO_FLOCK_ERRNOS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)  # what flock raises where a filesystem has none
 _OPEN_GUARDS: set = set()  # file descriptors this process holds an flock on: closed in a forked child
 _HELD: List[dict] = []  # this process's run-folder locks (run_folder_lock)
 
@@ -90,11 +97,48 @@ def lock_holder() -> dict:
             "expires": time.time() + LEASE_SECONDS}
 
 
-def holder_is_gone(holder: dict) -> bool:
+def holder_is_gone(holder: dict, written_at: Optional[float] = None, now: Optional[float] = None) -> bool:
     """Whether a lock's holder no longer holds it: its lease expired, or it is a process of this machine and PID
-    namespace that no longer runs (process_is_gone). A holder elsewhere (another machine, container or PID
-    namespace) is judged by its lease alone: its PID means nothing here."""
-    return holder.get("expires", 0) < time.time() or process_is_gone(holder) is True
+    namespace that no longer runs (process_is_gone), or one of an earlier boot of this machine (rebooted_since). A
+    holder elsewhere (another machine, container or PID namespace) is judged by its lease alone: its PID means
+    nothing here. A local record's lease is its age on the storage's own clock (written_at: the file's mtime; now: a
+    file written now, storage_now), so no machine's clock, ahead or behind, cuts a live holder's lease short; a gs://
+    record's is the expiry its holder wrote."""
+    if written_at is not None and now is not None:
+        expired = written_at + LEASE_SECONDS < now
+    else:
+        expired = holder.get("expires", 0) < time.time()
+    return expired or process_is_gone(holder) is True or rebooted_since(holder, written_at)
+
+
+def booted_at() -> Optional[float]:
+    """When this machine booted (/proc/stat's btime, seconds since the epoch); None where unknown."""
+    try:
+        with open("/proc/stat") as f:
+            return float(next(line.split()[1] for line in f if line.startswith("btime ")))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def rebooted_since(holder: dict, written_at: Optional[float]) -> bool:
+    """Whether a local record was left by this machine before it rebooted: the same host name, another boot id, and
+    last written before this boot (a live holder on another machine of that name renews it every RENEW_SECONDS)."""
+    booted, here = booted_at(), this_machine()
+    return (written_at is not None and booted is not None and holder.get("host") == here["host"]
+            and None not in (holder.get("boot_id"), here["boot_id"]) and holder.get("boot_id") != here["boot_id"]
+            and written_at < booted)
+
+
+def storage_now(folder: str) -> float:
+    """The time now on the clock of the storage that holds a local `folder` (an NFS server's): the mtime of a small
+    file written there now, and removed."""
+    probe = os.path.join(folder, f"{LOCK_NAME}.clock-{uuid.uuid4().hex}")
+    try:
+        with open(probe, "w") as f:
+            return os.fstat(f.fileno()).st_mtime
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(probe)
 
 
 def process_is_gone(holder: dict) -> Optional[bool]:
@@ -109,10 +153,11 @@ def process_is_gone(holder: dict) -> Optional[bool]:
     return started is None or started != holder.get("pid_started", started)
 
 
-def judge(content: bytes, written_at: float, path: str, folder: str) -> Optional[dict]:
+def judge(content: bytes, written_at: float, path: str, folder: str, now: Optional[float] = None) -> Optional[dict]:
     """The live holder of a lock record, or None when the lock is free: no record, an empty one (a take whose writer
     stopped before writing it) or a holder that is gone. A record that is not one (damaged, or written by another
-    tool) counts as held until a lease after it was last written; a ConfigError names the holder and the way on."""
+    tool) counts as held until a lease after it was last written; a ConfigError names the holder and the way on. `now`:
+    the storage's clock (storage_now) for a local record, whose lease is then its age (holder_is_gone)."""
     if not content.strip():
         return None
     try:
@@ -120,13 +165,13 @@ def judge(content: bytes, written_at: float, path: str, folder: str) -> Optional
     except ValueError:
         holder = None
     if not isinstance(holder, dict) or "token" not in holder:
-        if written_at + LEASE_SECONDS < time.time():
+        if written_at + LEASE_SECONDS < (time.time() if now is None else now):
             return None
         raise ConfigError(
             f"run folder: the lock {path} holds no lock record ({content[:80]!r}: damaged, or written by another "
             f"tool) and was written at {time.ctime(written_at)}. If no run uses {folder}, delete {path}; else it is "
             f"taken over once it is {LEASE_SECONDS // 60} min old ({time.ctime(written_at + LEASE_SECONDS)}).")
-    return None if holder_is_gone(holder) else holder
+    return None if holder_is_gone(holder, written_at if now is not None else None, now) else holder
 
 
 def refusal(holder: dict, path: str, folder: str) -> ConfigError:
@@ -157,12 +202,23 @@ def take_lock(folder: str) -> dict:
             generation = _take_lease(path, folder, holder)
         else:
             with _flocked(path) as (content, written_at):
-                current = judge(content, written_at, path, folder)
+                current = judge(content, written_at, path, folder, storage_now(folder))
                 if current is not None:
                     raise refusal(current, path, folder)
                 _replace(path, holder)
             generation = None
+            if lease_only():  # no flock: a racer that wrote after this one wins; the other sees it and gives way
+                time.sleep(1.0)
+                with _flocked(path) as (content, _):
+                    if _token(content) != holder["token"]:
+                        raise refusal(json.loads(content), path, folder)
     except (OSError, *storage_errors()) as e:
+        if getattr(e, "errno", None) in NO_FLOCK_ERRNOS:
+            raise ConfigError(f"run folder: {folder} is on a filesystem without file locks (flock: {e!r}; NFS mounted "
+                              f"nolock, some FUSE mounts). Choose an --out_dir (and --ckpt_dir) on one with them, or "
+                              f"run with {LOCK_MODE_ENV}=lease in the environment: a lease-only lock (its record and "
+                              f"lease, without flock; two processes starting within a second of each other could "
+                              f"both take it: start one at a time). See docs/outputs.md.") from None
         raise ConfigError(f"run folder: cannot take the lock {path} ({e!r}); make {folder} writable (on a "
                           f"filesystem with file locks: flock) or choose another --out_dir.") from None
     lock = {"path": path, "folder": folder, "holder": holder, "generation": generation, "stop": threading.Event(),
@@ -247,6 +303,27 @@ def lock_is_held(lock: dict) -> bool:
     return not lock["lost"].is_set()
 
 
+@contextlib.contextmanager
+def fenced():
+    """While the block runs (the commit of a checkpoint write: storage.open_atomic's fence), every run-folder lock of
+    this process names it: its record read now, a local one held under its flock until the block ends, so that no
+    takeover falls between the check and the write. Fenced (and the lock's 'lost' set) when one was taken over."""
+    with contextlib.ExitStack() as held:
+        for lock in _HELD:
+            if lock["generation"] is not None:  # gs://: read now (a takeover also changes the generation)
+                if not lock_is_held(lock):
+                    raise Fenced(lost_message(lock))
+                continue
+            content, _ = held.enter_context(_flocked(lock["path"]))
+            if not content:  # vanished (no other process took the folder: its record would be there)
+                _replace(lock["path"], lock["holder"])
+            elif _token(content) != lock["holder"]["token"]:
+                lock["lost"].set()
+            if lock["lost"].is_set():
+                raise Fenced(lost_message(lock))
+        yield
+
+
 def lease_lost(read: bool = False) -> bool:
     """Whether another process took over a run-folder lock of this process, as its renewals found; read: reading
     each lock now (lock_is_held: the fencing check before a checkpoint is written; a storage error counts as held,
@@ -302,7 +379,12 @@ def _flocked(path: str):
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         _OPEN_GUARDS.add(fd)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError as e:
+                if not (e.errno in NO_FLOCK_ERRNOS and lease_only()):
+                    raise
+                _warn_lease_only(path, e)
             if os.path.samestat(os.fstat(fd), os.stat(path)):
                 break
         except FileNotFoundError:  # removed while this process waited
@@ -316,6 +398,22 @@ def _flocked(path: str):
             yield f.read(), os.fstat(fd).st_mtime
     finally:
         _close(fd)
+
+
+def lease_only() -> bool:
+    """Whether the environment asks for a lease-only lock (OCTJEPA_LOCK=lease): for a filesystem without flock."""
+    return os.environ.get(LOCK_MODE_ENV, "").strip().lower() == "lease"
+
+
+_WARNED: set = set()
+
+
+def _warn_lease_only(path: str, error: OSError) -> None:
+    if path not in _WARNED:
+        _WARNED.add(path)
+        print(f"WARNING: run folder: {path} is on a filesystem without file locks ({error!r}); {LOCK_MODE_ENV}=lease: "
+              f"a lease-only lock, which two processes starting within a second of each other could both take: "
+              f"start one at a time.", file=sys.stderr, flush=True)
 
 
 def _close(fd: int) -> None:
@@ -334,11 +432,16 @@ os.register_at_fork(after_in_child=_close_guards_in_child)
 
 def _replace(path: str, holder: dict) -> None:
     tmp = f"{path}.{holder['token']}"
-    with open(tmp, "w") as f:
-        json.dump(holder, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(holder, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # a full disk: no tmp file left behind
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 def _read_lease(path: str) -> Tuple[bytes, str, float]:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from config import Config, RunPlan, phantom_labels_path
+from config import Config, RunPlan, StorageFailed, phantom_labels_path
 from privacy import share_safe_config
 from storage import write_atomic
 
@@ -53,8 +53,8 @@ class RunLog:
 
     def drop_metrics_after(self, step: int) -> None:
         """Keep the metrics lines up to update `step` (none for 0): a resume, a rollback or a start from scratch logs
-        the later updates again. A line that does not parse (cut short by a full disk or a kill mid-write) is dropped
-        with a warning."""
+        the later updates again. A line that does not parse (cut short by a full disk or a kill mid-write) or names no
+        update ('step') is dropped with a warning."""
         path = os.path.join(self.run_dir, "metrics.jsonl")
         if not self.active or not os.path.exists(path):
             return
@@ -63,10 +63,16 @@ class RunLog:
         records = []
         for number, line in enumerate(lines, 1):
             try:
-                records.append((json.loads(line), line))
+                record = json.loads(line)
             except ValueError:
-                self.event("metrics_line_dropped", step, line=number, text=line[:200].decode(errors="replace"))
-                self.print(f"WARNING {path}: line {number} is not a whole JSON line (a write cut short): dropped")
+                record, why = None, "is not a whole JSON line (a write cut short)"
+            else:
+                why = "has no update number ('step'; written by another tool, or edited)"
+            if isinstance(record, dict) and isinstance(record.get("step"), int):
+                records.append((record, line))
+                continue
+            self.event("metrics_line_dropped", step, line=number, text=line[:200].decode(errors="replace"))
+            self.print(f"WARNING {path}: line {number} {why}: dropped")
         keep = [(record, line) for record, line in records if record["step"] <= step]
         if len(keep) < len(lines):
             write_atomic(path, b"".join(line if line.endswith(b"\n") else line + b"\n" for _, line in keep))
@@ -190,16 +196,27 @@ def json_number(v):
     return v
 
 
+class RunFolderFailed(StorageFailed):
+    """The run folder stopped taking the run's logs (a full disk, a lost mount): exit 74, as for checkpoints."""
+    prefix = "run folder storage failed: "
+
+
 def _append_jsonl(path: str, record: dict) -> None:
     """One line, appended with one write: a kill leaves whole lines (or, on a full disk, a last line cut short that
-    the next resume drops), never two lines mixed."""
+    the next resume drops), never two lines mixed. A line the run folder cannot take (a full disk, a lost mount)
+    stops the run with StorageFailed (exit 74), naming the file and the way on."""
     line = (json.dumps(record) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        if os.write(fd, line) != len(line):
-            raise OSError(errno.ENOSPC, f"{path}: only part of a line was written (disk full?)")
-    finally:
-        os.close(fd)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            if os.write(fd, line) != len(line):
+                raise OSError(errno.ENOSPC, f"{path}: only part of a line was written (disk full?)")
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise RunFolderFailed(f"the run folder could not take a line of {path} ({e!r}). What was written stays (a line "
+                            f"cut short is dropped at the resume); make room there (or fix its storage), then run the "
+                            f"same command with --resume auto: it continues from the last checkpoint.") from None
 
 
 def start_wandb(cfg: Config, run_dir: str):

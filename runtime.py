@@ -17,7 +17,7 @@ import threading
 import warnings
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -629,7 +629,16 @@ def use_xla_checkpoint(model: torch.nn.Module) -> None:
     """With grad checkpointing, recompute the blocks with torch_xla's checkpoint: torch's non-reentrant one fails on
     XLA (it looks for a torch.xla device module), and torch_xla's keeps the recomputation in the compiled graph."""
     if model.grad_checkpointing:
-        model.set_grad_checkpointing(True, xla_modules().checkpoint)
+        model.set_grad_checkpointing(True, with_input_gradient(xla_modules().checkpoint))
+
+
+def with_input_gradient(checkpoint: Callable) -> Callable:
+    """checkpoint(module, x) of a reentrant checkpoint (torch_xla's), its input asking for a gradient: a reentrant
+    checkpoint gives the weights inside none when no input asks for one, so the hmlp stem, whose input is the volume,
+    never trained on XLA with grad checkpointing (experiments/NOTES.md 25)."""
+    def run(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(module, x if x.requires_grad else x.detach().requires_grad_())
+    return run
 
 
 def adamw_state(p: torch.Tensor, rt: Runtime) -> dict:

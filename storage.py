@@ -25,6 +25,11 @@ TMP_INFIX = ".tmp-"  # open_atomic's tmp files: path + TMP_INFIX + host-pid-rand
 _GCS = {}  # (process id, emulator) -> GCSFileSystem: created lazily in each process, never pickled (incident 11)
 
 
+class Fenced(Exception):
+    """A write refused at its commit: this process no longer holds the folder it writes to (lock.fenced: its lease was
+    taken over), or, on gs://, the object was replaced since the write began. Not a storage error: never retried."""
+
+
 def gcs_filesystem():
     """This process's gcsfs filesystem; STORAGE_EMULATOR_HOST (e.g. http://127.0.0.1:9023) points it at an emulator."""
     emulator = os.environ.get("STORAGE_EMULATOR_HOST")
@@ -45,14 +50,19 @@ def exists(path: str) -> bool:
 
 
 @contextlib.contextmanager
-def open_atomic(path: str):
+def open_atomic(path: str, fence: Optional[Callable] = None):
     """A binary file to write `path` through (local or gs://), streamed: readers see the old state or the whole new
-    file, never a part, and nothing is held in memory beyond a buffer. gs://: a resumable upload, whose object
-    appears only when it completes. Local: a tmp file beside it, named for this host, process and call (a shared
-    NFS folder), fsynced, then renamed. On an exception (a full disk, a kill's KeyboardInterrupt) the tmp file or
-    the upload is discarded and the exception raised."""
+    file, never a part, and nothing is held in memory beyond a buffer. Local: a tmp file beside it, named for this
+    host, process and call (a shared NFS folder), fsynced, then renamed. gs://: a resumable upload, whose object
+    appears only when it completes. With `fence` (a context manager factory, lock.fenced: it raises Fenced when this
+    process no longer holds the folder) the last step, the rename or (gs://: the upload goes to a tmp object) a
+    server-side copy with a precondition on the object's generation when the write began, runs inside it: a process
+    stalled past its lease never replaces what the folder's new holder wrote. On an exception (a full disk, a kill's
+    KeyboardInterrupt, Fenced) the tmp file or the upload is discarded and the exception raised."""
+    tmp = f"{path}{TMP_INFIX}{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
     if path.startswith("gs://"):
-        f = gcs_filesystem().open(path, "wb")
+        generation = _generation(path) if fence is not None else None
+        f = gcs_filesystem().open(tmp if fence is not None else path, "wb")
         try:
             yield _InBlocks(f)
             f.close()
@@ -61,19 +71,56 @@ def open_atomic(path: str):
                 f.discard()  # cancels the upload session, if one was started
             f.closed = True  # else fsspec's __del__ would close, i.e. upload the part written so far
             raise
+        if fence is not None:
+            try:
+                with fence():
+                    _rewrite(tmp, path, generation)
+            finally:
+                with contextlib.suppress(Exception):
+                    gcs_filesystem().rm(tmp)
         return
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}{TMP_INFIX}{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
     try:
         with open(tmp, "wb") as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        with fence() if fence is not None else contextlib.nullcontext():
+            os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def _generation(path: str) -> str:
+    """A gs:// object's generation now ('0': there is none)."""
+    fs = gcs_filesystem()
+    fs.invalidate_cache(path)
+    try:
+        return str(fs.info(path).get("generation") or "0")
+    except FileNotFoundError:
+        return "0"
+
+
+def _rewrite(source: str, destination: str, generation: str) -> None:
+    """Server-side copy of a gs:// object, only while the destination's generation is still `generation` ('0': only
+    while absent); Fenced (GCS's 412) when another writer replaced it since."""
+    fs = gcs_filesystem()
+    (b1, k1), (b2, k2) = (p[len("gs://"):].split("/", 1) for p in (source, destination))
+    token = None
+    try:
+        while True:
+            out = fs.call("POST", "b/{}/o/{}/rewriteTo/b/{}/o/{}", b1, k1, b2, k2, json_out=True,
+                          headers={"Content-Type": "application/json"}, ifGenerationMatch=generation,
+                          rewriteToken=token)
+            if out.get("done", True) is True:
+                break
+            token = out["rewriteToken"]
+    except FileExistsError:  # 412
+        raise Fenced(f"{destination} was replaced by another writer since this write began: not overwritten") from None
+    finally:
+        fs.invalidate_cache(destination)
 
 
 class _InBlocks:
@@ -99,12 +146,18 @@ def write_atomic(path: str, payload) -> None:
         f.write(payload)
 
 
-def copy_atomic(source: str, destination: str) -> None:
-    """Copy a file or object to another path on the same storage, atomically (gs://: a server-side copy)."""
+def copy_atomic(source: str, destination: str, fence: Optional[Callable] = None) -> None:
+    """Copy a file or object to another path on the same storage, atomically (gs://: a server-side copy); with
+    `fence`, committed inside it (open_atomic)."""
     if source.startswith("gs://"):
-        gcs_filesystem().copy(source, destination)
+        if fence is None:
+            gcs_filesystem().copy(source, destination)
+            return
+        generation = _generation(destination)
+        with fence():
+            _rewrite(source, destination, generation)
         return
-    with open(source, "rb") as src, open_atomic(destination) as dst:
+    with open(source, "rb") as src, open_atomic(destination, fence) as dst:
         shutil.copyfileobj(src, dst, 2**24)
 
 

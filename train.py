@@ -33,7 +33,7 @@ from model import VJEPA3D
 from health import position_share_of_sums, position_sums, rankme
 from plan import choose_auto_settings, dry_run_report
 from runlog import RunLog, Throughput, format_train_line, json_number, save_training_plot, summary
-from checkpoint import (check_checkpoint_folder, checkpoint_everywhere, checkpoint_path, load_resume_checkpoint,
+from checkpoint import (carry_out, check_checkpoint_folder, checkpoint_everywhere, checkpoint_path, load_resume_checkpoint,
                         plan_record, read_checkpoint, resolve_run_dir, restore, resumed_plan, split_fingerprint)
 from lock import lease_lost, run_folder_lock, stop_if_taken_over
 from runtime import (PendingDeviceStats, Runtime, StopRequested, StopSignals, adamw_state, any_process,
@@ -354,7 +354,8 @@ def prepare_run(cfg: Config, rt: Runtime) -> Run:
 def resume(run: Run) -> Tuple[Optional[dict], List[dict]]:
     """Restore the checkpoint that cfg.resume names, if any, in every process: weights, optimizer, position, RNG
     states and the plan it was written for (any change is refused; --extend lengthens it). Returns (the checkpoint
-    or None, what the start did to the run's files: checkpoint.choose_resume_checkpoint)."""
+    or None, what the start did to the run's files: checkpoint.choose_resume_checkpoint). The later checkpoints that
+    resuming an earlier one abandons are set aside only once the resume was accepted: a refusal changes nothing."""
     cfg, rt = run.cfg, run.rt
     run.last_ckpt, ckpt, set_aside = load_resume_checkpoint(cfg, rt)
     if ckpt is not None:
@@ -363,6 +364,7 @@ def resume(run: Run) -> Tuple[Optional[dict], List[dict]]:
                                     ckpt["train_state"]["step"], run.last_ckpt, ckpt.get("config"))
         restore(ckpt, run.model, run.optimizer, run.state, rt, run.last_ckpt)
         check_ranks_agree(run.state.step, f"the update they resume {run.last_ckpt} at", rt)
+    set_aside = master_decides(rt, carry_out, set_aside)
     run.plan_record = plan_record(cfg, run.plan, run.train_ds, run.val_ds)
     return ckpt, set_aside
 
@@ -374,6 +376,10 @@ def open_log(run: Run, ckpt: Optional[dict], set_aside: List[dict]) -> RunLog:
     log = RunLog(run.run_dir, cfg, active=rt.is_master)
     for note in run.auto_notes:
         log.print(note)
+    abandoned = [found["path"] for found in set_aside if found["event"] == "abandoned_checkpoint"]
+    if abandoned:  # a deliberate rollback: it says what it moved, and how to go back
+        log.print(f"resume {run.last_ckpt}: {len(abandoned)} later checkpoint(s) of the timeline left behind are set "
+                  f"aside (renamed, not deleted; to go back to them, rename them back and --resume auto):")
     for found in set_aside:  # stale tmp files removed, checkpoints set aside
         log.event(found["event"], state.step, **{k: v for k, v in found.items() if k != "event"})
         log.print(f"{found['path']}: {found['why']}")

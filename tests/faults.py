@@ -14,9 +14,18 @@ test_xla.py use it for the multi-process stories. Faults, comma-separated:
     report       each process prints the update it resumed at and how many checkpoint states it built
     race_lock    the process waits at the run folder's lock until the file $OCTJEPA_TEST_GO exists (after touching
                  $OCTJEPA_TEST_READY.PID), then judges a gone holder slowly (0.5 s): a second process judges meanwhile
+    no_flock     flock fails as on a filesystem without file locks (NFS mounted nolock, some FUSE mounts): ENOLCK
+    sigkill_at_3 the process is SIGKILLed (the OOM killer) during its third update
+    stall_in_save
+                 the process stalls in its second checkpoint, after its fencing check and before the write (a
+                 suspended job, a VM pause): it touches $OCTJEPA_TEST_READY and waits until $OCTJEPA_TEST_GO exists
     sigterm_in_probe, sigint_in_probe
                  the process sends itself SIGTERM (or SIGINT, Ctrl-C) from inside the DICOM reader, while the
                  end-of-run verdict reads its second labelled volume
+    sigterm_in_encoder
+                 the process sends itself SIGTERM from inside the JPEG 2000 encoder (a Python logging call that
+                 openjpeg's C code makes while it encodes a frame), while the end-of-run verdict writes its labelled
+                 phantoms: an outside signal arriving there runs its handler at that very place
 
 usage: torchrun ... tests/faults.py FAULTS TRAIN_FLAGS...   (or one python per simulated XLA host, RANK=0, 1...)
 """
@@ -111,6 +120,40 @@ if "race_lock" in faults:
 
     lock.take_lock, lock.holder_is_gone = take_lock, holder_is_gone
 
+if "no_flock" in faults:
+    import errno
+    import fcntl
+
+    def flock_without_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    fcntl.flock = flock_without_locks
+
+if "sigkill_at_3" in faults:
+    import signal
+    real_train_update, update_calls = train.train_update, []
+
+    def train_update_then_kill(*args, **kwargs):
+        update_calls.append(1)
+        if len(update_calls) == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_train_update(*args, **kwargs)
+
+    train.train_update = train_update_then_kill
+
+if "stall_in_save" in faults:
+    real_checkpoint_state, states = checkpoint.checkpoint_state, []
+
+    def stalled_checkpoint_state(*args, **kwargs):
+        states.append(1)
+        if len(states) == 2:
+            Path(os.environ["OCTJEPA_TEST_READY"]).touch()
+            while not os.path.exists(os.environ["OCTJEPA_TEST_GO"]):
+                time.sleep(0.01)
+        return real_checkpoint_state(*args, **kwargs)
+
+    checkpoint.checkpoint_state = stalled_checkpoint_state
+
 if faults & {"sigterm_in_probe", "sigint_in_probe"}:
     import signal
     import pydicom
@@ -126,6 +169,22 @@ if faults & {"sigterm_in_probe", "sigint_in_probe"}:
 
     def prepare_probe_set(*args, **kwargs):
         pydicom.dcmread = dcmread  # from here on every read is the verdict's
+        return real_prepare_probe_set(*args, **kwargs)
+
+    runprobe.prepare_probe_set = prepare_probe_set
+
+if "sigterm_in_encoder" in faults:
+    import logging
+    import signal
+    import runprobe
+    real_prepare_probe_set, encoder_log = runprobe.prepare_probe_set, logging.getLogger("openjpeg.encode")
+
+    def debug(*args, **kwargs):  # called by openjpeg's C encoder (encode_buffer) in the middle of a frame
+        del encoder_log.debug  # once
+        os.kill(os.getpid(), signal.SIGTERM)  # its handler runs here, inside the encoder
+
+    def prepare_probe_set(*args, **kwargs):
+        encoder_log.debug = debug  # from here on every encoded frame is the verdict's labelled phantoms'
         return real_prepare_probe_set(*args, **kwargs)
 
     runprobe.prepare_probe_set = prepare_probe_set

@@ -108,9 +108,53 @@ def test_a_holder_on_another_machine_blocks_a_relaunch_until_its_lease_runs_out(
     err = capsys.readouterr().err
     assert "in use by process 1 on octjepa-worker-0 (another machine" in err and "its lease runs out at" in err
     assert "a relaunch with --resume auto then takes the folder over" in err
-    write_lock(run_dir, **other_pod, expires=time.time() - 1)  # not renewed for a lease: gone
+    write_lock(run_dir, **other_pod, expires=time.time() - 1)
+    written = time.time() - lock.LEASE_SECONDS - 60
+    os.utime(path, (written, written))  # not renewed for a lease: gone
     assert main(relaunch) == 0
     assert [e["step"] for e in events(run_dir, "resume")] == [3] and not path.exists()
+
+
+def test_a_holder_whose_clock_lags_by_more_than_a_lease_keeps_its_lock(tmp_path):
+    """Its record was written a moment ago (the file's own time says so), but by a clock behind this one's by more
+    than a lease: the expiry it wrote has passed here already."""
+    write_lock(tmp_path, host="octjepa-worker-0", boot_id="another-machine", pid=1,
+               expires=time.time() - 60)
+    with pytest.raises(ConfigError, match="is in use by process 1 on octjepa-worker-0"):
+        lock.take_lock(str(tmp_path))
+
+
+def test_this_machines_own_lock_from_before_a_reboot_is_taken_at_once(tmp_path, monkeypatch):
+    booted = lock.booted_at()
+    if booted is None:
+        pytest.skip("no /proc/stat btime here")
+    monkeypatch.setattr(lock, "LEASE_SECONDS", time.time() - booted + 3600)  # as if it rebooted a minute ago
+    path = write_lock(tmp_path, boot_id="the boot before this one", pid=12345,
+                      expires=time.time() + lock.LEASE_SECONDS)
+    os.utime(path, (booted - 60, booted - 60))  # last renewed just before the machine went down
+    taken = lock.take_lock(str(tmp_path))
+    lock.release_lock(taken)
+    path = write_lock(tmp_path, host="octjepa-worker-0", boot_id="another-machine", pid=1)
+    os.utime(path, (booted - 60, booted - 60))  # another machine's: only its lease can tell
+    with pytest.raises(ConfigError, match="in use by process 1"):
+        lock.take_lock(str(tmp_path))
+
+
+@pytest.mark.slow
+def test_a_filesystem_without_file_locks_is_refused_with_the_lease_only_way_and_runs_with_it(tmp_path,
+                                                                                            smoke_phantoms):
+    flags = smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "4")
+    command = [sys.executable, str(REPO / "tests" / "faults.py"), "no_flock", *flags]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    refused = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
+    assert "without file locks" in refused.stderr and "OCTJEPA_LOCK=lease" in refused.stderr
+    leased = subprocess.run(command, cwd=REPO, env={**env, "OCTJEPA_LOCK": "lease"}, capture_output=True, text=True,
+                            timeout=600)
+    assert leased.returncode == 0, leased.stderr[-2000:]
+    assert "WARNING: run folder" in leased.stderr and "lease-only lock" in leased.stderr
+    assert [e["step"] for e in events(tmp_path / "runs" / "r", "checkpoint")][-1] == 4
+    assert not (tmp_path / "runs" / "r" / lock.LOCK_NAME).exists()
 
 
 def test_an_empty_lock_file_is_free_and_a_damaged_one_names_the_way_out(tmp_path):
@@ -146,6 +190,52 @@ def test_a_trainer_whose_lease_was_taken_over_stops_before_writing_another_check
     assert json.loads(new_holder.read_text())["host"] == "new-holder"  # never overwritten nor removed
     # No checkpoint begun after the takeover: at most the one being written when the process was suspended.
     assert max(map(step_of, list_checkpoints(str(run_dir / "checkpoints")))) <= last + 2
+
+
+@pytest.mark.slow
+def test_a_holder_stalled_mid_checkpoint_past_a_takeover_writes_nothing_when_it_wakes(tmp_path, smoke_phantoms):
+    """Suspended after its fencing check and before its write (a VM pause, a storage stall in a long save), for
+    longer than its lease: another process took the folder over and wrote its own best.pt meanwhile."""
+    flags = smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "400", "--ckpt_every_steps", "2")
+    run_dir, ready, go = tmp_path / "runs" / "r", tmp_path / "ready", tmp_path / "go"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OCTJEPA_TEST_READY": str(ready), "OCTJEPA_TEST_GO": str(go)}
+    stalled = subprocess.Popen([sys.executable, str(REPO / "tests" / "faults.py"), "stall_in_save", *flags], cwd=REPO,
+                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        while not ready.exists():
+            assert stalled.poll() is None, stalled.communicate()
+            time.sleep(0.05)
+        new_holder = write_lock(run_dir, pid=os.getpid(), host="new-holder")
+        (run_dir / "checkpoints" / "best.pt").write_bytes(b"the new holder's best weights")
+        before = {p.name: p.read_bytes() for p in (run_dir / "checkpoints").iterdir()}
+        go.touch()
+        err = stalled.communicate(timeout=300)[1]
+    finally:
+        stalled.kill()
+    assert stalled.returncode == 2, err[-2000:]
+    assert "no longer names this process" in err and "Traceback" not in err
+    assert {p.name: p.read_bytes() for p in (run_dir / "checkpoints").iterdir()} == before  # nothing written nor left
+    assert json.loads(new_holder.read_text())["host"] == "new-holder"
+
+
+def test_a_gcs_write_committed_after_a_takeover_is_refused_and_leaves_nothing(gcs_emulator):
+    import storage
+    folder = f"gs://{gcs_emulator.bucket}/fenced"
+    held = lock.take_lock(folder)
+    lock._HELD.append(held)
+    try:
+        with storage.open_atomic(f"{folder}/best.pt", lock.fenced) as f:
+            f.write(b"the holder's weights")
+        with pytest.raises(storage.Fenced, match="no longer names this process"):
+            with storage.open_atomic(f"{folder}/best.pt", lock.fenced) as f:
+                f.write(b"older weights of a stalled holder")
+                taker = {**lock.lock_holder(), "host": "new-holder"}  # its lease ran out meanwhile: taken over
+                lock._write_lease(held["path"], taker, lock._read_lease(held["path"])[1])
+        assert storage.read_bytes(f"{folder}/best.pt") == b"the holder's weights"
+        assert [p for p in storage.glob_paths(f"{folder}/*") if storage.TMP_INFIX in p] == []
+    finally:
+        lock._HELD.remove(held)
+        lock.release_lock(held)
 
 
 def test_a_gcs_lease_taken_over_is_never_overwritten_by_the_old_holders_renewal(gcs_emulator, monkeypatch):

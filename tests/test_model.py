@@ -1,5 +1,6 @@
 """VJEPA3D: a real JEPA (incident 12), one output dataclass (incident 7), shape errors before compute (incident 6)."""
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -11,6 +12,7 @@ from data import sample_rng
 from masks import MaskGenerator
 from model import JEPAOutput, VJEPA3D, gather_tokens, sincos_pos_embed_3d, training_flops_per_sample, tubelet_embedding
 from objectives import LOCAL_FEATURES
+from runtime import with_input_gradient
 
 IMAGE, PATCH = [8, 32, 32], [4, 8, 8]
 
@@ -286,14 +288,14 @@ def test_a_model_built_without_arguments_is_the_recipe_that_the_configs_train():
 def test_grad_checkpointing_gives_every_weight_the_gradient_it_has_without_it_the_hmlp_stem_included(reentrant):
     """A reentrant checkpoint gives the weights inside no gradient when no input asks for one: the hmlp stem, whose
     input is the volume, never trained on XLA with grad checkpointing (FSDP over 4 XLA devices then parted from one
-    device: tests/test_xla.py)."""
+    device: tests/test_xla.py) until runtime.use_xla_checkpoint wrapped torch_xla's in with_input_gradient."""
     model = tiny_model(patch_stem="hmlp", local_loss_weight=0.5, local_loss_split=(1, 4, 1))
     volume = torch.randn(2, 1, *IMAGE)
     ctx, tgt = masks(model, 2)
     grads = []
     for checkpointed in (False, True):
-        model.set_grad_checkpointing(checkpointed, lambda block, x: torch.utils.checkpoint.checkpoint(
-            block, x, use_reentrant=reentrant))
+        checkpoint = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=reentrant)
+        model.set_grad_checkpointing(checkpointed, with_input_gradient(checkpoint) if reentrant else checkpoint)
         model.zero_grad(set_to_none=True)
         model(volume, ctx, tgt).loss.backward()
         grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})

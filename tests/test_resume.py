@@ -3,6 +3,8 @@ import os
 import re
 import shutil
 import signal
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,7 +19,7 @@ from checkpoint import list_checkpoints
 from runtime import Runtime, probes_in_this_process
 from schedules import ema_at, lr_at, wd_at
 from train import main
-from helpers import (SMOKE, ddp_flags, events, free_port, metrics, read_jsonl, read_wandb_offline_history, run_files,
+from helpers import (REPO, SMOKE, ddp_flags, events, free_port, metrics, read_jsonl, read_wandb_offline_history, run_files,
                      smoke_flags, stderr_excerpt, torchrun)
 
 
@@ -279,6 +281,28 @@ def test_a_manual_rollback_abandons_the_later_checkpoints_for_good(tmp_path, smo
 
 
 @pytest.mark.slow
+def test_a_refused_rollback_changes_nothing_and_an_accepted_one_says_what_it_set_aside(tmp_path, smoke_phantoms,
+                                                                                       capsys):
+    flags = smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "8", "--ckpt_every_steps", "2", "--keep_last", "4")
+    assert main(flags) == 0
+    run_dir = tmp_path / "runs" / "r"
+    step_4 = str(run_dir / "checkpoints" / "step_0000004.pt")
+    before = run_files(run_dir)
+    capsys.readouterr()
+    assert main([*flags, "--resume", step_4, "--base_lr", "1e-3"]) == 2  # back to update 4, with another LR
+    err = capsys.readouterr().err
+    assert "base_lr" in err and f"--config {run_dir}/config.yaml --resume {step_4}" in err
+    assert run_files(run_dir) == before  # nothing set aside, metrics.jsonl whole
+    assert main([*flags, "--resume", step_4]) == 0  # the rollback, on purpose
+    out = capsys.readouterr().out
+    assert f"resume {step_4}: 3 later checkpoint(s)" in out
+    for name in ("step_0000006.pt", "step_0000008.pt", "best.pt"):
+        assert f"checkpoints/{name}: past update 4" in out or f"checkpoints/{name}: written after update 4" in out
+    assert sorted(Path(e["path"]).name for e in events(run_dir, "abandoned_checkpoint")) == [
+        "best.pt", "step_0000006.pt", "step_0000008.pt"]
+
+
+@pytest.mark.slow
 def test_a_run_whose_checkpoints_are_all_damaged_stops_instead_of_starting_from_scratch(
         tmp_path, smoke_phantoms, capsys):
     flags = smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "6", "--ckpt_every_steps", "2")
@@ -340,6 +364,63 @@ def test_a_metrics_line_cut_short_is_dropped_with_a_warning_when_the_run_resumes
     assert [r["step"] for r in metrics(run_dir)] == list(range(1, 7))
     (dropped,) = events(run_dir, "metrics_line_dropped")
     assert dropped["text"].startswith('{"split": "train", "step": 5')
+
+
+@pytest.mark.slow
+def test_a_run_killed_before_its_first_checkpoint_is_relaunched_by_the_same_command(tmp_path, smoke_phantoms, capsys):
+    flags = smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "30", "--ckpt_every_steps", "100",
+                        "--val_every_steps", "100", "--log_every_steps", "1", "--resume", "auto")
+    run_dir = tmp_path / "runs" / "r"
+    killed = subprocess.run([sys.executable, str(REPO / "tests" / "faults.py"), "sigkill_at_3", *flags], cwd=REPO,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    killed_metrics = (run_dir / "metrics.jsonl").read_bytes()
+    assert not (run_dir / "checkpoints").exists() or not list((run_dir / "checkpoints").glob("*.pt"))
+    capsys.readouterr()
+    assert main(flags) == 0  # the same command, as a job scheduler relaunches it
+    assert "never wrote a checkpoint" in capsys.readouterr().out
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, 31))
+    moved = {Path(e["path"]).name: Path(e["moved_to"]) for e in events(run_dir, "restarted")}
+    assert moved["metrics.jsonl"].read_bytes() == killed_metrics  # the killed attempt's log kept beside it
+
+
+def test_a_misspelt_resume_is_refused_even_in_a_dry_run(tmp_path, smoke_phantoms, capsys):
+    flags = smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "4")
+    assert main([*flags, "--dry_run", "true", "--resume", "autoo"]) == 2
+    err = capsys.readouterr().err
+    assert "'autoo' is neither 'auto', 'restart' nor a checkpoint file; did you mean --resume auto?" in err
+
+
+def test_a_restart_moves_the_old_runs_export_and_notes_aside_with_its_history(tmp_path, smoke_phantoms, capsys):
+    flags = smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "4")
+    assert main(flags) == 0
+    run_dir = tmp_path / "runs" / "r"
+    (run_dir / "export").mkdir()
+    (run_dir / "export" / "encoder.safetensors").write_bytes(b"the old run's encoder")
+    (run_dir / "notes.txt").write_text("what I saw in the old run")
+    capsys.readouterr()
+    assert main([*flags, "--resume", "restart"]) == 0
+    out = capsys.readouterr().out
+    assert not (run_dir / "export").exists() and not (run_dir / "notes.txt").exists()  # nothing stale looks current
+    moved = {Path(e["path"]).name: Path(e["moved_to"]) for e in events(run_dir, "restarted")}
+    assert (moved["export"] / "encoder.safetensors").read_bytes() == b"the old run's encoder"
+    assert moved["notes.txt"].read_text() == "what I saw in the old run" and str(moved["export"]) in out
+
+
+def test_a_metrics_line_without_an_update_number_is_dropped_with_a_warning_when_the_run_resumes(
+        tmp_path, smoke_phantoms, capsys):
+    flags = smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "4")
+    assert main(flags) == 0
+    run_dir = tmp_path / "runs" / "r"
+    odd = len(read_jsonl(run_dir / "metrics.jsonl")) + 1
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write('{"split": "train", "note": "added by a notebook"}\n')
+    capsys.readouterr()
+    assert main([*flags, "--max_steps", "6", "--resume", "auto", "--extend", "true"]) == 0
+    assert f"line {odd} has no update number" in capsys.readouterr().out
+    assert [r["step"] for r in metrics(run_dir)] == list(range(1, 7))
+    (dropped,) = events(run_dir, "metrics_line_dropped")
+    assert "added by a notebook" in dropped["text"]
 
 
 def test_a_run_name_that_would_leave_out_dir_is_refused(tmp_path, smoke_phantoms, capsys):

@@ -8,7 +8,9 @@ import time
 
 import pytest
 
+import lock
 from checkpoint import list_checkpoints, read_checkpoint
+from config import ConfigError
 from helpers import REPO, GCSEmulator, events, metrics, smoke_flags
 from train import main
 
@@ -60,6 +62,41 @@ def test_a_full_disk_skips_one_checkpoint_then_stops_with_exit_74_and_loses_noth
     assert [r["step"] for r in metrics(run_dir)] == list(range(1, 10))
     assert {p.name: p.read_bytes() for p in ckpt_dir.iterdir()} == before  # no tmp file, nothing overwritten
     assert read_checkpoint(str(ckpt_dir / "step_0000004.pt"))["train_state"]["step"] == 4
+
+
+def test_a_run_folder_that_fills_up_stops_with_exit_74_naming_the_log_and_keeps_what_was_written(tmp_path,
+                                                                                                smoke_phantoms):
+    flags = smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "4", "--log_every_steps", "1")
+    assert main(flags) == 0
+    run_dir = tmp_path / "runs" / "r"
+    metrics_path = run_dir / "metrics.jsonl"
+    first = metrics_path.read_bytes()
+    metrics_path.write_bytes(first * (3 * 2**20 // len(first)))  # a long run's log: bigger than a checkpoint
+    written = metrics_path.read_bytes()
+    limit = len(written) + 100  # room for the checkpoints, the events and the lock, not for another metrics line
+
+    def full_disk():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    resumed = subprocess.run([sys.executable, str(REPO / "train.py"), *flags, "--max_steps", "8", "--resume", "auto",
+                              "--extend", "true"], cwd=REPO, capture_output=True, text=True, timeout=600,
+                             preexec_fn=full_disk)
+    assert resumed.returncode == STORAGE_FAILED, resumed.stderr[-3000:]
+    assert "Traceback" not in resumed.stderr and "metrics.jsonl" in resumed.stderr
+    assert "--resume auto" in resumed.stderr
+    assert metrics_path.read_bytes().startswith(written)  # nothing written before is lost
+    assert not list(run_dir.glob(f"{lock.LOCK_NAME}*"))  # the lock given back, no tmp file of it left
+
+
+def test_a_lock_record_that_does_not_fit_on_the_disk_leaves_no_tmp_file(tmp_path):
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (10, hard))  # writes past 10 bytes fail with EFBIG, as on a full disk
+    try:
+        with pytest.raises(ConfigError, match="cannot take the lock"):
+            lock.take_lock(str(tmp_path))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert [p.name for p in tmp_path.iterdir() if p.name != lock.LOCK_NAME] == []
 
 
 def test_a_checkpoint_that_fails_for_a_permanent_reason_says_it_was_not_retried(tmp_path, smoke_phantoms, capsys):

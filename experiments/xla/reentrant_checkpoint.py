@@ -1,6 +1,6 @@
 """A reentrant checkpoint gives the weights inside no gradient when no input asks for one (torch_xla's checkpoint
 is reentrant; torch's default on CPU/CUDA is not). The hmlp stem's input is the volume, so on XLA with grad
-checkpointing it never trained until Encoder.embed_tubelets made the volume ask (experiments/NOTES.md 25).
+checkpointing it never trained until runtime.with_input_gradient made the input ask (experiments/NOTES.md 25).
 
     python experiments/xla/reentrant_checkpoint.py      # plain torch, no XLA needed
 """
