@@ -197,10 +197,8 @@ class Encoder(nn.Module):
     def embed_tubelets(self, volume: torch.Tensor) -> torch.Tensor:
         """The tubelet embedding of volume [B,1,D,H,W] -> [B,E,gd,gh,gw]; under grad_checkpointing the hmlp stem's
         inner maps (the largest activations at production sizes) are recomputed in backward too."""
-        if self.checkpoint_fn is not None and isinstance(self.patch_embed, nn.Sequential) and torch.is_grad_enabled():
-            # The volume asks for a gradient only for the checkpoint's sake: a reentrant checkpoint (torch_xla's) gives
-            # the weights inside none when no input asks for one, and the stem never trained (experiments/NOTES.md 25).
-            return self.checkpoint_fn(self.patch_embed, volume.detach().requires_grad_())
+        if self.checkpoint_fn is not None and isinstance(self.patch_embed, nn.Sequential):
+            return self.checkpoint_fn(self.patch_embed, volume)
         return self.patch_embed(volume)
 
     def embed_kept(self, volume: torch.Tensor, keep_idx: torch.Tensor) -> torch.Tensor:

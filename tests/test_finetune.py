@@ -222,7 +222,7 @@ def test_random_init_is_the_architecture_initialised_as_pretraining_starts(expor
 def test_a_killed_or_preempted_finetuning_resumes_from_its_folds_and_leaves_no_patient_pixels_behind(
         export_dir, binary_labels, tmp_path, stop, capsys):
     flags = [sys.executable, str(REPO / "finetune.py"), "--encoder", export_dir, "--labels", binary_labels,
-             "--modes", "frozen,full", "--folds", "2", "--epochs", "2", "--batch_size", "4"]
+             "--modes", "frozen,full", "--folds", "2", "--epochs", "8", "--patience", "8", "--batch_size", "4"]
     (tmp_path / "tmp").mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path / "tmp")}
     here = lock.this_machine()  # a live fine-tuning's folder (this process's) is kept
@@ -236,9 +236,9 @@ def test_a_killed_or_preempted_finetuning_resumes_from_its_folds_and_leaves_no_p
     first = subprocess.Popen([*flags, "--out", str(out)], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE, text=True)
     fold_0 = out / "folds" / "encoder-full-r0_f0.json"
-    while not fold_0.exists():
+    while not fold_0.exists():  # the second fold's 8 epochs leave the signal time to land in it on a loaded machine
         assert first.poll() is None, "the fine-tuning ended before its first fold"
-        time.sleep(0.2)
+        time.sleep(0.05)
     first.send_signal(getattr(signal, stop))  # in the second fold
     err = first.communicate(timeout=300)[1]
     left = sorted(p.name for p in (tmp_path / "tmp").iterdir() if p != live)
