@@ -54,7 +54,7 @@ from pydicom.uid import (JPEG2000, ExplicitVRBigEndian, ExplicitVRLittleEndian, 
 
 from config import Config, ConfigError, ScriptParser, script_main
 from dicom import OPT_SOP
-from storage import exists
+from storage import exists, process_is_running
 
 PHANTOM_VERSION = 3  # bump when the look or the files change: ensure_phantom_set then rewrites old sets
 DEFAULT_SIZE = (32, 128, 128)  # [D, H, W]: small so that the demo and CI stay fast
@@ -600,20 +600,8 @@ def remove_stale_partials(directory: str) -> None:
     prefix, parent = f"{os.path.basename(directory)}{PARTIAL}", os.path.dirname(directory)
     for name in os.listdir(parent) if os.path.isdir(parent) else []:
         host, _, pid = name[len(prefix):].rpartition("-")  # (DIR.partial-PID, of older versions: this host's)
-        if name.startswith(prefix) and host in ("", socket.gethostname()) and pid.isdigit() and not process_alive(
-                int(pid)):
+        if name.startswith(prefix) and pid.isdigit() and not process_is_running(host or socket.gethostname(), int(pid)):
             shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
-
-
-def process_alive(pid: int) -> bool:
-    """True when a process of this id runs on this host."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def write_phantom_set(directory: str, n: int, shape: Sequence[int] = DEFAULT_SIZE, seed: int = 0,
