@@ -81,7 +81,7 @@ class Config:
     index_path: Optional[str] = None  # JSONL index written by `python data.py scan` (reused if given)
     phantom_dir: str = "data/phantoms"  # where the built-in demo phantoms are written when data_root is None
     phantom_count: int = 48  # volumes in the built-in phantom set
-    phantom_varied: bool = False  # built-in phantoms with varied eyes (position, tilt, brightness...: phantom.draw_eye)
+    phantom_varied: bool = True  # varied eyes as the verdict's (position, tilt, brightness...: phantom.draw_eye); false: plain
     sop_classes: str = "oct"  # oct | any
     image_size: List[int] = field(default_factory=lambda: [16, 64, 64])  # [D, H, W] voxels fed to the model
     patch_size: List[int] = field(default_factory=lambda: [4, 8, 8])  # tubelet [pd, ph, pw]
@@ -116,7 +116,7 @@ class Config:
     global_batch_size: Optional[int] = 8  # volumes per optimizer update, over all devices and micro-batches
     per_core_batch_size: Optional[int] = 8  # volumes per device per micro-batch
     grad_accum_steps: Optional[int] = None  # derived from the two batch sizes and the world size when None
-    epochs: int = 120  # passes over the training split (sets the run length unless max_steps)
+    epochs: int = 180  # passes over the training split (sets the run length unless max_steps); the demo: 900 updates
     max_steps: Optional[int] = None  # optimizer updates; overrides epochs when set
     base_lr: float = 5e-4  # peak LR, reached after warmup (sanity.py --lr_sweep measures a stable one)
     min_lr: float = 1e-5  # LR at the end of the cosine schedule (held after it)
@@ -387,7 +387,7 @@ def yaml_fix(error: yaml.YAMLError) -> str:
                "!!python/... are refused"
     if "given twice" in text:
         return "delete the line you do not mean"
-    return "fix the YAML at that line (the values of a field are in `python train.py --help`)"
+    return "fix the YAML at that line (the values of each field are in docs/config.md)"
 
 
 def load_yaml(path: str) -> dict:
@@ -518,7 +518,7 @@ def validate(cfg: Config) -> None:
     if cfg.base_lr <= 0 or not math.isfinite(cfg.base_lr):
         # incident 3: an LR of 0 trains nothing and reports nothing.
         raise ConfigError(f"base_lr: {cfg.base_lr} would not train; use a positive value such as 1e-4 "
-                          f"(python sanity.py --lr_sweep measures a good one).")
+                          f"(`python sanity.py --lr_sweep` measures a good one).")
     if cfg.min_lr > cfg.base_lr:
         raise ConfigError(f"min_lr: {cfg.min_lr} must not exceed base_lr ({cfg.base_lr}).")
     if cfg.min_lr <= 0 and cfg.schedule == "cosine":

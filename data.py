@@ -38,7 +38,7 @@ from tqdm import tqdm
 from config import Config, ConfigError, NoUsableData, ScriptParser, StorageFailed, load_config, script_main
 from dicom import BENIGN_REASONS, UnusableFile
 from index import (format_reason_table, format_scan_report, index_records, index_source, list_sources,
-                   reason_counts, source_identity, update_index, write_index)
+                   reason_counts, scan_command, source_identity, update_index, write_index)
 from masks import mask_generator_from_config
 from privacy import site_secret
 from storage import exists, storage_errors, write_atomic
@@ -341,14 +341,17 @@ def val_draw(seed: int, patient: str) -> float:
 
 
 def split_by_patient(records: Sequence[dict], val_fraction: float, seed: int,
-                     unit: Optional[Callable[[dict], str]] = None) -> Tuple[List[dict], List[dict]]:
+                     unit: Optional[Callable[[dict], str]] = None,
+                     exact_count: bool = False) -> Tuple[List[dict], List[dict]]:
     """(train, val) records: whole patients (PatientID, else file; or another `unit` of a record) go to val by a hash
     of (seed, patient), so a patient's side never depends on the other patients (a lost or added file moves no one
-    else). A set too small for that still gets one val patient and keeps one train patient."""
+    else). A set too small for that still gets one val patient and keeps one train patient. exact_count: val holds
+    round(val_fraction x patients) of them, the lowest draws, so that every seed trains on as many."""
     unit = unit or (lambda record: record["patient"])
     draws = {p: val_draw(seed, p) for p in {unit(r) for r in records}}
-    val_patients = {p for p, u in draws.items() if u < val_fraction}
     by_draw = sorted(draws, key=draws.get)
+    val_patients = (set(by_draw[:round(val_fraction * len(by_draw))]) if exact_count
+                    else {p for p, u in draws.items() if u < val_fraction})
     if val_fraction > 0 and not val_patients and len(by_draw) > 1:
         val_patients = {by_draw[0]}
     if len(val_patients) == len(by_draw) and by_draw:
@@ -374,17 +377,19 @@ def build_datasets(cfg: Config) -> Tuple[OCTDataset, OCTDataset]:
     bad = [r for r in records if not r["ok"] and r["reason"] not in BENIGN_REASONS]
     if not usable or len(bad) > cfg.max_bad_fraction * (len(usable) + len(bad)):
         source = cfg.data_root or cfg.manifest_path or cfg.phantom_dir
+        scan = scan_command(cfg.data_root if cfg.data_root or cfg.manifest_path else cfg.phantom_dir, cfg.manifest_path)
         raise NoUsableData(f"{len(usable)} usable volumes and {len(bad)} unusable files in {source} (max_bad_fraction "
                            f"{cfg.max_bad_fraction}; {', '.join(BENIGN_REASONS)} are not counted):\n"
                            f"{format_reason_table(reason_counts(records))}\n"
-                           f"run `python data.py scan {source}` for the details of each file")
+                           f"run `{scan}` for the details of each file")
     if len(usable) < len(records):  # incident 11: every file that is not used is reported, by reason
         print(f"{len(records) - len(usable)} of {len(records)} index records are not used:\n"
               f"{format_reason_table(reason_counts(records))}", file=sys.stderr)
     # The built-in phantoms hold no patients: they split by file name, the same on every machine (their keyed
-    # patient ids follow the site key, which would draw another split, and another run length, per machine).
+    # patient ids follow the site key, which would draw another split, and another run length, per machine), and
+    # into an exact share, so that every seed trains as many updates (a drawn share gave seed 4 of the demo 480).
     unit = (lambda record: os.path.relpath(record["paths"][0], cfg.phantom_dir)) if builtin else None
-    train, val = split_by_patient(usable, cfg.val_fraction, cfg.seed, unit)
+    train, val = split_by_patient(usable, cfg.val_fraction, cfg.seed, unit, exact_count=builtin)
     return OCTDataset(train, cfg, train=True), OCTDataset(val, cfg, train=False)
 
 

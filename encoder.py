@@ -416,8 +416,8 @@ def join_embedding_tables(paths: List[str]) -> dict:
         with np.load(path) as table:
             tables.append({k: table[k] for k in table.files})
     check_same_key({p: table_key_fingerprint(t) for p, t in zip(paths, tables)},
-                   "embed every data root again under one key file (the same OCTJEPA_PATIENT_KEY_FILE: python "
-                   "encoder.py embed --encoder DIR --data_root ROOT --out NEW.npz), then join those")
+                   "embed every data root again under one key file (the same OCTJEPA_PATIENT_KEY_FILE: `python "
+                   "encoder.py embed --encoder DIR --data_root ROOT --out NEW.npz`), then join those")
     made_by = {(json.loads(str(t["encoder"]))["weights"]["sha256"], str(t["pool"])) for t in tables}
     if len(made_by) > 1 or any(bool(t["standardized"]) for t in tables):
         raise ConfigError(f"{', '.join(paths)}: only tables of one encoder and --pool, without --standardize, join "

@@ -34,23 +34,17 @@ OUT/full/r{repeat}_f{fold}/: config.json and model.safetensors (pretrained.load_
 loss of every epoch); none of them holds a path (docs/privacy.md). The config flags that apply:
 device, seed (splits, probes, heads and the random init follow from it).
 """
-import os
-import signal
+from storage import preempt_at_once_on_stop_signals
 
-if __name__ == "__main__":  # a stop signal while the imports run (seconds: nothing started yet) is a preemption too
-    def stopped_while_starting(signum, frame):
-        os.write(2, f"preempted: {signal.Signals(signum).name} while finetune.py started; nothing was done yet: "
-                    f"run the same command again\n".encode())
-        os._exit(75)  # config.Preempted's code; at once: an exception raised inside torch's import could crash it
-
-    for stop in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(stop, stopped_while_starting)
+if __name__ == "__main__":  # a stop while the imports run (seconds: nothing started yet) is a preemption too
+    preempt_at_once_on_stop_signals("finetune.py")
 
 import copy
 import glob
 import hashlib
 import json
 import math
+import os
 import shlex
 import shutil
 import sys

@@ -15,6 +15,7 @@ import hashlib
 import io
 import json
 import os
+import shlex
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -44,6 +45,15 @@ def _manifest_paths(manifest_path: str, root: Optional[str]) -> List[str]:
         root = os.path.dirname(manifest_path) or "."
     return [p if p.startswith("gs://") or os.path.isabs(p) else f"{root.rstrip('/')}/{p}"
             for p in (r["filepath"].strip() for r in rows) if p]
+
+
+def scan_command(data_root: Optional[str], manifest_path: Optional[str] = None) -> str:
+    """The `python data.py scan` command line that lists the same files as list_sources(data_root, manifest_path):
+    a manifest's relative paths are relative to data_root, else to the manifest's folder."""
+    if manifest_path is None:
+        return f"python data.py scan {shlex.quote(data_root)}"
+    root = data_root if data_root is not None else os.path.dirname(manifest_path) or "."
+    return f"python data.py scan {shlex.quote(root)} --manifest_path {shlex.quote(manifest_path)}"
 
 
 def list_sources(data_root: Optional[str], manifest_path: Optional[str] = None) -> Dict[str, str]:
@@ -151,17 +161,17 @@ def read_index_with_source(path: str) -> Tuple[Optional[dict], List[dict]]:
 
 
 def read_index(path: str) -> List[dict]:
-    """The records of an index written by write_index / `python data.py scan --out`. An index whose patient keys
-    are not keyed (an older octjepa's: reversible, and the same at every site), or were keyed with another secret
+    """The records of an index written by write_index / `python data.py scan SRC --out INDEX`. An index whose patient
+    keys are not keyed (an older octjepa's: reversible, and the same at every site), or were keyed with another secret
     than the key file's (privacy.check_index_key), is a ConfigError saying how to scan it again (with data_root,
     update_index does that by itself for the former)."""
     built_from, records = read_index_with_source(path)
     check_index_key(built_from, path)
     if any(r["ok"] and not is_keyed(r.get("patient")) for r in records):
         raise ConfigError(f"index_path: {path} holds patient keys an older octjepa wrote (a plain hash of PatientID, "
-                          f"reversible and the same at every site); scan the data again with this version: python "
-                          f"data.py scan DATA_ROOT --out {path} (or give --data_root with --index_path: it is "
-                          f"migrated), then delete any table made from the old index.")
+                          f"reversible and the same at every site); give --data_root with --index_path (it is "
+                          f"migrated) or scan the data again with this version, then delete any table made from the "
+                          f"old index: python data.py scan DATA_ROOT --out {path}")
     return records
 
 

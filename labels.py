@@ -20,6 +20,7 @@ from data import load_val_sample
 from dicom import UnusableFile, inspect_file
 from phantom import ensure_phantom_set
 from progress import counted
+from storage import gcs_filesystem
 from volumes import _instances, source_paths
 
 PROBE_PHANTOMS = 240  # volumes of the plain labelled phantom set (plain_lesion, and the probe during pretraining)
@@ -36,6 +37,7 @@ PHANTOM_SETS = {"plain": (PROBE_PHANTOMS, PROBE_PHANTOM_SEED, False, "rpe"),
 
 PATIENT_COLUMN = "patient"  # the optional column that groups volumes by patient (patient-level splits)
 MISSING_LABEL_WORDS = ("nan", "na", "n/a", "null")  # what a spreadsheet writes for an empty cell
+HEADER_BLOCK_BYTES = 256 * 1024  # what reading a gs:// file's DICOM header fetches at a time (not the whole object)
 
 
 def read_label_rows(path: str, header_hint: str) -> List[dict]:
@@ -125,11 +127,11 @@ def shown(path: str, root: str) -> str:
 def copied_rows(paths: Sequence[str]) -> List[Tuple[int, int]]:
     """(line, earlier line) of the labels CSV (2 = the first row) for each row whose volume holds a copy of a file of
     an earlier row's: the same SOPInstanceUID and voxels, the rule by which a scan calls a file duplicate_instance
-    (volumes._instances). Local files only; their SOPInstanceUIDs are read first, and only files that share one are
-    decoded to compare their voxels."""
+    (volumes._instances). Local files and gs:// objects: their SOPInstanceUIDs are read first (from the head of the
+    file), and only files that share one are read whole and decoded to compare their voxels."""
     by_uid: Dict[str, List[Tuple[int, str]]] = {}
     for row, path in enumerate(paths):
-        if "://" in path or not os.path.exists(path):
+        if "://" not in path and not os.path.exists(path):
             continue
         for file in source_paths(path):
             uid = sop_instance_uid(file)
@@ -152,10 +154,13 @@ def copied_rows(paths: Sequence[str]) -> List[Tuple[int, int]]:
 
 
 def sop_instance_uid(file: str) -> str:
-    """The SOPInstanceUID of a local DICOM file, read without its pixels; '' for a file that is not one."""
+    """The SOPInstanceUID of a local DICOM file or a gs:// object, read without its pixels (of an object, only the
+    blocks that hold its header are fetched); '' for a file that is not one."""
     try:
-        return str(pydicom.dcmread(file, stop_before_pixels=True, specific_tags=["SOPInstanceUID"]).get(
-            "SOPInstanceUID", ""))
+        with (gcs_filesystem().open(file, "rb", block_size=HEADER_BLOCK_BYTES, cache_type="readahead")
+              if file.startswith("gs://") else open(file, "rb")) as f:
+            return str(pydicom.dcmread(f, stop_before_pixels=True, specific_tags=["SOPInstanceUID"]).get(
+                "SOPInstanceUID", ""))
     except Exception:  # not DICOM, unreadable: the volume's reader says why
         return ""
 
@@ -197,8 +202,9 @@ class LabelTable:
 def read_label_table(path: str, columns: Sequence[str] = ()) -> LabelTable:
     """The one reader of a labels CSV (probe.py, encoder.py show, finetune.py, the verdict): a header path,label or
     path,<class>,<class>... (multi-label), an optional patient column, paths relative to the CSV's folder. A
-    ConfigError names each bad row (read_label_rows) or a missing column of `columns`. Numbers that are one number
-    (1, 1.0, 01) are one class: they read as 1."""
+    ConfigError names each bad row (read_label_rows) or a missing column of `columns`. In the columns read as classes
+    (`columns`, else `label`, else every class column), numbers that are one number (1, 1.0, 01) are one class: they
+    read as 1."""
     rows = read_label_rows(path, "give a CSV with the header path,label (or path,<class>,<class>... with 1 or 0, for "
                                  "multi-label; an optional patient column), paths relative to its folder")
     header = [c for c in rows[0] if c is not None]
@@ -207,7 +213,8 @@ def read_label_table(path: str, columns: Sequence[str] = ()) -> LabelTable:
         raise ConfigError(f"labels: {path} needs a header line path,{','.join(columns or ['label'])} (it has "
                           f"{','.join(header)}); missing: {', '.join(missing or ['a label column'])}.")
     values = {c: np.array([r[c] for r in rows], dtype=str) for c in header if c != "path"}
-    for column in set(values) - {PATIENT_COLUMN}:  # patient ids stay as written: 001 and 1 are two patients
+    classes = set(columns or (["label"] if "label" in values else values)) & set(values) - {PATIENT_COLUMN}
+    for column in classes:  # the columns read as classes; patient ids stay as written: 001 and 1 are two patients
         values[column] = same_numbers_as_one(values[column], f"{path}: {column}")
     return LabelTable([r["path"] for r in rows], values)
 

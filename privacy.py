@@ -91,7 +91,7 @@ def _read_key_file(path: str) -> bytes:
                               f"key file there, or point {KEY_FILE_ENV} at it.")
         raise ConfigError(f"{where} does not exist. If this site has a key file (another HOME or container, a typo "
                           f"in {KEY_FILE_ENV}), point {KEY_FILE_ENV} at it: a new secret gives every patient another "
-                          f"key. A scan of a data source without an index creates it (python data.py scan DATA_ROOT).")
+                          f"key. A scan of a data source without an index creates it (`python data.py scan DATA_ROOT`).")
     mode = os.stat(path).st_mode
     if stat.S_ISDIR(mode):
         raise ConfigError(f"{where} is a folder, not a key file; point {KEY_FILE_ENV} at the file itself.")
@@ -145,7 +145,7 @@ def check_index_key(built_from: Optional[dict], index_path: str) -> None:
             f"index_path: {index_path} was made with another patient-key secret ({recorded}) than the key file "
             f"{patient_key_file()} holds ({now}). Keys of both would give one patient two keys. Point {KEY_FILE_ENV} "
             f"at the key file that made the index; or, to key the whole index with this one on purpose, scan it "
-            f"again: python data.py scan DATA_ROOT --out {index_path} (every key and split changes: start new runs, "
+            f"again: `python data.py scan DATA_ROOT --out {index_path}` (every key and split changes: start new runs, "
             f"embed again).")
 
 

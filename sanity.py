@@ -33,7 +33,7 @@ from config import (EXIT_FAILED, EXIT_OK, Config, ConfigError, NoUsableData, Scr
                     script_main)
 from data import OCTDataset, build_datasets, collate
 from dicom import BENIGN_REASONS
-from index import find_files, format_reason_table, reason_counts, scan_files
+from index import find_files, format_reason_table, reason_counts, scan_command, scan_files
 from masks import mask_generator_from_config
 from model import JEPAOutput, VJEPA3D
 from phantom import ensure_builtin_phantoms
@@ -204,12 +204,12 @@ def check_real_data(setup: Setup) -> Check:
     bad = sum(not r["ok"] and r["reason"] not in BENIGN_REASONS for r in records)
     counts = reason_counts(records)
     table = f"rejected files of the sample, by reason:\n{format_reason_table(counts)}" if counts else ""
-    source = setup.cfg.data_root or setup.cfg.manifest_path
     return Check(usable > 0 and bad <= setup.cfg.max_bad_fraction * (usable + bad),
                  f"{usable} usable volumes, {bad} bad files in {sampled_files(records)} of {found} files",
                  f"some usable, bad <= {setup.cfg.max_bad_fraction:.0%}",
                  f"too many files cannot be used (see the table below; {', '.join(BENIGN_REASONS)} are not "
-                 f"counted as bad); run `python data.py scan {source}` for every file", table)
+                 f"counted as bad); run `{scan_command(setup.cfg.data_root, setup.cfg.manifest_path)}` for every "
+                 f"file", table)
 
 
 def check_inputs(setup: Setup, per_maker: int = 4) -> Check:

@@ -11,6 +11,11 @@ Outputs go to out_dir/run_name/: config.yaml, metrics.jsonl, events.jsonl, check
 Exit codes: config.EXIT_CODES, the one table (0 done; ConfigError, NoUsableData, Diverged, StorageFailed, Preempted).
 "incident N" in the comments: the failures of the previous system listed in docs/incidents.md.
 """
+from storage import preempt_at_once_on_stop_signals
+
+if __name__ == "__main__":  # a stop while the imports run (seconds) is a preemption too, until the run's own handlers
+    preempt_at_once_on_stop_signals("train.py")
+
 import contextlib
 import math
 import os
@@ -25,22 +30,24 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from config import (DEMO_FLAGS, EXIT_OK, Config, Diverged, NoUsableData, Preempted, RunPlan, ScriptParser,
-                    StorageFailed, load_config, plan_run, save_config, script_main)
+from config import (DEMO_FLAGS, EXIT_OK, Config, ConfigError, Diverged, NoUsableData, Preempted, RunPlan,
+                    ScriptParser, StorageFailed, load_config, plan_run, save_config, script_main)
 from data import build_datasets, format_reason_table, make_loader, make_val_loader
 from masks import mask_generator_from_config
 from model import VJEPA3D
 from health import position_share_of_sums, position_sums, rankme
 from plan import choose_auto_settings, dry_run_report
 from runlog import RunLog, Throughput, format_train_line, json_number, save_training_plot, summary
-from checkpoint import (carry_out, check_checkpoint_folder, checkpoint_everywhere, checkpoint_path, load_resume_checkpoint,
-                        plan_record, read_checkpoint, resolve_run_dir, restore, resumed_plan, split_fingerprint)
+from checkpoint import (carry_out, check_checkpoint_folder, checkpoint_everywhere, checkpoint_path, list_checkpoints,
+                        load_resume_checkpoint, plan_record, read_checkpoint, resolve_run_dir, restore, resumed_plan,
+                        split_fingerprint)
 from lock import lease_lost, run_folder_lock, stop_if_taken_over
 from runtime import (PendingDeviceStats, Runtime, StopRequested, StopSignals, adamw_state, any_process,
                      check_ranks_agree, gather_objects, global_value, mark_step, master_decides, materialize_state,
                      place_model, probes_in_this_process, reduce_mean, setup_runtime, state_bytes_per_device,
                      to_device, wrap_ddp)
 from phantom import ensure_builtin_phantoms
+from privacy import KEY_FILE_ENV, site_secret
 from schedules import Hyperparameters, describe_extension, hyperparameters_at
 
 # ----------------------------------------------------------------------------------------------------------
@@ -338,9 +345,25 @@ class Run:
         return self.rt.is_master and minutes is not None and time.monotonic() - self.last_ckpt_time >= 60 * minutes
 
 
+def check_resumed_key_file(cfg: Config) -> None:
+    """Before the data is keyed: a run that continues a checkpoint (--resume PATH, or auto where one was written)
+    drew its split with this site's patient-key secret, so the key file must be there already: read, never created
+    (a resume that is then refused leaves no new secret behind). Whether it holds that same secret, resumed_plan
+    checks with the rest of the plan."""
+    if cfg.resume in (None, "restart") or (cfg.resume == "auto" and not list_checkpoints(cfg.ckpt_dir)):
+        return  # a start from scratch: a scan of its data may create the key file
+    try:
+        site_secret()
+    except ConfigError as e:
+        raise ConfigError(f"resume: {cfg.resume} continues a run whose train/val split its patient keys drew, which a "
+                          f"new secret cannot continue: point {KEY_FILE_ENV} at the key file it started with. {e}") \
+            from None
+
+
 def prepare_run(cfg: Config, rt: Runtime) -> Run:
     """The data and train/val split (the same in every process), the plan, the model and optimizer (None: dry run)."""
     torch.manual_seed(cfg.seed)
+    check_resumed_key_file(cfg)
     ensure_builtin_phantoms(cfg)  # the demo's data (no data_root): written once, before the index reads it
     train_ds, val_ds = build_datasets(cfg)
     check_ranks_agree(split_fingerprint(train_ds, val_ds), "the train/val split (use an index_path)", rt)

@@ -526,6 +526,18 @@ def test_the_built_in_phantoms_split_alike_under_every_site_key_while_real_patie
     assert val_files["site-a", "own"] != val_files["site-b", "own"]
 
 
+def test_every_seed_of_the_demo_trains_on_as_many_built_in_phantoms_so_makes_as_many_updates():
+    """A share drawn per file gave the demo's seed 4 a smaller training split than seeds 0-3 (4 batches an epoch, not
+    5: 480 updates, not 600). The built-in phantoms hold round(val_fraction x files) back; real patients keep the
+    drawn share, where a lost or added patient moves no one else."""
+    files = [{"patient": f"p{i}", "paths": [f"data/phantoms/{i:04d}.dcm"]} for i in range(48)]
+    by_name = lambda record: record["paths"][0]  # noqa: E731
+    counts = {seed: len(split_by_patient(files, 0.1, seed, by_name, exact_count=True)[1]) for seed in range(20)}
+    assert set(counts.values()) == {5}, counts
+    drawn = {len(split_by_patient(files, 0.1, seed, by_name)[1]) for seed in range(20)}
+    assert len(drawn) > 1  # what the demo had: the draw decided its run length
+
+
 def test_scan_out_on_a_full_disk_exits_74_with_a_message_and_keeps_the_index_there(phantom_dir, tmp_path):
     """`data.py scan --out` to a full disk once ended in an OSError traceback: now the storage exit code, what
     happened and the command to run again, and the index already at --out is left whole (no tmp file beside it)."""

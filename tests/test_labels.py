@@ -88,6 +88,20 @@ def test_one_number_written_two_ways_is_one_class_but_patient_ids_stay_as_writte
     assert "read as" in capsys.readouterr().err
 
 
+def test_the_demo_verdict_reads_its_lesion_column_without_a_line_about_the_thickness_column(tmp_path, capsys):
+    """The varied phantoms' labels.csv holds retina_thickness (a regression target, written 0.2080). Reading its
+    `lesion` column once printed '0.2080, ... read as 0.208, ... (one number, one class)' in every demo's summary."""
+    from labels import read_label_table
+    for name in ("a.dcm", "b.dcm"):
+        (tmp_path / name).write_bytes(b"")  # the reader checks that the paths exist; it does not decode them here
+    labels = tmp_path / "labels.csv"
+    labels.write_text("path,label,lesion,retina_thickness\na.dcm,none,no,0.2080\nb.dcm,fluid,yes,0.3350\n")
+    table = read_label_table(str(labels), ("lesion",))
+    assert list(table.values["lesion"]) == ["no", "yes"]
+    assert list(table.values["retina_thickness"]) == ["0.2080", "0.3350"]  # as written: no class column
+    assert capsys.readouterr().err == ""
+
+
 def test_every_tool_reads_a_labels_csv_with_the_one_reader():
     import ast
     repo = Path(__file__).resolve().parents[1]
@@ -115,6 +129,29 @@ def test_a_byte_copy_of_a_scan_under_another_patient_id_is_refused_naming_both_r
     assert f"line 4: other_patient.dcm holds a copy of the scan of line 2 ({a})" in message
     assert "duplicate_instance" in message and "delete the copy's row" in message
     labels.write_text(f"path,label,patient\n{a},yes,p1\n{b},no,p2\n")  # one row per scan: read as before
+    assert len(read_label_table(str(labels)).paths) == 2
+
+
+def test_a_byte_copy_of_a_scan_in_a_bucket_is_refused_as_on_a_local_disk(tmp_path, phantom_dir, gcs_emulator):
+    import pydicom
+    from labels import read_label_table
+    a, b = sorted(p.name for p in Path(phantom_dir).glob("*.dcm"))[:2]
+    scans = tmp_path / "scans"
+    scans.mkdir()
+    for name in (a, b):
+        shutil.copy(Path(phantom_dir) / name, scans / name)
+    copy = pydicom.dcmread(scans / a)  # an export of the same scan, filed under another patient
+    copy.PatientID = "9999999"
+    copy.save_as(scans / "other_patient.dcm")
+    bucket = gcs_emulator.upload(str(scans), f"copied-{tmp_path.name}")
+    labels = tmp_path / "labels.csv"  # the CSV on this machine, its scans in the bucket
+    labels.write_text(f"path,label,patient\n{bucket}/{a},yes,p1\n{bucket}/{b},no,p2\n"
+                      f"{bucket}/other_patient.dcm,yes,p3\n")
+    with pytest.raises(ConfigError) as refused:
+        read_label_table(str(labels), ("label", "patient"))
+    assert f"line 4: {bucket}/other_patient.dcm holds a copy of the scan of line 2 ({bucket}/{a})" in \
+        str(refused.value)
+    labels.write_text(f"path,label,patient\n{bucket}/{a},yes,p1\n{bucket}/{b},no,p2\n")  # one row per scan
     assert len(read_label_table(str(labels)).paths) == 2
 
 

@@ -251,6 +251,33 @@ def test_a_run_resumed_with_another_key_secret_is_refused_naming_the_key_file(tm
     assert "patient_keys: kf1-" in err and f"the key file {other} holds another secret" in err
 
 
+def file_contents(folder):
+    """{path: bytes} of every file below a folder."""
+    return {p: p.read_bytes() for p in Path(folder).rglob("*") if p.is_file()}
+
+
+def test_a_resume_in_a_fresh_home_is_refused_and_makes_no_new_key_secret(tmp_path, smoke_phantoms, monkeypatch,
+                                                                         capsys):
+    from train import main
+    from helpers import smoke_flags
+    # no stored index: the run's data is scanned again, and a scan is what may create a key file
+    flags = smoke_flags(tmp_path, smoke_phantoms, "--max_steps", "3", "--index_path", "none")
+    assert main(flags) == 0  # the tests' site key
+    run_dir = tmp_path / "runs" / "r"
+    before = file_contents(run_dir)
+    fresh = tmp_path / "fresh_home" / ".config" / "octjepa" / "site.key"  # a new container: no key file yet
+    monkeypatch.setenv("OCTJEPA_PATIENT_KEY_FILE", str(fresh))
+    capsys.readouterr()
+    assert main([*flags, "--resume", str(run_dir / "checkpoints" / "step_0000003.pt")]) == 2
+    err = capsys.readouterr().err
+    assert f"resume: {run_dir / 'checkpoints' / 'step_0000003.pt'}" in err and f"{fresh} does not exist" in err
+    assert "point OCTJEPA_PATIENT_KEY_FILE at the key file" in err
+    assert main([*flags, "--resume", "auto"]) == 2
+    assert "resume: auto" in capsys.readouterr().err
+    assert not (tmp_path / "fresh_home").exists()  # no new secret, not even its folder
+    assert file_contents(run_dir) == before  # and the run folder as it was
+
+
 def test_the_wandb_offline_record_holds_no_host_name(tmp_path, smoke_phantoms):
     if not shutil.which("unshare") or subprocess.run(["unshare", "--uts", "true"], capture_output=True).returncode:
         pytest.skip("unshare --uts is not allowed here: the test names the host, which needs its own UTS namespace")
