@@ -3,15 +3,13 @@
 Precedence: dataclass defaults < YAML file (--config FILE) < command-line flags.
 Every field is a flag: `--base_lr 1e-4`, `--base_lr=1e-4`, lists as `--image_size 64,384,384`,
 `none`/`null` (any case) for an optional field, a bare `--dry_run` for a bool.
-Problems raise ConfigError naming the field and the fix; every script's main (script_main) turns that into exit 2.
-The end of this file is the command line that every script shares: ScriptParser, script_main.
+Problems raise ConfigError naming the field and the fix; every script's main (cli.script_main) turns that into exit 2.
+The command line that every script shares (ScriptParser, script_main) is cli.py.
 
 Exit codes of every script: EXIT_CODES, the one table (0 done; the ExitError subclasses below, each with its code).
 """
-import argparse
 import dataclasses
 import difflib
-import functools
 import math
 import os
 import re
@@ -20,7 +18,7 @@ import sys
 import typing
 import warnings
 from dataclasses import dataclass, field
-from typing import Iterable, List, Optional, Sequence, Set, Tuple, Union
+from typing import Iterable, List, Optional, Sequence, Union
 
 import yaml
 
@@ -31,7 +29,7 @@ EXIT_FAILED = 1  # a check of sanity.py failed
 
 
 class ExitError(Exception):
-    """An error that ends a script: script_main prints `prefix` and the message on stderr and returns exit_code."""
+    """An error that ends a script: cli.script_main prints `prefix` and the message on stderr and returns exit_code."""
     exit_code = EXIT_FAILED
     prefix = "error: "
 
@@ -682,63 +680,6 @@ def save_config(cfg: Config, path: str) -> None:
     """Write the resolved config as YAML that load_config reads back to the same Config."""
     with open(path, "w") as f:
         yaml.safe_dump(dataclasses.asdict(cfg), f, sort_keys=False)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Command line: shared by every script
-# ----------------------------------------------------------------------------------------------------------
-
-CONFIG_FLAGS_HELP = ("Every Config field is also a flag: --base_lr 1e-4, --image_size 64,384,384, none for an\n"
-                     "optional field; --config FILE reads fields from YAML (see docs/config.md).")
-
-
-class ScriptParser(argparse.ArgumentParser):
-    """argparse for a script's own options (sub-commands where it has several verbs); parse() leaves the
-    `--field value` config flags over for load_config. A bad option raises ConfigError (exit 2), not SystemExit."""
-
-    def __init__(self, description: Optional[str] = None, config_flags: bool = True, **kwargs):
-        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
-        kwargs.setdefault("allow_abbrev", False)  # --seed is a config flag, not short for a script's --seeds
-        kwargs.setdefault("epilog", CONFIG_FLAGS_HELP if config_flags else None)
-        super().__init__(description=description, **kwargs)
-
-    def error(self, message: str):
-        raise ConfigError(f"{message} (see --help).")
-
-    def option_names(self) -> List[str]:
-        """The names of the script's own options, its sub-commands' included."""
-        names = []
-        for action in self._actions:
-            if action.option_strings and action.dest != "help":
-                names.append(action.dest)
-            if isinstance(action.choices, dict):  # the sub-commands: {name: parser}
-                names += [n for sub in action.choices.values() for n in sub.option_names()]
-        return names
-
-    def parse(self, argv: List[str]) -> Tuple[argparse.Namespace, List[str]]:
-        """(the script's options, the config flags left over); ConfigError for an argument that is neither, naming
-        the closest config field or script option."""
-        args, rest = self.parse_known_args(argv)
-        parse_flags(rest, self.option_names())
-        return args, rest
-
-
-def given_flags(argv: List[str]) -> Set[str]:
-    """The names of the flags in argv: Config fields, and 'config' for --config FILE."""
-    return set(parse_flags(argv))
-
-
-def script_main(main):
-    """Decorate a script's main(argv) -> exit code: argv defaults to sys.argv[1:], and an ExitError ends it with
-    its message on stderr and its exit code."""
-    @functools.wraps(main)
-    def run(argv: Optional[List[str]] = None) -> int:
-        try:
-            return main(sys.argv[1:] if argv is None else list(argv))
-        except ExitError as e:
-            print(f"{e.prefix}{e}", file=sys.stderr)
-            return e.exit_code
-    return run
 
 
 if __name__ == "__main__":  # python config.py > docs/config.md

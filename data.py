@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from config import Config, ConfigError, NoUsableData, ScriptParser, StorageFailed, load_config, script_main
+from config import Config, ConfigError, NoUsableData, StorageFailed, load_config
+from cli import ScriptParser, script_main
 from dicom import BENIGN_REASONS, UnusableFile
 from index import (format_reason_table, format_scan_report, index_records, index_source, list_sources,
                    reason_counts, scan_command, source_identity, update_index, write_index)

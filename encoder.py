@@ -57,7 +57,8 @@ import torch.nn.functional as F
 from sklearn.decomposition import PCA
 
 from checkpoint import resolve_checkpoint
-from config import Config, ConfigError, NoUsableData, ScriptParser, given_flags, load_config, script_main
+from config import Config, ConfigError, NoUsableData, load_config
+from cli import ScriptParser, given_flags, script_main
 from data import load_prepared, load_val_sample, to_sample
 from dicom import UnusableFile
 from health import position_share, position_share_of_sums, position_sums

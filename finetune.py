@@ -34,7 +34,7 @@ OUT/full/r{repeat}_f{fold}/: config.json and model.safetensors (pretrained.load_
 loss of every epoch); none of them holds a path (docs/privacy.md). The config flags that apply:
 device, seed (splits, probes, heads and the random init follow from it).
 """
-from storage import preempt_at_once_on_stop_signals
+from cli import preempt_at_once_on_stop_signals
 
 if __name__ == "__main__":  # a stop while the imports run (seconds: nothing started yet) is a preemption too
     preempt_at_once_on_stop_signals("finetune.py")
@@ -61,7 +61,8 @@ import torch.nn.functional as F
 from sklearn.model_selection import StratifiedGroupKFold
 
 from checkpoint import list_checkpoints
-from config import Config, ConfigError, Preempted, ScriptParser, given_flags, load_config, script_main
+from config import Config, ConfigError, Preempted, load_config
+from cli import ScriptParser, given_flags, script_main
 from data import resample_and_clip, to_sample
 from dicom import UnusableFile
 from index import format_reason_table

@@ -52,7 +52,8 @@ from pydicom.tag import Tag
 from pydicom.uid import (JPEG2000, ExplicitVRBigEndian, ExplicitVRLittleEndian, ImplicitVRLittleEndian,
                          JPEG2000Lossless, JPEGBaseline8Bit, RLELossless, UID, generate_uid)
 
-from config import Config, ConfigError, ScriptParser, script_main
+from config import Config, ConfigError
+from cli import ScriptParser, script_main
 from dicom import OPT_SOP
 from storage import exists, process_is_running
 

@@ -1,8 +1,7 @@
 """Files on local disk or in Google Cloud Storage (gs://), for everything that reads or writes them: checkpoints,
 logs, indexes, caches and the DICOM reader. Writes are atomic and streamed (open_atomic); a storage error that
 may pass by itself (a network or server error, a full disk) can be retried with backoff (retry). Low on purpose: it
-imports neither torch nor the reader, so writing a checkpoint or a log line loads no DICOM code, and a script imports
-it first to make a stop signal during its start a preemption (preempt_at_once_on_stop_signals).
+imports neither torch nor the reader, so writing a checkpoint or a log line loads no DICOM code.
 
 gs:// goes through gcsfs, one filesystem per process, created on first use and never pickled (DataLoader workers
 and pool processes make their own: incident 11). STORAGE_EMULATOR_HOST (e.g. http://127.0.0.1:9023) points it at
@@ -14,7 +13,6 @@ import glob
 import os
 import secrets
 import shutil
-import signal
 import socket
 import sys
 import time
@@ -197,19 +195,6 @@ def process_is_running(host: str, pid: int) -> bool:
     except PermissionError:  # another user's process
         return True
     return True
-
-
-def preempt_at_once_on_stop_signals(script: str) -> None:
-    """From now on, until a run installs its own handlers (runtime.StopSignals), SIGTERM and Ctrl-C end the process
-    at once with config.Preempted's exit code and a line on stderr saying to run the same command again: a stop
-    while a script imports and starts is a preemption, not a kill (exit 143) nor a traceback."""
-    def stopped(signum, frame):
-        os.write(2, f"preempted: {signal.Signals(signum).name} while {script} was starting: run the same command "
-                    f"again\n".encode())
-        os._exit(75)  # config.Preempted's code; at once: an exception raised inside torch's import could crash it
-
-    for stop in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(stop, stopped)
 
 
 def storage_errors() -> tuple:

@@ -11,7 +11,7 @@ Outputs go to out_dir/run_name/: config.yaml, metrics.jsonl, events.jsonl, check
 Exit codes: config.EXIT_CODES, the one table (0 done; ConfigError, NoUsableData, Diverged, StorageFailed, Preempted).
 "incident N" in the comments: the failures of the previous system listed in docs/incidents.md.
 """
-from storage import preempt_at_once_on_stop_signals
+from cli import preempt_at_once_on_stop_signals
 
 if __name__ == "__main__":  # a stop while the imports run (seconds) is a preemption too, until the run's own handlers
     preempt_at_once_on_stop_signals("train.py")
@@ -31,7 +31,8 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from config import (DEMO_FLAGS, EXIT_OK, Config, ConfigError, Diverged, NoUsableData, Preempted, RunPlan,
-                    ScriptParser, StorageFailed, load_config, plan_run, save_config, script_main)
+                    StorageFailed, load_config, plan_run, save_config)
+from cli import ScriptParser, script_main
 from data import build_datasets, format_reason_table, make_loader, make_val_loader
 from masks import mask_generator_from_config
 from model import VJEPA3D
