@@ -1,13 +1,16 @@
-"""One typed Config for octjepa: defaults, YAML loading, --flag overrides, validation, derived values.
+"""One typed Config for octjepa: defaults, YAML loading, --flag overrides, validation, derived
+values.
 
 Precedence: dataclass defaults < YAML file (--config FILE) < command-line flags.
 Every field is a flag: `--base_lr 1e-4`, `--base_lr=1e-4`, lists as `--image_size 64,384,384`,
 `none`/`null` (any case) for an optional field, a bare `--dry_run` for a bool.
-Problems raise ConfigError naming the field and the fix; every script's main (cli.script_main) turns that into exit 2.
-The command line that every script shares (ScriptParser, script_main) is cli.py.
+Problems raise ConfigError naming the field and the fix; every script's main (cli.script_main) turns
+that into exit 2. The command line that every script shares (ScriptParser, script_main) is cli.py.
 
-Exit codes of every script: EXIT_CODES, the one table (0 done; the ExitError subclasses below, each with its code).
+Exit codes of every script: EXIT_CODES, the one table (0 done; the ExitError subclasses below, each
+with its code).
 """
+
 import dataclasses
 import difflib
 import math
@@ -22,83 +25,113 @@ from typing import Iterable, List, Optional, Sequence, Union
 
 import yaml
 
-
-# Exit codes of every script: EXIT_CODES (below the error classes) is the one table that docs and docstrings point to
+# Exit codes of every script: EXIT_CODES (below the error classes) is the one table that docs and
+# docstrings point to
 EXIT_OK = 0  # done
 EXIT_FAILED = 1  # a check of sanity.py failed
 
 
 class ExitError(Exception):
-    """An error that ends a script: cli.script_main prints `prefix` and the message on stderr and returns exit_code."""
+    """An error that ends a script: cli.script_main prints `prefix` and the message on stderr and
+    returns exit_code."""
+
     exit_code = EXIT_FAILED
     prefix = "error: "
 
 
 class ConfigError(ExitError, ValueError):
-    """A configuration problem (a flag, config, checkpoint, export or labels file): the message names the field and
-    how to fix it."""
+    """A configuration problem (a flag, config, checkpoint, export or labels file): the message
+    names the field and how to fix it."""
+
     exit_code = 2
     prefix = "config error: "
 
 
 class NoUsableData(ExitError):
     """Nothing (or too little) to train on or embed; the message holds the per-reason table."""
+
     exit_code = 3
     prefix = "no usable data:\n"
 
 
 class Diverged(ExitError):
     """Training cannot recover from non-finite updates; the message is the diagnosis."""
+
     exit_code = 4
     prefix = "training diverged beyond recovery:\n"
 
 
 class StorageFailed(ExitError):
-    """Checkpoint storage stayed unwritable (or a checkpoint unreadable) after retrying for ckpt_retry_minutes."""
+    """Checkpoint storage stayed unwritable (or a checkpoint unreadable) after retrying for
+    ckpt_retry_minutes."""
+
     exit_code = 74  # sysexits EX_IOERR: what job schedulers read as "I/O error"
     prefix = "checkpoint storage failed: "
 
 
 class Preempted(ExitError):
-    """SIGTERM or SIGINT stopped the run at an update boundary, after a checkpoint of that update; the same command with
-    --resume auto continues exactly there."""
-    exit_code = 75  # sysexits EX_TEMPFAIL: what job schedulers read as "temporary failure: try again"
+    """SIGTERM or SIGINT stopped the run at an update boundary, after a checkpoint of that update;
+    the same command with --resume auto continues exactly there."""
+
+    # sysexits EX_TEMPFAIL: what job schedulers read as "temporary failure: try again"
+    exit_code = 75
     prefix = "preempted: "
 
 
-EXIT_CODES = {EXIT_OK: "done", EXIT_FAILED: "a sanity.py check failed",  # code -> meaning, of every script
-              **{e.exit_code: f"{e.__name__}: {' '.join(e.__doc__.split())}"
-                 for e in (ConfigError, NoUsableData, Diverged, StorageFailed, Preempted)}}
+# code -> meaning, of every script
+EXIT_CODES = {
+    EXIT_OK: "done",
+    EXIT_FAILED: "a sanity.py check failed",
+    **{
+        e.exit_code: f"{e.__name__}: {' '.join(e.__doc__.split())}"
+        for e in (ConfigError, NoUsableData, Diverged, StorageFailed, Preempted)
+    },
+}
 
 
 @dataclass
 class Config:
     # --- data ---
-    data_root: Optional[str] = None  # folder, glob or gs:// prefix of DICOM files; None = built-in phantoms
+    # folder, glob or gs:// prefix of DICOM files; None = built-in phantoms
+    data_root: Optional[str] = None
     manifest_path: Optional[str] = None  # TSV/CSV with a `filepath` column (relative to data_root)
-    index_path: Optional[str] = None  # JSONL index written by `python data.py scan` (reused if given)
-    phantom_dir: str = "data/phantoms"  # where the built-in demo phantoms are written when data_root is None
+    # JSONL index written by `python data.py scan` (reused if given)
+    index_path: Optional[str] = None
+    # where the built-in demo phantoms are written when data_root is None
+    phantom_dir: str = "data/phantoms"
     phantom_count: int = 48  # volumes in the built-in phantom set
-    phantom_varied: bool = True  # varied eyes as the verdict's (position, tilt, brightness...: phantom.draw_eye); false: plain
+    # varied eyes as the verdict's (position, tilt, brightness...: phantom.draw_eye); false: plain
+    phantom_varied: bool = True
     sop_classes: str = "oct"  # oct | any
-    image_size: List[int] = field(default_factory=lambda: [16, 64, 64])  # [D, H, W] voxels fed to the model
+    # [D, H, W] voxels fed to the model
+    image_size: List[int] = field(default_factory=lambda: [16, 64, 64])
     patch_size: List[int] = field(default_factory=lambda: [4, 8, 8])  # tubelet [pd, ph, pw]
-    target_spacing: Optional[List[float]] = None  # [dz, dy, dx] mm to resample to; None = resize to image_size
-    missing_spacing: str = "resize"  # resize | skip: what to do with a volume whose spacing is missing/garbled
-    clip_percentiles: List[float] = field(default_factory=lambda: [0.5, 99.5])  # robust intensity clip
+    # [dz, dy, dx] mm to resample to; None = resize to image_size
+    target_spacing: Optional[List[float]] = None
+    # resize | skip: what to do with a volume whose spacing is missing/garbled
+    missing_spacing: str = "resize"
+    # robust intensity clip
+    clip_percentiles: List[float] = field(default_factory=lambda: [0.5, 99.5])
     flip_prob: float = 0.5  # random flip across the lateral axis (train only)
-    intensity_jitter: float = 0.1  # random intensity scale/shift amplitude after normalization (train only)
+    # random intensity scale/shift amplitude after normalization (train only)
+    intensity_jitter: float = 0.1
     val_fraction: float = 0.1  # share of patients held out for validation
-    cache_dir: Optional[str] = None  # decoded-volume cache (data.py prepare); None: decode each time (phantoms: in phantom_dir-cache)
+    # decoded-volume cache (data.py prepare); None: decode each time (phantoms: in
+    # phantom_dir-cache)
+    cache_dir: Optional[str] = None
     workers: int = 2  # DataLoader worker processes
     max_bad_fraction: float = 0.2  # stop (exit 3) when more than this share of files is unusable
     # --- masking ---
     mask_type: str = "random"  # multiblock (blocks clipped at the borders) | random
     mask_ratio: float = 0.6  # share of tokens that are prediction targets (in each mask set)
-    mask_block_scale: List[float] = field(default_factory=lambda: [0.1, 0.3])  # block size as share of tokens: [min, max] per mask set; more pairs = more mask sets per sample (V-JEPA short/long range)
+    # block size as share of tokens: [min, max] per mask set; more pairs = more mask sets per sample
+    # (V-JEPA short/long range)
+    mask_block_scale: List[float] = field(default_factory=lambda: [0.1, 0.3])
     mask_block_aspect: float = 1.5  # max aspect ratio distortion of a block per axis pair
     # --- model ---
-    patch_stem: str = "hmlp"  # linear (ViT's: one linear map of each tubelet) | hmlp (three non-overlapping convolutions with GELU: a nonlinear map of the tubelet's own voxels; patch_size [even, 4k, 4k])
+    # linear (ViT's: one linear map of each tubelet) | hmlp (three non-overlapping convolutions with
+    # GELU: a nonlinear map of the tubelet's own voxels; patch_size [even, 4k, 4k])
+    patch_stem: str = "hmlp"
     embed_dim: int = 96  # context/target encoder width
     depth: int = 4  # encoder blocks
     num_heads: int = 4  # encoder attention heads (embed_dim must divide by it)
@@ -107,63 +140,110 @@ class Config:
     pred_num_heads: int = 4  # predictor attention heads
     mlp_ratio: float = 4.0  # MLP hidden width / block width
     loss: str = "l1"  # l1 | mse
-    local_loss_weight: float = 0.5  # 0: none. MaskFeat-style: + this x the error of a linear head reading each visible token's own voxel statistics (mean, std, histogram) from the context encoder
-    local_loss_split: List[int] = field(default_factory=lambda: [1, 4, 1])  # the local loss's statistics per sub-block: each token cut into this many per axis (1,4,1: its four depth quarters; patch_size[1] must divide by it)
-    grad_checkpointing: Union[bool, str] = "auto"  # recompute block activations in backward: less memory, ~1/3 more compute; auto = only where the memory estimate does not fit the device without it
+    # 0: none. MaskFeat-style: + this x the error of a linear head reading each visible token's own
+    # voxel statistics (mean, std, histogram) from the context encoder
+    local_loss_weight: float = 0.5
+    # the local loss's statistics per sub-block: each token cut into this many per axis (1,4,1: its
+    # four depth quarters; patch_size[1] must divide by it)
+    local_loss_split: List[int] = field(default_factory=lambda: [1, 4, 1])
+    # recompute block activations in backward: less memory, ~1/3 more compute; auto = only where the
+    # memory estimate does not fit the device without it
+    grad_checkpointing: Union[bool, str] = "auto"
     # --- optimization ---
-    global_batch_size: Optional[int] = 8  # volumes per optimizer update, over all devices and micro-batches
+    # volumes per optimizer update, over all devices and micro-batches
+    global_batch_size: Optional[int] = 8
     per_core_batch_size: Optional[int] = 8  # volumes per device per micro-batch
-    grad_accum_steps: Optional[int] = None  # derived from the two batch sizes and the world size when None
-    epochs: int = 180  # passes over the training split (sets the run length unless max_steps); the demo: 900 updates
+    # derived from the two batch sizes and the world size when None
+    grad_accum_steps: Optional[int] = None
+    # passes over the training split (sets the run length unless max_steps); the demo: 900 updates
+    epochs: int = 180
     max_steps: Optional[int] = None  # optimizer updates; overrides epochs when set
-    base_lr: float = 5e-4  # peak LR, reached after warmup (sanity.py --lr_sweep measures a stable one)
+    # peak LR, reached after warmup (sanity.py --lr_sweep measures a stable one)
+    base_lr: float = 5e-4
     min_lr: float = 1e-5  # LR at the end of the cosine schedule (held after it)
-    warmup_steps: Optional[int] = None  # linear warmup from base_lr / warmup_steps; None = use warmup_epochs
+    # linear warmup from base_lr / warmup_steps; None = use warmup_epochs
+    warmup_steps: Optional[int] = None
     warmup_epochs: Optional[float] = 2.0  # used when warmup_steps is None
     schedule: str = "cosine"  # cosine | constant
-    weight_decay: float = 0.04  # AdamW decoupled decay on weight matrices (not biases, norms, mask token)
-    weight_decay_end: Optional[float] = None  # cosine-ramped to this value; None = constant weight_decay
+    # AdamW decoupled decay on weight matrices (not biases, norms, mask token)
+    weight_decay: float = 0.04
+    # cosine-ramped to this value; None = constant weight_decay
+    weight_decay_end: Optional[float] = None
     adam_betas: List[float] = field(default_factory=lambda: [0.9, 0.999])  # AdamW [beta1, beta2]
     ema_base: float = 0.998  # EMA momentum at step 0, ramped to ema_end
-    ema_end: float = 1.0  # EMA momentum at the end of the run (below 1: the target encoder keeps moving)
+    # EMA momentum at the end of the run (below 1: the target encoder keeps moving)
+    ema_end: float = 1.0
     ema_schedule: str = "cosine"  # cosine | linear: the ramp from ema_base to ema_end
-    grad_clip: Optional[float] = 1.0  # max total grad norm; None = no clipping (the norm is still logged)
-    use_bf16: bool = False  # bf16 autocast (CUDA, XLA; CPU with AMX); weights and optimizer stay fp32
-    compile: Union[bool, str] = "auto"  # torch.compile the encoders, predictor and loss (CPU, CUDA); auto = on CUDA only; XLA compiles the update anyway
-    compile_mode: str = "default"  # torch.compile mode: default | reduce-overhead (CUDA graphs of the compiled parts: small models) | max-autotune-no-cudagraphs
+    # max total grad norm; None = no clipping (the norm is still logged)
+    grad_clip: Optional[float] = 1.0
+    # bf16 autocast (CUDA, XLA; CPU with AMX); weights and optimizer stay fp32
+    use_bf16: bool = False
+    # torch.compile the encoders, predictor and loss (CPU, CUDA); auto = on CUDA only; XLA compiles
+    # the update anyway
+    compile: Union[bool, str] = "auto"
+    # torch.compile mode: default | reduce-overhead (CUDA graphs of the compiled parts: small
+    # models) | max-autotune-no-cudagraphs
+    compile_mode: str = "default"
     max_consecutive_nonfinite: int = 3  # skipped updates in a row before a rollback
     max_rollbacks: int = 3  # rollbacks before giving up with exit 4
     rollback_lr_factor: float = 0.5  # LR multiplier applied at each rollback
     # --- logging, validation, checkpoints ---
-    log_every_steps: int = 10  # metrics line every N updates (on XLA also how often the host reads the device)
-    val_every_steps: int = 100  # validation (loss, target_std, RankMe) every N updates and at the end
-    val_batches: int = 4  # validation uses the first val_batches x global_batch_size val volumes (fixed crops and masks, the same on any number of processes)
-    probe_every_steps: Optional[int] = None  # linear probes of the target encoder every N updates (runprobe.py); None = off
-    probe_labels: Optional[str] = None  # labels.csv (path,label) of the run's probes; None = the suite's lesion task on labelled phantoms
-    summary_probe: bool = True  # end of run: the verdict: does the encoder beat a random init and hand-made features (the attentive read-out)?
-    collapse_min_target_std: float = 0.05  # warn (events.jsonl, console) when target_std falls under this
+    # metrics line every N updates (on XLA also how often the host reads the device)
+    log_every_steps: int = 10
+    # validation (loss, target_std, RankMe) every N updates and at the end
+    val_every_steps: int = 100
+    # validation uses the first val_batches x global_batch_size val volumes (fixed crops and masks,
+    # the same on any number of processes)
+    val_batches: int = 4
+    # linear probes of the target encoder every N updates (runprobe.py); None = off
+    probe_every_steps: Optional[int] = None
+    # labels.csv (path,label) of the run's probes; None = the suite's lesion task on labelled
+    # phantoms
+    probe_labels: Optional[str] = None
+    # end of run: the verdict: does the encoder beat a random init and hand-made features (the
+    # attentive read-out)?
+    summary_probe: bool = True
+    # warn (events.jsonl, console) when target_std falls under this
+    collapse_min_target_std: float = 0.05
     collapse_min_rankme: float = 2.0  # warn when val RankMe falls under this
-    collapse_window_steps: int = 1000  # warn when either falls under half its best of this many updates (probe AUROC: half its gain over 0.5)
+    # warn when either falls under half its best of this many updates (probe AUROC: half its gain
+    # over 0.5)
+    collapse_window_steps: int = 1000
     ckpt_dir: Optional[str] = "auto"  # auto = out_dir/run_name/checkpoints; None = no checkpoints
     ckpt_every_steps: int = 100  # checkpoint every N updates and at the end
-    ckpt_every_minutes: Optional[float] = None  # also checkpoint when this long passed since the last one (process 0's clock); None = off
-    ckpt_retry_minutes: float = 5.0  # a failing checkpoint write is retried with backoff this long, then skipped; a second failure in a row stops with exit 74
+    # also checkpoint when this long passed since the last one (process 0's clock); None = off
+    ckpt_every_minutes: Optional[float] = None
+    # a failing checkpoint write is retried with backoff this long, then skipped; a second failure
+    # in a row stops with exit 74
+    ckpt_retry_minutes: float = 5.0
     keep_last: int = 2  # step checkpoints kept (best.pt is kept besides)
-    resume: Optional[str] = None  # None | auto (latest in ckpt_dir, if any) | restart (start over: the run folder's earlier history is moved into restarted-<time>/, never deleted) | path to a checkpoint; a start from scratch on a run folder's history is refused without restart
-    extend: bool = False  # with resume: allow more updates than the checkpoint's plan; schedules continue smoothly
-    extend_schedule: str = "stretch"  # stretch (the rest of the schedules spread over the longer run) | rewarm (a new warmup to base_lr and cosine, EMA from ema_base, over the added updates)
-    ckpt_dir_shared: bool = False  # multi-node DDP with a local ckpt_dir: every node sees it (NFS); checked at start
+    # None | auto (latest in ckpt_dir, if any) | restart (start over: the run folder's earlier
+    # history is moved into restarted-<time>/, never deleted) | path to a checkpoint; a start from
+    # scratch on a run folder's history is refused without restart
+    resume: Optional[str] = None
+    # with resume: allow more updates than the checkpoint's plan; schedules continue smoothly
+    extend: bool = False
+    # stretch (the rest of the schedules spread over the longer run) | rewarm (a new warmup to
+    # base_lr and cosine, EMA from ema_base, over the added updates)
+    extend_schedule: str = "stretch"
+    # multi-node DDP with a local ckpt_dir: every node sees it (NFS); checked at start
+    ckpt_dir_shared: bool = False
     wandb: str = "disabled"  # auto | online | offline | disabled
     wandb_project: str = "octjepa"  # W&B project
     wandb_entity: Optional[str] = None  # W&B entity (team); None = your default
     # --- run ---
     device: str = "auto"  # auto | cpu | cuda | xla
-    shard: Optional[str] = None  # None | fsdp: shard weights, gradients, AdamW state and the EMA target over the devices (FSDP2 under torchrun; SPMD on XLA)
-    fsdp_size: Optional[int] = None  # with shard fsdp: devices one copy of the weights is sharded over; None = all; fewer = a data x fsdp mesh
+    # None | fsdp: shard weights, gradients, AdamW state and the EMA target over the devices (FSDP2
+    # under torchrun; SPMD on XLA)
+    shard: Optional[str] = None
+    # with shard fsdp: devices one copy of the weights is sharded over; None = all; fewer = a data x
+    # fsdp mesh
+    fsdp_size: Optional[int] = None
     seed: int = 0  # weights, data order, crops and masks all follow from it
     out_dir: str = "runs"  # run folders go here: out_dir/run_name/
     run_name: Optional[str] = None  # None = a timestamped name
-    dry_run: bool = False  # print the preflight report and save schedules.png/mask.png, train nothing
+    # print the preflight report and save schedules.png/mask.png, train nothing
+    dry_run: bool = False
 
     def grid_size(self) -> List[int]:
         """Tokens per axis [gd, gh, gw]."""
@@ -192,39 +272,60 @@ CHOICES = {
     "extend_schedule": ("stretch", "rewarm"),
     "compile_mode": ("default", "reduce-overhead", "max-autotune-no-cudagraphs"),
 }
-# true | false | auto: auto is decided where the run starts, from its device (train.py, plan.choose_auto_settings)
+# true | false | auto: auto is decided where the run starts, from its device (train.py,
+# plan.choose_auto_settings)
 AUTO_FIELDS = ("grad_checkpointing", "compile")
-LIST_LENGTHS = {"image_size": 3, "patch_size": 3, "target_spacing": 3, "clip_percentiles": 2,
-                "adam_betas": 2, "local_loss_split": 3}
-# Fields naming a file, folder or URL: the string "None" there is a YAML/shell slip, never a path (incident 8).
-PATH_FIELDS = ("data_root", "manifest_path", "index_path", "phantom_dir", "cache_dir", "ckpt_dir", "probe_labels",
-               "out_dir", "resume")
+LIST_LENGTHS = {
+    "image_size": 3,
+    "patch_size": 3,
+    "target_spacing": 3,
+    "clip_percentiles": 2,
+    "adam_betas": 2,
+    "local_loss_split": 3,
+}
+# Fields naming a file, folder or URL: the string "None" there is a YAML/shell slip, never a path
+# (incident 8).
+PATH_FIELDS = (
+    "data_root",
+    "manifest_path",
+    "index_path",
+    "phantom_dir",
+    "cache_dir",
+    "ckpt_dir",
+    "probe_labels",
+    "out_dir",
+    "resume",
+)
 NULL_WORDS = ("none", "null", "~")
-# `python train.py` with no arguments, the demo: one run folder, out_dir/demo. Run again, it continues an interrupted
-# demo or reprints the summary of a finished one (docs/encoder.md's commands use its paths).
+# `python train.py` with no arguments, the demo: one run folder, out_dir/demo. Run again, it
+# continues an interrupted demo or reprints the summary of a finished one (docs/encoder.md's
+# commands use its paths).
 DEMO_FLAGS = ["--run_name", "demo", "--resume", "auto"]
 
 
-PHANTOM_SET_SUFFIXES = {"plain": "_probe", "varied": "_suite", "inner": "_inner"}  # labelled phantom sets by kind
+# labelled phantom sets by kind
+PHANTOM_SET_SUFFIXES = {"plain": "_probe", "varied": "_suite", "inner": "_inner"}
 
 
 def phantom_set_labels_path(cfg: "Config", kind: str) -> str:
-    """The labels.csv of the built-in labelled phantom set of a kind (labels.phantom_set_labels writes it): beside
-    cfg.phantom_dir with the kind's suffix (PHANTOM_SET_SUFFIXES)."""
+    """The labels.csv of the built-in labelled phantom set of a kind (labels.phantom_set_labels
+    writes it): beside cfg.phantom_dir with the kind's suffix (PHANTOM_SET_SUFFIXES)."""
     return os.path.join(cfg.phantom_dir.rstrip("/") + PHANTOM_SET_SUFFIXES[kind], "labels.csv")
 
 
 def phantom_labels_path(cfg: "Config", varied: bool = False) -> str:
-    """The labels.csv of a built-in labelled phantom set (labels.phantom_labels writes it): the plain set beside
-    cfg.phantom_dir with '_probe', the varied one with '_suite'."""
+    """The labels.csv of a built-in labelled phantom set (labels.phantom_labels writes it): the
+    plain set beside cfg.phantom_dir with '_probe', the varied one with '_suite'."""
     return phantom_set_labels_path(cfg, "varied" if varied else "plain")
+
 
 FIELD_TYPES = typing.get_type_hints(Config)
 FIELD_NAMES = [f.name for f in dataclasses.fields(Config)]
 
-# Fields that left for a patch of experiments/patches/ (objectives and options measured and not kept), each with its
-# default then. A saved config (a checkpoint's, a run's config.yaml, an export's training config) holds them at that
-# default: dropped, it reads as before. Any other value, or the field as a flag, is a ConfigError naming the patch.
+# Fields that left for a patch of experiments/patches/ (objectives and options measured and not
+# kept), each with its default then. A saved config (a checkpoint's, a run's config.yaml, an
+# export's training config) holds them at that default: dropped, it reads as before. Any other
+# value, or the field as a flag, is a ConfigError naming the patch.
 REMOVED_FIELDS = {  # name: (its default, the patch that brings it back)
     "context_loss_weight": (0.0, "vjepa21_objectives.diff"),
     "context_loss_distance": (False, "vjepa21_objectives.diff"),
@@ -235,13 +336,15 @@ REMOVED_FIELDS = {  # name: (its default, the patch that brings it back)
 
 
 def without_removed_fields(values: dict, where: str = "") -> dict:
-    """values less the REMOVED_FIELDS that hold their old default; a ConfigError naming the patch for one that does
-    not (`where` starts the message: whose values they are)."""
+    """values less the REMOVED_FIELDS that hold their old default; a ConfigError naming the patch
+    for one that does not (`where` starts the message: whose values they are)."""
     for name in sorted(set(values) & set(REMOVED_FIELDS)):
         default, patch = REMOVED_FIELDS[name]
         if values[name] != default:
-            raise ConfigError(f"{where}{name}: {values[name]!r} is an option measured and not kept: it moved to "
-                              f"experiments/patches/{patch} (git apply it to train with it or read this).")
+            raise ConfigError(
+                f"{where}{name}: {values[name]!r} is an option measured and not kept: it moved to "
+                f"experiments/patches/{patch} (git apply it to train with it or read this)."
+            )
     return {k: v for k, v in values.items() if k not in REMOVED_FIELDS}
 
 
@@ -255,8 +358,10 @@ def _unwrap_optional(tp):
 
 def _unknown_key_error(key: str, where: str, script_options: Iterable[str] = ()) -> ConfigError:
     if key in REMOVED_FIELDS:
-        return ConfigError(f"{key}: an option measured and not kept: it moved to "
-                           f"experiments/patches/{REMOVED_FIELDS[key][1]} (git apply it to use it).")
+        return ConfigError(
+            f"{key}: an option measured and not kept: it moved to "
+            f"experiments/patches/{REMOVED_FIELDS[key][1]} (git apply it to use it)."
+        )
     close = difflib.get_close_matches(key, FIELD_NAMES + list(script_options), n=1, cutoff=0.5)
     hint = f" Did you mean '{close[0]}'?" if close else " See docs/config.md for the fields."
     return ConfigError(f"unknown {where} '{key}'.{hint}")
@@ -314,10 +419,14 @@ def convert_value(name: str, value, from_cli: bool):
         except ConfigError:
             raise ConfigError(f"{name}: expected true, false or auto, got {value!r}.") from None
     tp, optional = _unwrap_optional(FIELD_TYPES[name])
-    if value is None or (from_cli and isinstance(value, str) and value.strip().lower() in NULL_WORDS):
+    if value is None or (
+        from_cli and isinstance(value, str) and value.strip().lower() in NULL_WORDS
+    ):
         if not optional:
-            raise ConfigError(f"{name}: this field cannot be null; give a value "
-                              f"(default {getattr(Config(), name)!r}).")
+            raise ConfigError(
+                f"{name}: this field cannot be null; give a value "
+                f"(default {getattr(Config(), name)!r})."
+            )
         return None
     if typing.get_origin(tp) in (list, List):
         (item_tp,) = typing.get_args(tp)
@@ -326,7 +435,9 @@ def convert_value(name: str, value, from_cli: bool):
             items = [v for v in value.strip("[]() ").split(",") if v.strip()]
         if not isinstance(items, (list, tuple)):
             raise ConfigError(f"{name}: expected a list like 1,2,3, got {value!r}.")
-        out = [_convert_scalar(name, item_tp, v.strip() if isinstance(v, str) else v) for v in items]
+        out = [
+            _convert_scalar(name, item_tp, v.strip() if isinstance(v, str) else v) for v in items
+        ]
         want = LIST_LENGTHS.get(name)
         if want is not None and len(out) != want:
             raise ConfigError(f"{name}: expected {want} values, got {len(out)} ({value!r}).")
@@ -335,13 +446,15 @@ def convert_value(name: str, value, from_cli: bool):
 
 
 def parse_flags(argv: List[str], script_options: Iterable[str] = ()) -> dict:
-    """Parse `--flag value`, `--flag=value` and bare bool `--flag` into {field: raw string or True}; an unknown
-    flag names the closest field or script option."""
+    """Parse `--flag value`, `--flag=value` and bare bool `--flag` into {field: raw string or True};
+    an unknown flag names the closest field or script option."""
     flags, i = {}, 0
     while i < len(argv):
         arg = argv[i]
         if not arg.startswith("--") or len(arg) == 2:
-            raise ConfigError(f"unexpected argument {arg!r}: flags look like --name value or --name=value.")
+            raise ConfigError(
+                f"unexpected argument {arg!r}: flags look like --name value or --name=value."
+            )
         name, eq, value = arg[2:].partition("=")
         name = name.replace("-", "_")
         if name != "config" and name not in FIELD_TYPES:
@@ -361,7 +474,8 @@ def parse_flags(argv: List[str], script_options: Iterable[str] = ()) -> dict:
 
 
 class UniqueKeyLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that refuses a mapping with a key twice (PyYAML would keep the later value without a word)."""
+    """yaml.SafeLoader that refuses a mapping with a key twice (PyYAML would keep the later value
+    without a word)."""
 
     def construct_mapping(self, node, deep=False):
         seen = {}
@@ -369,8 +483,10 @@ class UniqueKeyLoader(yaml.SafeLoader):
             key = self.construct_object(key_node, deep=True)
             line = key_node.start_mark.line + 1
             if key in seen:
-                raise yaml.MarkedYAMLError(problem=f"the key {key!r} is given twice, on lines {seen[key]} and {line}",
-                                         problem_mark=key_node.start_mark)
+                raise yaml.MarkedYAMLError(
+                    problem=f"the key {key!r} is given twice, on lines {seen[key]} and {line}",
+                    problem_mark=key_node.start_mark,
+                )
             seen[key] = line
         return super().construct_mapping(node, deep)
 
@@ -381,30 +497,37 @@ def yaml_fix(error: yaml.YAMLError) -> str:
     if "'\\t'" in text or "\\t(TAB)" in text:
         return "indent with spaces: YAML does not allow tabs"
     if "tag:yaml.org,2002:python/" in text or "could not determine a constructor" in text:
-        return "write plain values (numbers, strings, lists): a config does not run Python, so YAML tags like " \
-               "!!python/... are refused"
+        return (
+            "write plain values (numbers, strings, lists): a config does not run Python, so YAML"
+            " tags like !!python/... are refused"
+        )
     if "given twice" in text:
         return "delete the line you do not mean"
     return "fix the YAML at that line (the values of each field are in docs/config.md)"
 
 
 def load_yaml(path: str) -> dict:
-    """Read a YAML config file into a dict of raw values. ConfigError naming the file, the line and the fix for a
-    file that is not there, not UTF-8, not YAML, runs Python tags, or gives a key twice; unknown keys are errors."""
+    """Read a YAML config file into a dict of raw values. ConfigError naming the file, the line and
+    the fix for a file that is not there, not UTF-8, not YAML, runs Python tags, or gives a key
+    twice; unknown keys are errors."""
     try:
         with open(path, "rb") as f:
             data = f.read()
     except FileNotFoundError:
         raise ConfigError(f"config: file {path!r} not found.") from None
     except OSError as e:
-        raise ConfigError(f"config: cannot read {path} ({e.strerror or e}); give a readable YAML file.") from None
+        raise ConfigError(
+            f"config: cannot read {path} ({e.strerror or e}); give a readable YAML file."
+        ) from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = data[:e.start].count(b"\n") + 1
-        raise ConfigError(f"config: {path}, line {line}: byte 0x{data[e.start]:02x} is not UTF-8 text (Latin-1?); save "
-                          f"the file as UTF-8, e.g. `iconv -f latin1 -t utf-8 {shlex.quote(path)} > fixed.yaml`, and "
-                          f"give --config fixed.yaml.") from None
+        line = data[: e.start].count(b"\n") + 1
+        raise ConfigError(
+            f"config: {path}, line {line}: byte 0x{data[e.start]:02x} is not UTF-8 text (Latin-1?);"
+            f" save the file as UTF-8, e.g. `iconv -f latin1 -t utf-8 {shlex.quote(path)} >"
+            " fixed.yaml`, and give --config fixed.yaml."
+        ) from None
     try:
         raw = yaml.load(text, Loader=UniqueKeyLoader) or {}
     except yaml.YAMLError as e:
@@ -414,22 +537,32 @@ def load_yaml(path: str) -> dict:
         raise ConfigError(f"config: {path}{where}: {problem}; {yaml_fix(e)}.") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"config: {path} must be a mapping of field: value.")
-    raw = without_removed_fields(raw, f"config: {path}: ")  # a run's config.yaml of an older octjepa holds them
+    # a run's config.yaml of an older octjepa holds them
+    raw = without_removed_fields(raw, f"config: {path}: ")
     for key in raw:
         if key not in FIELD_TYPES:
             raise _unknown_key_error(str(key), f"key in {path}:")
     return raw
 
 
-def load_config(argv: Optional[List[str]] = None, defaults: Optional[dict] = None, **overrides) -> "Config":
-    """Build a validated Config. Precedence: dataclass defaults < `defaults` (a script's own) < the YAML file of
-    `--config FILE` < the other flags in argv (default sys.argv[1:]) < keyword overrides. REMOVED_FIELDS at their old
-    default, in the YAML file or the overrides (a saved config), are dropped."""
+def load_config(
+    argv: Optional[List[str]] = None, defaults: Optional[dict] = None, **overrides
+) -> "Config":
+    """Build a validated Config. Precedence: dataclass defaults < `defaults` (a script's own) < the
+    YAML file of `--config FILE` < the other flags in argv (default sys.argv[1:]) < keyword
+    overrides. REMOVED_FIELDS at their old default, in the YAML file or the overrides (a saved
+    config), are dropped."""
     flags = parse_flags(sys.argv[1:] if argv is None else list(argv))
     from_yaml = load_yaml(flags.pop("config")) if "config" in flags else {}
     values = {}
-    saved = without_removed_fields(overrides)  # a checkpoint's or an export's config of an older octjepa holds them
-    for layer, from_cli in ((defaults or {}, False), (from_yaml, False), (flags, True), (saved, False)):
+    # a checkpoint's or an export's config of an older octjepa holds them
+    saved = without_removed_fields(overrides)
+    for layer, from_cli in (
+        (defaults or {}, False),
+        (from_yaml, False),
+        (flags, True),
+        (saved, False),
+    ):
         for key, value in layer.items():
             if key not in FIELD_TYPES:
                 raise _unknown_key_error(key, "field")
@@ -440,19 +573,22 @@ def load_config(argv: Optional[List[str]] = None, defaults: Optional[dict] = Non
 
 
 def hmlp_stem_problem(patch_size: Sequence[int], embed_dim: int) -> Optional[str]:
-    """Why the hmlp stem cannot embed tubelets of patch_size at width embed_dim, or None when it can: it cuts each
-    tubelet into 1x2x2 cells, then 2x2x2 of those, then the rest, with embed_dim / 2 channels in between (the one
-    rule of config.validate and model.tubelet_embedding)."""
+    """Why the hmlp stem cannot embed tubelets of patch_size at width embed_dim, or None when it
+    can: it cuts each tubelet into 1x2x2 cells, then 2x2x2 of those, then the rest, with embed_dim /
+    2 channels in between (the one rule of config.validate and model.tubelet_embedding)."""
     pd, ph, pw = patch_size
     if pd % 2 or ph % 4 or pw % 4 or embed_dim % 2:
-        return (f"hmlp cuts each tubelet into 1x2x2 cells, then 2x2x2 of those, then the rest: it needs an even pd, "
-                f"ph and pw multiples of 4 and an even embed_dim, got patch_size {list(patch_size)} and embed_dim "
-                f"{embed_dim}")
+        return (
+            "hmlp cuts each tubelet into 1x2x2 cells, then 2x2x2 of those, then the rest: it needs"
+            " an even pd, ph and pw multiples of 4 and an even embed_dim, got patch_size"
+            f" {list(patch_size)} and embed_dim {embed_dim}"
+        )
     return None
 
 
 def validate(cfg: Config) -> None:
-    """Check every rule that does not need the data or the world size; raise ConfigError on the first."""
+    """Check every rule that does not need the data or the world size; raise ConfigError on the
+    first."""
     for name, choices in CHOICES.items():
         if getattr(cfg, name) not in choices:
             raise ConfigError(f"{name}: {getattr(cfg, name)!r} is not one of {', '.join(choices)}.")
@@ -462,82 +598,149 @@ def validate(cfg: Config) -> None:
     for name in PATH_FIELDS:
         value = getattr(cfg, name)
         if isinstance(value, str) and value.strip().lower() in NULL_WORDS:
-            raise ConfigError(f"{name}: the string {value!r} is not a path. Write `{name}: null` (unquoted) in YAML "
-                              f"or --{name} none to leave it unset.")
+            raise ConfigError(
+                f"{name}: the string {value!r} is not a path. Write `{name}: null` (unquoted) in"
+                f" YAML or --{name} none to leave it unset."
+            )
         if isinstance(value, str) and not value.strip():
             raise ConfigError(f"{name}: empty path; use null to leave it unset.")
     for axis, (s, p) in enumerate(zip(cfg.image_size, cfg.patch_size)):
         if p <= 0 or s <= 0:
-            raise ConfigError(f"image_size/patch_size: sizes must be positive, got {cfg.image_size} / {cfg.patch_size}.")
+            raise ConfigError(
+                f"image_size/patch_size: sizes must be positive, got {cfg.image_size} /"
+                f" {cfg.patch_size}."
+            )
         if s % p:
-            raise ConfigError(f"image_size: axis {axis} ({s}) is not divisible by patch_size ({p}); "
-                              f"use a multiple of {p}, e.g. {s - s % p or p}.")
+            raise ConfigError(
+                f"image_size: axis {axis} ({s}) is not divisible by patch_size ({p}); "
+                f"use a multiple of {p}, e.g. {s - s % p or p}."
+            )
     if not 0.0 < cfg.mask_ratio < 1.0:
-        raise ConfigError(f"mask_ratio: {cfg.mask_ratio} must be strictly between 0 and 1 (e.g. 0.6).")
+        raise ConfigError(
+            f"mask_ratio: {cfg.mask_ratio} must be strictly between 0 and 1 (e.g. 0.6)."
+        )
     n_context, n_target = cfg.token_counts()
     if n_context < 1 or n_target < 1:
-        raise ConfigError(f"mask_ratio: {cfg.mask_ratio} of {cfg.num_tokens()} tokens leaves {n_context} context and "
-                          f"{n_target} target tokens; both must be at least 1.")
+        raise ConfigError(
+            f"mask_ratio: {cfg.mask_ratio} of {cfg.num_tokens()} tokens leaves {n_context} context"
+            f" and {n_target} target tokens; both must be at least 1."
+        )
     scales = cfg.mask_block_scale
     if not scales or len(scales) % 2:
-        raise ConfigError(f"mask_block_scale: {scales} must hold [min, max] pairs, one per mask set, e.g. 0.1,0.3 "
-                          f"or 0.02,0.05,0.3,0.5 for a short-range and a long-range set.")
+        raise ConfigError(
+            f"mask_block_scale: {scales} must hold [min, max] pairs, one per mask set, e.g. 0.1,0.3"
+            " or 0.02,0.05,0.3,0.5 for a short-range and a long-range set."
+        )
     for lo, hi in zip(scales[::2], scales[1::2]):
         if not 0.0 < lo <= hi <= 1.0:
-            raise ConfigError(f"mask_block_scale: the pair [{lo}, {hi}] of {scales} must satisfy 0 < min <= max <= 1.")
+            raise ConfigError(
+                f"mask_block_scale: the pair [{lo}, {hi}] of {scales} must satisfy 0 < min <= max"
+                " <= 1."
+            )
     if cfg.mask_block_aspect < 1.0:
         raise ConfigError(f"mask_block_aspect: {cfg.mask_block_aspect} must be >= 1.")
     p_lo, p_hi = cfg.clip_percentiles
     if not 0.0 <= p_lo < p_hi <= 100.0:
-        raise ConfigError(f"clip_percentiles: {cfg.clip_percentiles} must satisfy 0 <= low < high <= 100.")
+        raise ConfigError(
+            f"clip_percentiles: {cfg.clip_percentiles} must satisfy 0 <= low < high <= 100."
+        )
     if cfg.target_spacing is not None and any(s <= 0 for s in cfg.target_spacing):
-        raise ConfigError(f"target_spacing: {cfg.target_spacing} must be positive mm values [dz, dy, dx].")
+        raise ConfigError(
+            f"target_spacing: {cfg.target_spacing} must be positive mm values [dz, dy, dx]."
+        )
     if cfg.local_loss_weight < 0:
-        raise ConfigError(f"local_loss_weight: {cfg.local_loss_weight} must be >= 0 (0: no local loss).")
+        raise ConfigError(
+            f"local_loss_weight: {cfg.local_loss_weight} must be >= 0 (0: no local loss)."
+        )
     if any(n < 1 or p % n for n, p in zip(cfg.local_loss_split, cfg.patch_size)):
-        raise ConfigError(f"local_loss_split: {cfg.local_loss_split} must cut the tubelet {cfg.patch_size} into whole "
-                          f"sub-blocks: each a positive divisor of patch_size on its axis, e.g. 1,2,1.")
-    stem_problem = hmlp_stem_problem(cfg.patch_size, cfg.embed_dim) if cfg.patch_stem == "hmlp" else None
+        raise ConfigError(
+            f"local_loss_split: {cfg.local_loss_split} must cut the tubelet {cfg.patch_size} into"
+            " whole sub-blocks: each a positive divisor of patch_size on its axis, e.g. 1,2,1."
+        )
+    stem_problem = (
+        hmlp_stem_problem(cfg.patch_size, cfg.embed_dim) if cfg.patch_stem == "hmlp" else None
+    )
     if stem_problem:
-        raise ConfigError(f"patch_stem: {stem_problem}; use e.g. patch_size 4,8,8, or patch_stem linear.")
+        raise ConfigError(
+            f"patch_stem: {stem_problem}; use e.g. patch_size 4,8,8, or patch_stem linear."
+        )
     if cfg.embed_dim % cfg.num_heads or cfg.pred_embed_dim % cfg.pred_num_heads:
-        raise ConfigError("embed_dim/pred_embed_dim: must be divisible by num_heads/pred_num_heads.")
-    for name in ("embed_dim", "depth", "num_heads", "pred_embed_dim", "pred_depth", "pred_num_heads", "epochs",
-                 "log_every_steps", "val_every_steps", "ckpt_every_steps", "keep_last", "max_consecutive_nonfinite",
-                 "phantom_count", "val_batches"):
+        raise ConfigError(
+            "embed_dim/pred_embed_dim: must be divisible by num_heads/pred_num_heads."
+        )
+    for name in (
+        "embed_dim",
+        "depth",
+        "num_heads",
+        "pred_embed_dim",
+        "pred_depth",
+        "pred_num_heads",
+        "epochs",
+        "log_every_steps",
+        "val_every_steps",
+        "ckpt_every_steps",
+        "keep_last",
+        "max_consecutive_nonfinite",
+        "phantom_count",
+        "val_batches",
+    ):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"{name}: must be at least 1, got {getattr(cfg, name)}.")
     if cfg.workers < 0 or cfg.max_rollbacks < 0:
         raise ConfigError("workers/max_rollbacks: must be >= 0.")
-    for name in ("global_batch_size", "per_core_batch_size", "grad_accum_steps", "max_steps", "warmup_steps"):
+    for name in (
+        "global_batch_size",
+        "per_core_batch_size",
+        "grad_accum_steps",
+        "max_steps",
+        "warmup_steps",
+    ):
         value = getattr(cfg, name)
         if value is not None and value < (0 if name == "warmup_steps" else 1):
             raise ConfigError(f"{name}: must be positive, got {value}.")
     if cfg.base_lr <= 0 or not math.isfinite(cfg.base_lr):
         # incident 3: an LR of 0 trains nothing and reports nothing.
-        raise ConfigError(f"base_lr: {cfg.base_lr} would not train; use a positive value such as 1e-4 "
-                          f"(`python sanity.py --lr_sweep` measures a good one).")
+        raise ConfigError(
+            f"base_lr: {cfg.base_lr} would not train; use a positive value such as 1e-4 "
+            "(`python sanity.py --lr_sweep` measures a good one)."
+        )
     if cfg.min_lr > cfg.base_lr:
         raise ConfigError(f"min_lr: {cfg.min_lr} must not exceed base_lr ({cfg.base_lr}).")
     if cfg.min_lr <= 0 and cfg.schedule == "cosine":
         # incident 3: the last updates of the run would silently learn nothing.
-        raise ConfigError(f"min_lr: {cfg.min_lr} makes the end of the cosine schedule an LR of 0; use a small "
-                          f"positive value such as base_lr / 100 = {cfg.base_lr / 100:g}.")
+        raise ConfigError(
+            f"min_lr: {cfg.min_lr} makes the end of the cosine schedule an LR of 0; use a small "
+            f"positive value such as base_lr / 100 = {cfg.base_lr / 100:g}."
+        )
     if cfg.warmup_epochs is not None and cfg.warmup_epochs < 0:
         raise ConfigError(f"warmup_epochs: must be >= 0, got {cfg.warmup_epochs}.")
     if not 0.0 <= cfg.ema_base <= cfg.ema_end <= 1.0:
-        raise ConfigError(f"ema_base/ema_end: need 0 <= ema_base ({cfg.ema_base}) <= ema_end ({cfg.ema_end}) <= 1.")
+        raise ConfigError(
+            f"ema_base/ema_end: need 0 <= ema_base ({cfg.ema_base}) <= ema_end ({cfg.ema_end})"
+            " <= 1."
+        )
     if cfg.weight_decay < 0 or (cfg.weight_decay_end is not None and cfg.weight_decay_end < 0):
         raise ConfigError("weight_decay: must be >= 0.")
     if not all(0.0 <= b < 1.0 for b in cfg.adam_betas):
         raise ConfigError(f"adam_betas: {cfg.adam_betas} must be in [0, 1).")
     if cfg.compile is True and cfg.device == "xla":
-        raise ConfigError("compile: XLA already compiles the whole update; use --compile false (or auto) with --device "
-                          "xla (with --device auto, compile is ignored when the device turns out to be XLA).")
+        raise ConfigError(
+            "compile: XLA already compiles the whole update; use --compile false (or auto) with"
+            " --device xla (with --device auto, compile is ignored when the device turns out to be"
+            " XLA)."
+        )
     if cfg.probe_every_steps is not None and cfg.probe_every_steps < 1:
-        raise ConfigError(f"probe_every_steps: {cfg.probe_every_steps} must be >= 1, or none to turn probing off.")
-    if min(cfg.collapse_min_target_std, cfg.collapse_min_rankme) < 0 or cfg.collapse_window_steps < 1:
-        raise ConfigError("collapse_min_target_std/collapse_min_rankme: must be >= 0; collapse_window_steps: >= 1.")
+        raise ConfigError(
+            f"probe_every_steps: {cfg.probe_every_steps} must be >= 1, or none to turn probing off."
+        )
+    if (
+        min(cfg.collapse_min_target_std, cfg.collapse_min_rankme) < 0
+        or cfg.collapse_window_steps < 1
+    ):
+        raise ConfigError(
+            "collapse_min_target_std/collapse_min_rankme: must be >= 0; collapse_window_steps:"
+            " >= 1."
+        )
     if not 0.0 < cfg.rollback_lr_factor <= 1.0:
         raise ConfigError(f"rollback_lr_factor: {cfg.rollback_lr_factor} must be in (0, 1].")
     if not 0.0 <= cfg.val_fraction < 1.0:
@@ -546,44 +749,80 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"max_bad_fraction: {cfg.max_bad_fraction} must be in (0, 1].")
     if cfg.grad_clip is not None:
         if cfg.grad_clip <= 0:
-            raise ConfigError(f"grad_clip: {cfg.grad_clip} must be positive; use null to disable clipping.")
+            raise ConfigError(
+                f"grad_clip: {cfg.grad_clip} must be positive; use null to disable clipping."
+            )
         if cfg.grad_clip < 0.05:
             # incident 4: a tiny clip turns AdamW into a sign-like update and hides a bad LR.
-            warnings.warn(f"grad_clip={cfg.grad_clip} is tiny: almost every update is clipped, which makes AdamW "
-                          f"a sign-like update. Use 1.0 and tune base_lr with `python sanity.py --lr_sweep`.",
-                          stacklevel=2)
-    if cfg.max_steps is None and cfg.warmup_epochs is not None and cfg.warmup_steps is None \
-            and cfg.warmup_epochs >= cfg.epochs:
-        raise ConfigError(f"warmup_epochs: {cfg.warmup_epochs} is not shorter than the run ({cfg.epochs} epochs); "
-                          f"lower warmup_epochs or raise epochs.")
-    if cfg.max_steps is not None and cfg.warmup_steps is not None and cfg.warmup_steps >= cfg.max_steps:
-        raise ConfigError(f"warmup_steps: {cfg.warmup_steps} is not shorter than the run (max_steps "
-                          f"{cfg.max_steps}); lower warmup_steps or raise max_steps.")
+            warnings.warn(
+                f"grad_clip={cfg.grad_clip} is tiny: almost every update is clipped, which makes"
+                " AdamW a sign-like update. Use 1.0 and tune base_lr with `python sanity.py"
+                " --lr_sweep`.",
+                stacklevel=2,
+            )
+    if (
+        cfg.max_steps is None
+        and cfg.warmup_epochs is not None
+        and cfg.warmup_steps is None
+        and cfg.warmup_epochs >= cfg.epochs
+    ):
+        raise ConfigError(
+            f"warmup_epochs: {cfg.warmup_epochs} is not shorter than the run ({cfg.epochs} epochs);"
+            " lower warmup_epochs or raise epochs."
+        )
+    if (
+        cfg.max_steps is not None
+        and cfg.warmup_steps is not None
+        and cfg.warmup_steps >= cfg.max_steps
+    ):
+        raise ConfigError(
+            f"warmup_steps: {cfg.warmup_steps} is not shorter than the run (max_steps "
+            f"{cfg.max_steps}); lower warmup_steps or raise max_steps."
+        )
     if cfg.schedule == "constant" and (cfg.warmup_steps or 0) > 0:
-        raise ConfigError("warmup_steps: schedule 'constant' uses base_lr from the first update; "
-                          "set warmup_steps to 0 or use schedule cosine.")
+        raise ConfigError(
+            "warmup_steps: schedule 'constant' uses base_lr from the first update; "
+            "set warmup_steps to 0 or use schedule cosine."
+        )
     if cfg.shard not in (None, "fsdp"):
-        raise ConfigError(f"shard: {cfg.shard!r} is not fsdp or none (none: every device holds the whole model).")
+        raise ConfigError(
+            f"shard: {cfg.shard!r} is not fsdp or none (none: every device holds the whole model)."
+        )
     if cfg.fsdp_size is not None and (cfg.shard != "fsdp" or cfg.fsdp_size < 1):
-        raise ConfigError(f"fsdp_size: {cfg.fsdp_size} needs shard fsdp and a value of at least 1 (the devices one copy "
-                          f"of the weights is sharded over); add --shard fsdp, or use --fsdp_size none.")
+        raise ConfigError(
+            f"fsdp_size: {cfg.fsdp_size} needs shard fsdp and a value of at least 1 (the devices"
+            " one copy of the weights is sharded over); add --shard fsdp, or use --fsdp_size none."
+        )
     if cfg.extend and cfg.resume in (None, "restart"):
-        raise ConfigError("extend: lengthens a run that is resumed; add --resume auto (or a checkpoint path), "
-                          "or drop --extend to start a new run.")
-    if cfg.run_name is not None and (not cfg.run_name.strip() or cfg.run_name.strip(".") == ""
-                                     or any(c in cfg.run_name for c in "/\\")):
-        raise ConfigError(f"run_name: {cfg.run_name!r} is not a folder name inside out_dir ({cfg.out_dir}); use a "
-                          f"plain name without '/', '\\' or '..' (e.g. pod1), and --out_dir to choose the folder.")
+        raise ConfigError(
+            "extend: lengthens a run that is resumed; add --resume auto (or a checkpoint path), "
+            "or drop --extend to start a new run."
+        )
+    if cfg.run_name is not None and (
+        not cfg.run_name.strip()
+        or cfg.run_name.strip(".") == ""
+        or any(c in cfg.run_name for c in "/\\")
+    ):
+        raise ConfigError(
+            f"run_name: {cfg.run_name!r} is not a folder name inside out_dir ({cfg.out_dir}); use a"
+            " plain name without '/', '\\' or '..' (e.g. pod1), and --out_dir to choose the"
+            " folder."
+        )
     if cfg.ckpt_every_minutes is not None and not cfg.ckpt_every_minutes > 0:
-        raise ConfigError(f"ckpt_every_minutes: {cfg.ckpt_every_minutes} must be positive, or none to checkpoint by "
-                          f"update count only.")
+        raise ConfigError(
+            f"ckpt_every_minutes: {cfg.ckpt_every_minutes} must be positive, or none to checkpoint"
+            " by update count only."
+        )
     if not cfg.ckpt_retry_minutes >= 0:
-        raise ConfigError(f"ckpt_retry_minutes: {cfg.ckpt_retry_minutes} must be >= 0 (0: one try, no retry).")
+        raise ConfigError(
+            f"ckpt_retry_minutes: {cfg.ckpt_retry_minutes} must be >= 0 (0: one try, no retry)."
+        )
 
 
 @dataclass
 class RunPlan:
     """Values derived from the config, the world size and the dataset size."""
+
     world_size: int
     per_core_batch_size: int
     grad_accum_steps: int
@@ -591,44 +830,63 @@ class RunPlan:
     steps_per_epoch: int
     total_steps: int
     warmup_steps: int
-    # [at_step, old_total, new_total] of each --extend, oldest first, + "rewarm" for --extend_schedule rewarm
-    # (schedules.schedule_segment: the schedules stretch what was left of them, or start a new segment at at_step)
+    # [at_step, old_total, new_total] of each --extend, oldest first, + "rewarm" for
+    # --extend_schedule rewarm (schedules.schedule_segment: the schedules stretch what was left of
+    # them, or start a new segment at at_step)
     extensions: List[list] = field(default_factory=list)
 
     @property
     def planned_steps(self) -> int:
-        """The run length the schedules were first planned for (total_steps before any extension)."""
+        """The run length the schedules were first planned for (total_steps before any
+        extension)."""
         return self.extensions[0][1] if self.extensions else self.total_steps
 
 
 def plan_run(cfg: Config, world_size: int, train_volumes: int) -> RunPlan:
-    """Derive batch sizes, accumulation and the step counts of the schedules; ConfigError when inconsistent."""
-    per_core, accum, global_batch = cfg.per_core_batch_size, cfg.grad_accum_steps, cfg.global_batch_size
+    """Derive batch sizes, accumulation and the step counts of the schedules; ConfigError when
+    inconsistent."""
+    per_core, accum, global_batch = (
+        cfg.per_core_batch_size,
+        cfg.grad_accum_steps,
+        cfg.global_batch_size,
+    )
     known = sum(v is not None for v in (per_core, accum, global_batch))
     if known < 2 and not (per_core is not None and known == 1):
-        raise ConfigError("global_batch_size/per_core_batch_size/grad_accum_steps: give at least "
-                          "per_core_batch_size and one of the other two.")
+        raise ConfigError(
+            "global_batch_size/per_core_batch_size/grad_accum_steps: give at least "
+            "per_core_batch_size and one of the other two."
+        )
     if accum is None:
         accum = 1 if global_batch is None else global_batch // (per_core * world_size)
-        if global_batch is not None and (accum < 1 or per_core * world_size * accum != global_batch):
-            raise ConfigError(f"global_batch_size: {global_batch} is not a multiple of per_core_batch_size "
-                              f"({per_core}) x world size ({world_size}); use "
-                              f"{max(1, round(global_batch / (per_core * world_size))) * per_core * world_size}.")
+        if global_batch is not None and (
+            accum < 1 or per_core * world_size * accum != global_batch
+        ):
+            raise ConfigError(
+                f"global_batch_size: {global_batch} is not a multiple of per_core_batch_size "
+                f"({per_core}) x world size ({world_size}); use "
+                f"{max(1, round(global_batch / (per_core * world_size))) * per_core * world_size}."
+            )
     elif per_core is None:
         per_core = global_batch // (accum * world_size)
         if per_core < 1 or per_core * world_size * accum != global_batch:
-            raise ConfigError(f"global_batch_size: {global_batch} is not divisible by grad_accum_steps ({accum}) "
-                              f"x world size ({world_size}).")
+            raise ConfigError(
+                f"global_batch_size: {global_batch} is not divisible by grad_accum_steps ({accum}) "
+                f"x world size ({world_size})."
+            )
     if global_batch is None:
         global_batch = per_core * world_size * accum
     if global_batch != per_core * world_size * accum:
-        raise ConfigError(f"global_batch_size: {global_batch} != per_core_batch_size ({per_core}) x world size "
-                          f"({world_size}) x grad_accum_steps ({accum}) = {per_core * world_size * accum}; "
-                          f"set one of them to null to derive it.")
+        raise ConfigError(
+            f"global_batch_size: {global_batch} != per_core_batch_size ({per_core}) x world size "
+            f"({world_size}) x grad_accum_steps ({accum}) = {per_core * world_size * accum}; "
+            "set one of them to null to derive it."
+        )
     steps_per_epoch = train_volumes // global_batch
     if steps_per_epoch < 1:
-        raise ConfigError(f"global_batch_size: {global_batch} is larger than the {train_volumes} training volumes; "
-                          f"lower the batch size or add data.")
+        raise ConfigError(
+            f"global_batch_size: {global_batch} is larger than the {train_volumes} training"
+            " volumes; lower the batch size or add data."
+        )
     total = cfg.max_steps if cfg.max_steps is not None else steps_per_epoch * cfg.epochs
     if cfg.warmup_steps is not None:
         warmup = cfg.warmup_steps
@@ -636,26 +894,44 @@ def plan_run(cfg: Config, world_size: int, train_volumes: int) -> RunPlan:
         warmup = 0
     else:
         warmup = round((cfg.warmup_epochs or 0.0) * max(steps_per_epoch, 1))
-        warmup = min(warmup, total // 2)  # max_steps runs: never let an epoch-based warmup eat the run
+        # max_steps runs: never let an epoch-based warmup eat the run
+        warmup = min(warmup, total // 2)
     if cfg.schedule == "cosine" and warmup >= total:
-        raise ConfigError(f"warmup_steps: warmup ({warmup} updates) is not shorter than the run ({total} updates).")
+        raise ConfigError(
+            f"warmup_steps: warmup ({warmup} updates) is not shorter than the run ({total}"
+            " updates)."
+        )
     return RunPlan(world_size, per_core, accum, global_batch, steps_per_epoch, total, warmup)
 
 
 def reference_table() -> str:
     """The config reference table: every field, its default and its comment here."""
     import inspect
+
     defaults = dataclasses.asdict(Config())
-    rows = ["| field | default | meaning |", "|---|---|---|"]
+    rows, above = ["| field | default | meaning |", "|---|---|---|"], []
     for line in inspect.getsource(Config).splitlines():
         section = re.match(r"\s+# --- (.+) ---$", line)
+        comment_line = re.match(r"\s+# (.*)$", line)
         field_line = re.match(r"\s+(\w+): [^=]+=.*?(?:  # (.*))?$", line)
         if section:
             rows.append(f"| **{section.group(1)}** | | |")
+        elif comment_line:  # a field's comment too long to follow it stands above it
+            above.append(comment_line.group(1))
+            continue
         elif field_line:
-            name, comment = field_line.group(1), field_line.group(2) or ""
-            default = yaml.safe_dump(defaults[name], default_flow_style=True).strip().removesuffix("...").strip()
+            name, comment = (
+                field_line.group(1),
+                " ".join([*above, field_line.group(2) or ""]).strip(),
+            )
+            default = (
+                yaml.safe_dump(defaults[name], default_flow_style=True)
+                .strip()
+                .removesuffix("...")
+                .strip()
+            )
             rows.append(f"| `{name}` | `{default}` | {comment.replace('|', '&#124;')} |")
+        above = []
     return "\n".join(rows)
 
 

@@ -26,26 +26,34 @@ import safetensors.torch
 
 
 def hmlp_stem_problem(patch_size: Sequence[int], embed_dim: int) -> Optional[str]:
-    """Why the hmlp stem cannot embed tubelets of patch_size at width embed_dim, or None when it can: it cuts each
-    tubelet into 1x2x2 cells, then 2x2x2 of those, then the rest, with embed_dim / 2 channels in between (the one
-    rule of config.validate and model.tubelet_embedding)."""
+    """Why the hmlp stem cannot embed tubelets of patch_size at width embed_dim, or None when it
+    can: it cuts each tubelet into 1x2x2 cells, then 2x2x2 of those, then the rest, with embed_dim /
+    2 channels in between (the one rule of config.validate and model.tubelet_embedding)."""
     pd, ph, pw = patch_size
     if pd % 2 or ph % 4 or pw % 4 or embed_dim % 2:
-        return (f"hmlp cuts each tubelet into 1x2x2 cells, then 2x2x2 of those, then the rest: it needs an even pd, "
-                f"ph and pw multiples of 4 and an even embed_dim, got patch_size {list(patch_size)} and embed_dim "
-                f"{embed_dim}")
+        return (
+            "hmlp cuts each tubelet into 1x2x2 cells, then 2x2x2 of those, then the rest: it needs"
+            " an even pd, ph and pw multiples of 4 and an even embed_dim, got patch_size"
+            f" {list(patch_size)} and embed_dim {embed_dim}"
+        )
     return None
 
 
 def sincos_pos_embed_3d(dim: int, grid: Sequence[int]) -> torch.Tensor:
-    """Fixed sin-cos positions [N, dim] for a (gd, gh, gw) grid; each axis gets its own band of dims."""
+    """Fixed sin-cos positions [N, dim] for a (gd, gh, gw) grid; each axis gets its own band of
+    dims."""
     per_axis = (dim // 6) * 2  # an even number of dims per axis; the remainder stays zero
     if per_axis == 0:
         raise ValueError(f"embed dim {dim} is too small for 3D sin-cos positions (need >= 6)")
-    # On the CPU even in a torch.device("meta") context (an export's shapes checked before it is loaded): a meta
-    # arange imports torch._dynamo for its decomposition, a second of each start of a script that loads one.
-    omega = 1.0 / 10000 ** (torch.arange(per_axis // 2, dtype=torch.float64, device="cpu") / (per_axis // 2))
-    coords = torch.meshgrid(*[torch.arange(g, dtype=torch.float64, device="cpu") for g in grid], indexing="ij")
+    # On the CPU even in a torch.device("meta") context (an export's shapes checked before it is
+    # loaded): a meta arange imports torch._dynamo for its decomposition, a second of each start of
+    # a script that loads one.
+    omega = 1.0 / 10000 ** (
+        torch.arange(per_axis // 2, dtype=torch.float64, device="cpu") / (per_axis // 2)
+    )
+    coords = torch.meshgrid(
+        *[torch.arange(g, dtype=torch.float64, device="cpu") for g in grid], indexing="ij"
+    )
     bands = []
     for c in coords:
         angles = c.reshape(-1, 1) * omega.reshape(1, -1)  # [N, per_axis/2]
@@ -70,7 +78,8 @@ class Attention(nn.Module):
         B, N, E = x.shape
         qkv = self.qkv(x).view(B, N, 3, self.num_heads, E // self.num_heads).permute(2, 0, 3, 1, 4)
         q, k, v = qkv.unbind(0)  # each [B, heads, N, E/heads]
-        x = F.scaled_dot_product_attention(q, k, v)  # fused kernel: no N x N matrix kept for backward
+        # fused kernel: no N x N matrix kept for backward
+        x = F.scaled_dot_product_attention(q, k, v)
         return self.proj(x.transpose(1, 2).reshape(B, N, E))
 
 
@@ -99,78 +108,110 @@ class Block(nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-def check_encoder_input(volume: torch.Tensor, patch_size: Sequence[int], trained_size: Sequence[int]) -> None:
-    """Raise ValueError naming the shapes unless volume is a float [B,1,D,H,W] whose D, H, W are positive multiples of
-    patch_size (any such size gets its own positions; trained_size is named in the message)."""
+def check_encoder_input(
+    volume: torch.Tensor, patch_size: Sequence[int], trained_size: Sequence[int]
+) -> None:
+    """Raise ValueError naming the shapes unless volume is a float [B,1,D,H,W] whose D, H, W are
+    positive multiples of patch_size (any such size gets its own positions; trained_size is named in
+    the message)."""
     size = list(volume.shape[2:])
-    if volume.dim() != 5 or volume.shape[1] != 1 or any(s < p or s % p for s, p in zip(size, patch_size)):
-        raise ValueError(f"volume: expected shape [B, 1, D, H, W] with D, H, W multiples of the patch size "
-                         f"{list(patch_size)} (trained on {list(trained_size)}), got {list(volume.shape)}")
+    if (
+        volume.dim() != 5
+        or volume.shape[1] != 1
+        or any(s < p or s % p for s, p in zip(size, patch_size))
+    ):
+        raise ValueError(
+            "volume: expected shape [B, 1, D, H, W] with D, H, W multiples of the patch size "
+            f"{list(patch_size)} (trained on {list(trained_size)}), got {list(volume.shape)}"
+        )
     if not volume.is_floating_point():
         raise ValueError(f"volume: expected a floating dtype, got {volume.dtype}")
 
 
-def run_blocks(blocks: nn.ModuleList, x: torch.Tensor, checkpoint_fn: Optional[Callable]) -> torch.Tensor:
-    """x through the blocks; with a checkpoint_fn(block, x) (grad checkpointing) each block's activations are
-    recomputed in backward instead of kept."""
+def run_blocks(
+    blocks: nn.ModuleList, x: torch.Tensor, checkpoint_fn: Optional[Callable]
+) -> torch.Tensor:
+    """x through the blocks; with a checkpoint_fn(block, x) (grad checkpointing) each block's
+    activations are recomputed in backward instead of kept."""
     for block in blocks:
         x = checkpoint_fn(block, x) if checkpoint_fn is not None and x.requires_grad else block(x)
     return x
 
 
 def cells_last(weight: torch.Tensor) -> torch.Tensor:
-    """A Conv3d weight [out, in, kd, kh, kw] as a matrix [out, kd*kh*kw*in] for inputs laid out cell by cell, each
-    cell's channels together (the layout a matmul leaves, so no activation is transposed)."""
+    """A Conv3d weight [out, in, kd, kh, kw] as a matrix [out, kd*kh*kw*in] for inputs laid out cell
+    by cell, each cell's channels together (the layout a matmul leaves, so no activation is
+    transposed)."""
     return weight.permute(0, 2, 3, 4, 1).flatten(1)
 
 
 class HMLPStem(nn.Sequential):
-    """The hierarchical MLP stem (Touvron et al., ECCV 2022): 1x2x2 voxel cells -> E/2 channels, 2x2x2 of those -> E/2,
-    the rest of the tubelet -> E, with GELU between. Its layers are Conv3d's whose kernel is their stride (keys
-    {0,2,4}.weight/bias), computed as three matmuls on each tubelet's cells (equal to the convolutions to rounding;
-    a demo update 0.875x as long on one CPU thread: experiments/speed/stem_ab.py)."""
+    """The hierarchical MLP stem (Touvron et al., ECCV 2022): 1x2x2 voxel cells -> E/2 channels,
+    2x2x2 of those -> E/2, the rest of the tubelet -> E, with GELU between. Its layers are Conv3d's
+    whose kernel is their stride (keys {0,2,4}.weight/bias), computed as three matmuls on each
+    tubelet's cells (equal to the convolutions to rounding; a demo update 0.875x as long on one CPU
+    thread: experiments/speed/stem_ab.py)."""
 
     def __init__(self, patch_size: Sequence[int], dim: int):
         pd, ph, pw = patch_size
         rest = (pd // 2, ph // 4, pw // 4)
-        super().__init__(nn.Conv3d(1, dim // 2, kernel_size=(1, 2, 2), stride=(1, 2, 2)), nn.GELU(),
-                         nn.Conv3d(dim // 2, dim // 2, kernel_size=(2, 2, 2), stride=(2, 2, 2)), nn.GELU(),
-                         nn.Conv3d(dim // 2, dim, kernel_size=rest, stride=rest))
+        super().__init__(
+            nn.Conv3d(1, dim // 2, kernel_size=(1, 2, 2), stride=(1, 2, 2)),
+            nn.GELU(),
+            nn.Conv3d(dim // 2, dim // 2, kernel_size=(2, 2, 2), stride=(2, 2, 2)),
+            nn.GELU(),
+            nn.Conv3d(dim // 2, dim, kernel_size=rest, stride=rest),
+        )
 
     def forward(self, volume: torch.Tensor) -> torch.Tensor:
-        """volume [B,1,D,H,W] -> [B,E,gd,gh,gw] (as the convolutions: voxels past the last whole tubelet dropped)."""
+        """volume [B,1,D,H,W] -> [B,E,gd,gh,gw] (as the convolutions: voxels past the last whole
+        tubelet dropped)."""
         (B, _, D, H, W), (rd, rh, rw) = volume.shape, self[4].kernel_size
         gd, gh, gw = D // (2 * rd), H // (4 * rh), W // (4 * rw)
-        x = volume[:, 0, :gd * 2 * rd, :gh * 4 * rh, :gw * 4 * rw]
-        # a voxel's depth is (gd, rd, 2), its height (gh, rh, 2, 2) and width (gw, rw, 2, 2): tubelet, rest, cell
-        x = x.reshape(B, gd, rd, 2, gh, rh, 2, 2, gw, rw, 2, 2).permute(0, 1, 4, 8, 2, 5, 9, 3, 6, 10, 7, 11)
-        x = x.reshape(B, gd, gh, gw, rd * rh * rw, 8, 4)  # [B, gd, gh, gw, rest, 2x2x2 cells, 1x2x2 voxels]
+        x = volume[:, 0, : gd * 2 * rd, : gh * 4 * rh, : gw * 4 * rw]
+        # a voxel's depth is (gd, rd, 2), its height (gh, rh, 2, 2) and width (gw, rw, 2, 2):
+        # tubelet, rest, cell
+        x = x.reshape(B, gd, rd, 2, gh, rh, 2, 2, gw, rw, 2, 2).permute(
+            0, 1, 4, 8, 2, 5, 9, 3, 6, 10, 7, 11
+        )
+        # [B, gd, gh, gw, rest, 2x2x2 cells, 1x2x2 voxels]
+        x = x.reshape(B, gd, gh, gw, rd * rh * rw, 8, 4)
         x = self[1](F.linear(x, self[0].weight.flatten(1), self[0].bias))  # [..., rest, 8, E/2]
-        x = self[3](F.linear(x.flatten(-2), cells_last(self[2].weight), self[2].bias))  # [..., rest, E/2]
+        # [..., rest, E/2]
+        x = self[3](F.linear(x.flatten(-2), cells_last(self[2].weight), self[2].bias))
         x = F.linear(x.flatten(-2), cells_last(self[4].weight), self[4].bias)  # [B, gd, gh, gw, E]
         return x.permute(0, 4, 1, 2, 3)
 
 
 def tubelet_embedding(patch_size: Sequence[int], dim: int, stem: str) -> nn.Module:
-    """The tubelet embedding, volume [B,1,D,H,W] -> [B,E,gd,gh,gw]: each token a function of its own tubelet's voxels
-    only, so no masked voxel reaches a context token. 'linear': one Conv3d whose kernel is its stride (ViT's). 'hmlp':
-    HMLPStem, a nonlinear map of the same voxels. ValueError for another stem, or a tubelet hmlp cannot cut
-    (config.hmlp_stem_problem)."""
+    """The tubelet embedding, volume [B,1,D,H,W] -> [B,E,gd,gh,gw]: each token a function of its own
+    tubelet's voxels only, so no masked voxel reaches a context token. 'linear': one Conv3d whose
+    kernel is its stride (ViT's). 'hmlp': HMLPStem, a nonlinear map of the same voxels. ValueError
+    for another stem, or a tubelet hmlp cannot cut (config.hmlp_stem_problem)."""
     if stem == "linear":
         return nn.Conv3d(1, dim, kernel_size=tuple(patch_size), stride=tuple(patch_size))
-    problem = hmlp_stem_problem(patch_size, dim) if stem == "hmlp" else f"patch_stem {stem!r}: expected linear or hmlp"
+    problem = (
+        hmlp_stem_problem(patch_size, dim)
+        if stem == "hmlp"
+        else f"patch_stem {stem!r}: expected linear or hmlp"
+    )
     if problem:
         raise ValueError(problem)
     return HMLPStem(patch_size, dim)
 
 
 class Encoder(nn.Module):
-    """Tubelet embedding + ViT. Key layout (export): patch_embed.weight/bias (the hmlp stem: patch_embed.{0,2,4}.*),
-    blocks.{i}.*, norm.*"""
+    """Tubelet embedding + ViT. Key layout (export): patch_embed.weight/bias (the hmlp stem:
+    patch_embed.{0,2,4}.*), blocks.{i}.*, norm.*"""
 
-    def __init__(self, *, image_size, patch_size, dim, depth, num_heads, mlp_ratio, patch_stem: str):
+    def __init__(
+        self, *, image_size, patch_size, dim, depth, num_heads, mlp_ratio, patch_stem: str
+    ):
         super().__init__()
-        self.grid, self.patch_size = [s // p for s, p in zip(image_size, patch_size)], list(patch_size)
+        self.grid, self.patch_size = (
+            [s // p for s, p in zip(image_size, patch_size)],
+            list(patch_size),
+        )
         self.patch_embed = tubelet_embedding(patch_size, dim, patch_stem)
         self.register_buffer("pos_embed", sincos_pos_embed_3d(dim, self.grid), persistent=False)
         self.blocks = nn.ModuleList([Block(dim, num_heads, mlp_ratio) for _ in range(depth)])
@@ -178,15 +219,18 @@ class Encoder(nn.Module):
         self.checkpoint_fn: Optional[Callable] = None  # set_grad_checkpointing
 
     def positions(self, grid: Sequence[int]) -> torch.Tensor:
-        """The sin-cos positions [N, E] of a (gd, gh, gw) token grid: the buffer for the grid it was built for, built
-        anew for any other (the positions are a fixed function of the grid, so any input size gets its own)."""
+        """The sin-cos positions [N, E] of a (gd, gh, gw) token grid: the buffer for the grid it was
+        built for, built anew for any other (the positions are a fixed function of the grid, so any
+        input size gets its own)."""
         if list(grid) == self.grid:
             return self.pos_embed
         return sincos_pos_embed_3d(self.pos_embed.shape[1], grid).to(self.pos_embed)
 
-    def forward(self, volume: torch.Tensor, keep_idx: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """volume [B,1,D,H,W] -> features [B,N,E], or [B*M,K,E] for only the tokens in keep_idx [B*M,K]
-        (M mask sets per volume, volume-major)."""
+    def forward(
+        self, volume: torch.Tensor, keep_idx: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """volume [B,1,D,H,W] -> features [B,N,E], or [B*M,K,E] for only the tokens in keep_idx
+        [B*M,K] (M mask sets per volume, volume-major)."""
         if keep_idx is None:
             x = self.embed_tubelets(volume)  # [B, E, gd, gh, gw]
             x = x.flatten(2).transpose(1, 2) + self.positions(x.shape[2:])  # [B, N, E]
@@ -195,28 +239,32 @@ class Encoder(nn.Module):
         return self.norm(run_blocks(self.blocks, x, self.checkpoint_fn))
 
     def embed_tubelets(self, volume: torch.Tensor) -> torch.Tensor:
-        """The tubelet embedding of volume [B,1,D,H,W] -> [B,E,gd,gh,gw]; under grad_checkpointing the hmlp stem's
-        inner maps (the largest activations at production sizes) are recomputed in backward too."""
+        """The tubelet embedding of volume [B,1,D,H,W] -> [B,E,gd,gh,gw]; under grad_checkpointing
+        the hmlp stem's inner maps (the largest activations at production sizes) are recomputed in
+        backward too."""
         if self.checkpoint_fn is not None and isinstance(self.patch_embed, nn.Sequential):
             return self.checkpoint_fn(self.patch_embed, volume)
         return self.patch_embed(volume)
 
     def embed_kept(self, volume: torch.Tensor, keep_idx: torch.Tensor) -> torch.Tensor:
-        """The embedded tokens in keep_idx [B*M,K] with their positions, [B*M,K,E]: only their tubelets go through
-        the stem. A token is a function of its own tubelet only, so this equals embedding every token and gathering
-        (the context encoder sees 40% of them: the stem's cost falls with it)."""
+        """The embedded tokens in keep_idx [B*M,K] with their positions, [B*M,K,E]: only their
+        tubelets go through the stem. A token is a function of its own tubelet only, so this equals
+        embedding every token and gathering (the context encoder sees 40% of them: the stem's cost
+        falls with it)."""
         (B, _, D, H, W), (pd, ph, pw) = volume.shape, self.patch_size
         grid = (D // pd, H // ph, W // pw)
-        x = volume[..., :grid[0] * pd, :grid[1] * ph, :grid[2] * pw]
-        x = x.reshape(B, grid[0], pd, grid[1], ph, grid[2], pw).permute(0, 1, 3, 5, 2, 4, 6)  # [B,gd,gh,gw,pd,ph,pw]
+        x = volume[..., : grid[0] * pd, : grid[1] * ph, : grid[2] * pw]
+        # [B,gd,gh,gw,pd,ph,pw]
+        x = x.reshape(B, grid[0], pd, grid[1], ph, grid[2], pw).permute(0, 1, 3, 5, 2, 4, 6)
         tubelets = x.reshape(B, -1, pd * ph * pw)  # [B, N, V]
-        kept = gather_tokens(tubelets.repeat_interleave(keep_idx.shape[0] // B, dim=0), keep_idx)  # [B*M, K, V]
+        # [B*M, K, V]
+        kept = gather_tokens(tubelets.repeat_interleave(keep_idx.shape[0] // B, dim=0), keep_idx)
         x = self.embed_tubelets(kept.reshape(-1, 1, pd, ph, pw))  # [B*M*K, E, 1, 1, 1]
         x = x.reshape(*keep_idx.shape, -1)  # [B*M, K, E]
         return x + self.positions(grid)[keep_idx]
 
 
-POOLS = ("mean_pool", "depth_rows")  # pool_tokens: export's embed, encoder.py embed --pool and probe.py's read-outs
+POOLS = ("mean_pool", "depth_rows")
 
 
 def pool_name(pool: str) -> str:
@@ -227,34 +275,48 @@ def pool_name(pool: str) -> str:
 
 
 def pool_tokens(tokens: torch.Tensor, grid: Sequence[int], pool: str = "mean_pool") -> torch.Tensor:
-    """A volume embedding of tokens [B,N,E] on a (gd,gh,gw) grid (pool: a POOLS name). 'mean_pool': the
-    mean token [B,E]. 'depth_rows': the mean of each axial (depth) row of tokens over B-scans and lateral positions,
-    concatenated [B, gh*E]: what lies at which depth survives the pooling."""
+    """A volume embedding of tokens [B,N,E] on a (gd,gh,gw) grid (pool: a POOLS name). 'mean_pool':
+    the mean token [B,E]. 'depth_rows': the mean of each axial (depth) row of tokens over B-scans
+    and lateral positions, concatenated [B, gh*E]: what lies at which depth survives the pooling."""
     if pool_name(pool) == "mean_pool":
         return tokens.mean(1)
-    return tokens.unflatten(1, tuple(grid)).mean(dim=(1, 3)).flatten(1)  # [B,gd,gh,gw,E] -> [B,gh,E] -> [B,gh*E]
+    # [B,gd,gh,gw,E] -> [B,gh,E] -> [B,gh*E]
+    return tokens.unflatten(1, tuple(grid)).mean(dim=(1, 3)).flatten(1)
 
 
-VERSION_1_ARCHITECTURE = {"patch_stem": "linear"}  # the fields format_version 1 did not write, as they were then
+VERSION_1_ARCHITECTURE = {"patch_stem": "linear"}
 
 
 class ExportedEncoder(Encoder):
-    """An encoder built from an export's config.json (a dict; nothing else of octjepa needed). forward: volume
-    [B,1,D,H,W] with D, H, W multiples of patch_size (the trained image_size, or any other: positions are built for
-    its grid) -> tokens [B,N,E]; embed: -> [B,E] (pool 'mean_pool') or [B, gh*E] ('depth_rows'). Its state_dict keys
-    are those of the export's weights file."""
+    """An encoder built from an export's config.json (a dict; nothing else of octjepa needed).
+    forward: volume [B,1,D,H,W] with D, H, W multiples of patch_size (the trained image_size, or any
+    other: positions are built for its grid) -> tokens [B,N,E]; embed: -> [B,E] (pool 'mean_pool')
+    or [B, gh*E] ('depth_rows'). Its state_dict keys are those of the export's weights file."""
 
     def __init__(self, config: dict):
         a = {**VERSION_1_ARCHITECTURE, **config["architecture"]}
-        super().__init__(image_size=a["image_size"], patch_size=a["patch_size"], dim=a["embed_dim"], depth=a["depth"],
-                         num_heads=a["num_heads"], mlp_ratio=a["mlp_ratio"], patch_stem=a["patch_stem"])
+        super().__init__(
+            image_size=a["image_size"],
+            patch_size=a["patch_size"],
+            dim=a["embed_dim"],
+            depth=a["depth"],
+            num_heads=a["num_heads"],
+            mlp_ratio=a["mlp_ratio"],
+            patch_stem=a["patch_stem"],
+        )
         self.architecture = a  # config.json's, with the fields its format_version did not write
         self.config = config
-        self.image_size, self.patch_size, self.embed_dim = list(a["image_size"]), list(a["patch_size"]), a["embed_dim"]
+        self.image_size, self.patch_size, self.embed_dim = (
+            list(a["image_size"]),
+            list(a["patch_size"]),
+            a["embed_dim"],
+        )
 
-    def forward(self, volume: torch.Tensor, keep_idx: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """volume [B,1,D,H,W] -> tokens [B,N,E] (or [B*M,K,E] for keep_idx, as Encoder.forward); the shape is
-        checked."""
+    def forward(
+        self, volume: torch.Tensor, keep_idx: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """volume [B,1,D,H,W] -> tokens [B,N,E] (or [B*M,K,E] for keep_idx, as Encoder.forward); the
+        shape is checked."""
         check_encoder_input(volume, self.patch_size, self.image_size)
         return super().forward(volume, keep_idx)
 
@@ -267,41 +329,64 @@ class ExportedEncoder(Encoder):
         return pool_tokens(self(volume), self.token_grid(volume), pool)
 
     def embedding_size(self, pool: str = "mean_pool") -> int:
-        """The width of embed(volume, pool) at the trained image_size: E for 'mean_pool', gh*E for 'depth_rows'."""
+        """The width of embed(volume, pool) at the trained image_size: E for 'mean_pool', gh*E for
+        'depth_rows'."""
         return self.embed_dim * (self.grid[1] if pool_name(pool) == "depth_rows" else 1)
 
     @torch.no_grad()
     def encode(self, volume: torch.Tensor) -> torch.Tensor:
-        """Frozen tokens [B,N,E] without gradients, as VJEPA3D.encode gives them (tokens.encode_volumes uses either)."""
+        """Frozen tokens [B,N,E] without gradients, as VJEPA3D.encode gives them
+        (tokens.encode_volumes uses either)."""
         return self(volume)
 
 
-MONAI_VIT_KEYS = (("patch_embed.", "patch_embedding.patch_embeddings."), (".attn.proj.", ".attn.out_proj."),
-                  (".mlp.fc1.", ".mlp.linear1."), (".mlp.fc2.", ".mlp.linear2."))  # Encoder key -> monai ViT key
+MONAI_VIT_KEYS = (
+    ("patch_embed.", "patch_embedding.patch_embeddings."),
+    (".attn.proj.", ".attn.out_proj."),
+    # Encoder key -> monai ViT key
+    (".mlp.fc1.", ".mlp.linear1."),
+    (".mlp.fc2.", ".mlp.linear2."),
+)
 
 
 def monai_vit(encoder: ExportedEncoder, img_size: Optional[Sequence[int]] = None) -> nn.Module:
-    """The encoder as MONAI's 3D ViT (monai.networks.nets.ViT, the backbone of its UNETR) for inputs of img_size
-    (default: the trained size; any multiple of patch_size): the same weights, and the encoder's sin-cos positions
-    copied in (MONAI builds its own in another axis order). vit(volume)[0] equals encoder(volume). Needs monai.
-    The hmlp stem replaces MONAI's one-convolution patch embedding (vit.patch_embedding.patch_embeddings): it is
-    called the same way, volume [B,1,D,H,W] -> [B,E,gd,gh,gw], so UNETR and MONAI's other users take it as it is."""
+    """The encoder as MONAI's 3D ViT (monai.networks.nets.ViT, the backbone of its UNETR) for inputs
+    of img_size (default: the trained size; any multiple of patch_size): the same weights, and the
+    encoder's sin-cos positions copied in (MONAI builds its own in another axis order).
+    vit(volume)[0] equals encoder(volume). Needs monai. The hmlp stem replaces MONAI's
+    one-convolution patch embedding (vit.patch_embedding.patch_embeddings): it is called the same
+    way, volume [B,1,D,H,W] -> [B,E,gd,gh,gw], so UNETR and MONAI's other users take it as it is."""
     from monai.networks.nets import ViT
+
     a = encoder.architecture
     size = list(img_size or encoder.image_size)
-    vit = ViT(in_channels=1, img_size=size, patch_size=encoder.patch_size, hidden_size=a["embed_dim"],
-              mlp_dim=int(a["embed_dim"] * a["mlp_ratio"]), num_layers=a["depth"], num_heads=a["num_heads"],
-              proj_type="conv", pos_embed_type="sincos", classification=False, dropout_rate=0.0, spatial_dims=3,
-              qkv_bias=True)
+    vit = ViT(
+        in_channels=1,
+        img_size=size,
+        patch_size=encoder.patch_size,
+        hidden_size=a["embed_dim"],
+        mlp_dim=int(a["embed_dim"] * a["mlp_ratio"]),
+        num_layers=a["depth"],
+        num_heads=a["num_heads"],
+        proj_type="conv",
+        pos_embed_type="sincos",
+        classification=False,
+        dropout_rate=0.0,
+        spatial_dims=3,
+        qkv_bias=True,
+    )
     if a["patch_stem"] != "linear":
-        vit.patch_embedding.patch_embeddings = tubelet_embedding(encoder.patch_size, a["embed_dim"], a["patch_stem"])
+        vit.patch_embedding.patch_embeddings = tubelet_embedding(
+            encoder.patch_size, a["embed_dim"], a["patch_stem"]
+        )
     state = vit.state_dict()  # its norm_cross_attn (unused without cross-attention) stays as built
     for key, value in encoder.state_dict().items():
         for ours, theirs in MONAI_VIT_KEYS:
             key = key.replace(ours, theirs)
         state[key] = value
     grid = [s // p for s, p in zip(size, encoder.patch_size)]
-    state["patch_embedding.position_embeddings"] = encoder.positions(grid)[None].detach().clone()  # [1, N, E]
+    # [1, N, E]
+    state["patch_embedding.position_embeddings"] = encoder.positions(grid)[None].detach().clone()
     vit.load_state_dict(state, strict=True)
     return vit.eval()
 
@@ -313,10 +398,10 @@ UNETR_BLOCKS = 12  # and 12 blocks (its skip connections read blocks 3, 6 and 9)
 
 
 class UNETRBackbone(nn.Module):
-    """An encoder's MONAI ViT (monai_vit) as MONAI's UNETR calls its `vit`: volume [B,1,D,H,W] -> (tokens, 12 hidden
-    states), each [B, n, E] on UNETR's grid (D, H, W // 16), average-pooled from the encoder's token grid (tubelets of
-    4 x 8 x 8 voxels: 4 x 2 x 2 tokens to one); hidden state i is the encoder's block at the same share of its depth
-    as block i of UNETR's 12."""
+    """An encoder's MONAI ViT (monai_vit) as MONAI's UNETR calls its `vit`: volume [B,1,D,H,W] ->
+    (tokens, 12 hidden states), each [B, n, E] on UNETR's grid (D, H, W // 16), average-pooled from
+    the encoder's token grid (tubelets of 4 x 8 x 8 voxels: 4 x 2 x 2 tokens to one); hidden state i
+    is the encoder's block at the same share of its depth as block i of UNETR's 12."""
 
     def __init__(self, vit: nn.Module, patch_size: Sequence[int]):
         super().__init__()
@@ -331,37 +416,60 @@ class UNETRBackbone(nn.Module):
             feature_map = x.transpose(1, 2).reshape(x.shape[0], x.shape[2], *grid)
             return F.adaptive_avg_pool3d(feature_map, unetr_grid).flatten(2).transpose(1, 2)
 
-        taps = [hidden[max(0, round(len(hidden) * (i + 1) / UNETR_BLOCKS) - 1)] for i in range(UNETR_BLOCKS)]
+        taps = [
+            hidden[max(0, round(len(hidden) * (i + 1) / UNETR_BLOCKS) - 1)]
+            for i in range(UNETR_BLOCKS)
+        ]
         return on_unetr_grid(tokens), [on_unetr_grid(h) for h in taps]
 
 
-def monai_unetr(encoder: ExportedEncoder, out_channels: int, img_size: Optional[Sequence[int]] = None,
-                **unetr_args) -> nn.Module:
-    """MONAI's 3D UNETR (monai.networks.nets.UNETR) for inputs of img_size (default: the trained size; a multiple of
-    16 and of patch_size on every axis) with the encoder as its `vit`: volume [B,1,D,H,W] -> [B,out_channels,D,H,W].
-    MONAI's UNETR takes no patch size (it assumes 16 voxels and 12 blocks), so its own ViT cannot be swapped for
-    monai_vit's; UNETRBackbone wraps that one to what UNETR reads. unetr_args: UNETR's others (feature_size,
-    norm_name, ...). Needs monai."""
+def monai_unetr(
+    encoder: ExportedEncoder,
+    out_channels: int,
+    img_size: Optional[Sequence[int]] = None,
+    **unetr_args,
+) -> nn.Module:
+    """MONAI's 3D UNETR (monai.networks.nets.UNETR) for inputs of img_size (default: the trained
+    size; a multiple of 16 and of patch_size on every axis) with the encoder as its `vit`: volume
+    [B,1,D,H,W] -> [B,out_channels,D,H,W]. MONAI's UNETR takes no patch size (it assumes 16 voxels
+    and 12 blocks), so its own ViT cannot be swapped for monai_vit's; UNETRBackbone wraps that one
+    to what UNETR reads. unetr_args: UNETR's others (feature_size, norm_name, ...). Needs monai."""
     from monai.networks.nets import UNETR
+
     a = encoder.architecture
     size = list(img_size or encoder.image_size)
     if any(s % UNETR_PATCH or s % p for s, p in zip(size, encoder.patch_size)):
-        raise ValueError(f"img_size {size}: MONAI's UNETR needs a multiple of {UNETR_PATCH} on every axis (it "
-                         f"upsamples its feature grid 16x), and the encoder one of its patch size "
-                         f"{encoder.patch_size}.")
-    unetr = UNETR(in_channels=1, out_channels=out_channels, img_size=size, hidden_size=a["embed_dim"],
-                  mlp_dim=int(a["embed_dim"] * a["mlp_ratio"]), num_heads=a["num_heads"], qkv_bias=True, **unetr_args)
+        raise ValueError(
+            f"img_size {size}: MONAI's UNETR needs a multiple of {UNETR_PATCH} on every axis (it "
+            "upsamples its feature grid 16x), and the encoder one of its patch size "
+            f"{encoder.patch_size}."
+        )
+    unetr = UNETR(
+        in_channels=1,
+        out_channels=out_channels,
+        img_size=size,
+        hidden_size=a["embed_dim"],
+        mlp_dim=int(a["embed_dim"] * a["mlp_ratio"]),
+        num_heads=a["num_heads"],
+        qkv_bias=True,
+        **unetr_args,
+    )
     unetr.vit = UNETRBackbone(monai_vit(encoder, size), encoder.patch_size)
     return unetr
 
 
-CONTRACT_SECTIONS = ("architecture", "preprocessing", "augmentation")  # config.json's parts bound to the weights
+CONTRACT_SECTIONS = ("architecture", "preprocessing", "augmentation")
 
 
 def export_contract(config: dict) -> str:
-    """What the weights are bound to, as canonical JSON (save_encoder stores it in their metadata): from format 3 on
-    all of config.json but their own sha256 (provenance and the code files' sha256 too), before CONTRACT_SECTIONS."""
-    sections = CONTRACT_SECTIONS if config.get("format_version", 1) < 3 else sorted(set(config) - {"weights"})
+    """What the weights are bound to, as canonical JSON (save_encoder stores it in their metadata):
+    from format 3 on all of config.json but their own sha256 (provenance and the code files' sha256
+    too), before CONTRACT_SECTIONS."""
+    sections = (
+        CONTRACT_SECTIONS
+        if config.get("format_version", 1) < 3
+        else sorted(set(config) - {"weights"})
+    )
     return json.dumps({k: config.get(k) for k in sections}, sort_keys=True)
 
 

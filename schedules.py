@@ -1,8 +1,10 @@
-"""The schedules of a run: LR, weight decay and EMA momentum as pure functions of the optimizer-update count
-(incidents 2, 3): no state, no restarts. One linear warmup and cosine per segment of the run (its first plan; the
-updates an `--extend_schedule rewarm` added), stretched over the longer run by `--extend_schedule stretch`.
-train.py reads them for every update; sanity.py checks their shape; --dry_run plots them.
+"""The schedules of a run: LR, weight decay and EMA momentum as pure functions of the
+optimizer-update count (incidents 2, 3): no state, no restarts. One linear warmup and cosine per
+segment of the run (its first plan; the updates an `--extend_schedule rewarm` added), stretched over
+the longer run by `--extend_schedule stretch`. train.py reads them for every update; sanity.py
+checks their shape; --dry_run plots them.
 """
+
 import math
 from dataclasses import dataclass
 
@@ -19,10 +21,11 @@ def cosine_ramp(step: float, start_step: int, end_step: int, start: float, end: 
 
 @dataclass
 class Segment:
-    """The part of a run one warmup+cosine schedule spans: the first plan, or the updates an `--extend_schedule
-    rewarm` added. `clock` is an update on the segment's own clock: each later `--extend_schedule stretch` stretched
-    what was left of the segment over the longer run, so its schedules continue from the values they had (a
-    finished run holds its final values)."""
+    """The part of a run one warmup+cosine schedule spans: the first plan, or the updates an
+    `--extend_schedule rewarm` added. `clock` is an update on the segment's own clock: each later
+    `--extend_schedule stretch` stretched what was left of the segment over the longer run, so its
+    schedules continue from the values they had (a finished run holds its final values)."""
+
     start: int  # its first update
     end: int  # the run length it was planned for (its schedules end at update end - 1)
     warmup: int
@@ -37,7 +40,12 @@ def schedule_segment(step: int, plan: RunPlan) -> Segment:
         if extension[3:] == ["rewarm"]:
             if step < at:
                 break
-            start, end, warmup, stretches = at, new_total, max(1, min(plan.warmup_steps, (new_total - at) // 2)), []
+            start, end, warmup, stretches = (
+                at,
+                new_total,
+                max(1, min(plan.warmup_steps, (new_total - at) // 2)),
+                [],
+            )
         else:
             stretches.append((at, old_total, new_total))
     clock = float(step)
@@ -48,9 +56,9 @@ def schedule_segment(step: int, plan: RunPlan) -> Segment:
 
 
 def lr_at(step: int, cfg: Config, plan: RunPlan) -> float:
-    """LR of update number `step` (0-based): linear warmup to base_lr, cosine to min_lr, then min_lr.
-    The first update (step 0) already uses a non-zero LR: base_lr / warmup_steps. A rewarm segment warms up from
-    the LR where the run was (never a jump: incident 2)."""
+    """LR of update number `step` (0-based): linear warmup to base_lr, cosine to min_lr, then
+    min_lr. The first update (step 0) already uses a non-zero LR: base_lr / warmup_steps. A rewarm
+    segment warms up from the LR where the run was (never a jump: incident 2)."""
     if cfg.schedule == "constant":
         return cfg.base_lr
     seg = schedule_segment(step, plan)
@@ -61,14 +69,16 @@ def lr_at(step: int, cfg: Config, plan: RunPlan) -> float:
 
 
 def wd_at(step: int, cfg: Config, plan: RunPlan) -> float:
-    """Weight decay of update `step`: cosine from weight_decay to weight_decay_end (constant when None)."""
+    """Weight decay of update `step`: cosine from weight_decay to weight_decay_end (constant when
+    None)."""
     end = cfg.weight_decay if cfg.weight_decay_end is None else cfg.weight_decay_end
     seg = schedule_segment(step, plan)
     return cosine_ramp(seg.clock, seg.start, seg.end - 1, cfg.weight_decay, end)
 
 
 def ema_at(step: int, cfg: Config, plan: RunPlan) -> float:
-    """EMA momentum of the target update after update `step`: from ema_base to ema_end, cosine or linear."""
+    """EMA momentum of the target update after update `step`: from ema_base to ema_end, cosine or
+    linear."""
     seg = schedule_segment(step, plan)
     if cfg.ema_schedule == "linear":
         progress = min(1.0, (seg.clock - seg.start) / max(1, seg.end - 1 - seg.start))
@@ -79,32 +89,46 @@ def ema_at(step: int, cfg: Config, plan: RunPlan) -> float:
 @dataclass
 class Hyperparameters:
     """The schedules' values for one optimizer update."""
+
     lr: float
     wd: float
     ema: float
 
 
-def hyperparameters_at(step: int, cfg: Config, plan: RunPlan, lr_scale: float = 1.0) -> Hyperparameters:
+def hyperparameters_at(
+    step: int, cfg: Config, plan: RunPlan, lr_scale: float = 1.0
+) -> Hyperparameters:
     """LR (times the rollbacks' lr_scale), weight decay and EMA momentum of update `step`."""
-    return Hyperparameters(lr_at(step, cfg, plan) * lr_scale, wd_at(step, cfg, plan), ema_at(step, cfg, plan))
+    return Hyperparameters(
+        lr_at(step, cfg, plan) * lr_scale, wd_at(step, cfg, plan), ema_at(step, cfg, plan)
+    )
 
 
-def describe_extension(cfg: Config, plan: RunPlan, step: int, extended_from: int, lr_scale: float,
-                       resumed_from: str) -> str:
-    """The console line of an --extend at update `step` of a run planned for `extended_from` updates (resumed from
-    the checkpoint `resumed_from`): what the LR, weight decay and EMA momentum do over the added updates."""
+def describe_extension(
+    cfg: Config, plan: RunPlan, step: int, extended_from: int, lr_scale: float, resumed_from: str
+) -> str:
+    """The console line of an --extend at update `step` of a run planned for `extended_from` updates
+    (resumed from the checkpoint `resumed_from`): what the LR, weight decay and EMA momentum do over
+    the added updates."""
     now, end = (hyperparameters_at(s, cfg, plan, lr_scale) for s in (step, plan.total_steps - 1))
     head = f"extend: {extended_from} -> {plan.total_steps} updates from update {step}"
     if cfg.extend_schedule == "rewarm":
-        return (f"{head} (rewarm): the LR warms up from {now.lr:.3g} to base_lr {cfg.base_lr:g} over "
-                f"{schedule_segment(step, plan).warmup} updates, then falls along a cosine to {end.lr:.3g}; weight "
-                f"decay and the EMA momentum ramp again from {now.wd:.3g} and ema_base {now.ema:g} to {end.wd:.3g} "
-                f"and {end.ema:g}, as in a new run")
+        return (
+            f"{head} (rewarm): the LR warms up from {now.lr:.3g} to base_lr {cfg.base_lr:g} over"
+            f" {schedule_segment(step, plan).warmup} updates, then falls along a cosine to"
+            f" {end.lr:.3g}; weight decay and the EMA momentum ramp again from {now.wd:.3g} and"
+            f" ema_base {now.ema:g} to {end.wd:.3g} and {end.ema:g}, as in a new run"
+        )
     if step < extended_from:
-        return (f"{head}: the LR continues from {now.lr:.3g} and the schedules stretch over the longer run (LR "
-                f"{end.lr:.3g}, EMA momentum {end.ema:g} at its end)")
+        return (
+            f"{head}: the LR continues from {now.lr:.3g} and the schedules stretch over the longer"
+            f" run (LR {end.lr:.3g}, EMA momentum {end.ema:g} at its end)"
+        )
     frozen = ": the target encoder no longer moves" if now.ema >= 1 else ""
-    return (f"{head}: the run had finished, so its schedules hold their final values: LR {now.lr:.3g}, weight decay "
-            f"{now.wd:.3g}, EMA momentum {now.ema:g}{frozen}. These updates are a cool-down at the final LR. To keep "
-            f"learning instead, stop and run again with --resume {resumed_from} --extend true --extend_schedule "
-            f"rewarm (a new warmup to base_lr and cosine over the added updates, the EMA from ema_base again).")
+    return (
+        f"{head}: the run had finished, so its schedules hold their final values: LR {now.lr:.3g},"
+        f" weight decay {now.wd:.3g}, EMA momentum {now.ema:g}{frozen}. These updates are a"
+        " cool-down at the final LR. To keep learning instead, stop and run again with --resume"
+        f" {resumed_from} --extend true --extend_schedule rewarm (a new warmup to base_lr and"
+        " cosine over the added updates, the EMA from ema_base again)."
+    )

@@ -1,8 +1,11 @@
-"""Markdown tables of experiments/README.md's fine-tuning results from finetune.py reports (experiments/finetune.sh):
+"""Markdown tables of experiments/README.md's fine-tuning results from finetune.py reports
+(experiments/finetune.sh):
     python experiments/finetune_table.py RANDOM.json REPORT.json [REPORT.json ...]
-RANDOM.json is the report of finetune.py on an export of the random init (pretrained.random_encoder), the others of the
-pretrained encoders; all must have the same folds (the same labels, --seed, --folds and --repeats), so that each
-encoder is compared with the random init fold by fold."""
+RANDOM.json is the report of finetune.py on an export of the random init
+(pretrained.random_encoder), the others of the pretrained encoders; all must have the same folds
+(the same labels, --seed, --folds and --repeats), so that each encoder is compared with the random
+init fold by fold."""
+
 import json
 import sys
 from pathlib import Path
@@ -32,14 +35,26 @@ def main(paths) -> None:
     random = reports[0]["arms"]["encoder"]
     for metric in ("auroc", "balanced_accuracy"):
         print(f"\n{metric} per fold, mean [95% t-interval over folds]\n")
-        print("| encoder | mean-pool probe | attentive probe | full fine-tuning | full - attentive (paired) |")
+        print(
+            "| encoder | mean-pool probe | attentive probe | full fine-tuning | full - attentive"
+            " (paired) |"
+        )
         print("|---|---|---|---|---|")
-        rows = [(Path(p).stem.removeprefix("finetune_"), r["arms"]["encoder"]) for p, r in zip(paths[1:], reports[1:])]
+        rows = [
+            (Path(p).stem.removeprefix("finetune_"), r["arms"]["encoder"])
+            for p, r in zip(paths[1:], reports[1:])
+        ]
         rows.append(("random init", random))
         for name, arm in rows:
             assert folds(arm) == folds(random), f"{name}: other folds than the random init's"
-            gain = [a - b for a, b in zip(scores(arm, "full", metric), scores(arm, "attentive", metric))]
-            print(f"| {name} | " + " | ".join(cell(scores(arm, m, metric)) for m in MODES) + f" | {cell(gain, True)} |")
+            gain = [
+                a - b for a, b in zip(scores(arm, "full", metric), scores(arm, "attentive", metric))
+            ]
+            print(
+                f"| {name} | "
+                + " | ".join(cell(scores(arm, m, metric)) for m in MODES)
+                + f" | {cell(gain, True)} |"
+            )
         print("\npretrained - random init, paired by fold\n")
         print("| encoder | mean-pool probe | attentive probe | full fine-tuning |")
         print("|---|---|---|---|")
@@ -47,13 +62,18 @@ def main(paths) -> None:
         for name, arm in rows[:-1]:
             cells = []
             for m in MODES:
-                differences = [a - b for a, b in zip(scores(arm, m, metric), scores(random, m, metric))]
+                differences = [
+                    a - b for a, b in zip(scores(arm, m, metric), scores(random, m, metric))
+                ]
                 pooled[m].append(sum(differences) / len(differences))
                 cells.append(cell(differences, True))
             print(f"| {name} | " + " | ".join(cells) + " |")
         if len(rows) > 2:
-            print(f"| mean of the {len(rows) - 1} pretraining seeds (interval over seeds) | "
-                  + " | ".join(cell(pooled[m], True) for m in MODES) + " |")
+            print(
+                f"| mean of the {len(rows) - 1} pretraining seeds (interval over seeds) | "
+                + " | ".join(cell(pooled[m], True) for m in MODES)
+                + " |"
+            )
 
 
 if __name__ == "__main__":

@@ -1,21 +1,27 @@
-"""Markdown tables of experiments/README.md from the probe reports experiments/learn/NAME.json (experiments/run.sh)
-and experiments/learn/reference.json (the hand-made features and the supervised CNN on the same splits).
+"""Markdown tables of experiments/README.md from the probe reports experiments/learn/NAME.json
+(experiments/run.sh) and experiments/learn/reference.json (the hand-made features and the supervised
+CNN on the same splits).
 
     python experiments/table.py runs NAME [NAME...]          # one row per run and task: every read-out, + random init
     python experiments/table.py arms ARM [ARM...]            # one row per arm (runs ARM_s0, ARM_s1, ...) and task:
-                                                             # the mean over pretraining seeds of each read-out, the
-                                                             # 95% interval over seeds, and the runs that beat hand-made
+                                                             # the mean over pretraining seeds of
+                                                             each read-out, the # 95% interval over
+                                                             seeds, and the runs that beat hand-made
     python experiments/table.py compare ARM_A ARM_B [READOUT]   # paired differences A - B over pretraining seeds
     python experiments/table.py reference                    # the floor's companions: hand-made features and CNN
     python experiments/table.py demo ARM [ARM...]            # demo runs (experiments/demo.sh: experiments/demo/ARM_sK.json):
-                                                             # each seed's summary probe, and per arm the paired
-                                                             # difference to random init over the seeds
+                                                             # each seed's summary probe, and per
+                                                             arm the paired # difference to random
+                                                             init over the seeds
     python experiments/table.py --reports splits10 arms vrlong   # the reports (and reference.json) of another folder
-                                                             # of experiments/ than learn/: 10-split probes
+                                                             # of experiments/ than learn/: 10-split
+                                                             probes
 
-Each run's value is the mean over its probe seeds (splits); an arm's interval is a t-interval over its pretraining
-seeds, paired by seed in `compare` (the seed also draws the init and the data order).
+Each run's value is the mean over its probe seeds (splits); an arm's interval is a t-interval over
+its pretraining seeds, paired by seed in `compare` (the seed also draws the init and the data
+order).
 """
+
 import glob
 import json
 import os
@@ -23,7 +29,8 @@ import re
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPORTS = os.path.join(HERE, "learn")  # where the reports are read: experiments/learn, or the folder of --reports
+# where the reports are read: experiments/learn, or the folder of --reports
+REPORTS = os.path.join(HERE, "learn")
 DEMO = os.path.join(HERE, "demo")  # the demo's reports (experiments/demo.sh)
 sys.path.insert(0, os.path.dirname(HERE))
 from readouts import READOUTS, interval  # noqa: E402  (the repo's flat modules)
@@ -44,27 +51,46 @@ def signed(iv: dict) -> str:
 
 
 def reference_scores(task: str) -> dict:
-    """{"best_handmade": (name, interval), "supervised": interval} of a task from the reports' reference.json."""
+    """{"best_handmade": (name, interval), "supervised": interval} of a task from the reports'
+    reference.json."""
     t = load("reference")["tasks"][task]
     best = t["best_handmade"]
-    return {"best_handmade": (best, t["handmade"][best][t["metric"]]), "supervised": t["supervised"][t["metric"]]}
+    return {
+        "best_handmade": (best, t["handmade"][best][t["metric"]]),
+        "supervised": t["supervised"][t["metric"]],
+    }
 
 
 def seeds_of(arm: str, folder: str = "") -> list:
-    """The run names ARM_s<k> that have a report in FOLDER (default: the reports' folder), by seed."""
-    names = [os.path.basename(p)[:-5] for p in glob.glob(os.path.join(folder or REPORTS, f"{arm}_s*.json"))]
-    return sorted((n for n in names if re.fullmatch(rf"{re.escape(arm)}_s\d+", n)), key=lambda n: int(n.rsplit("s", 1)[1]))
+    """The run names ARM_s<k> that have a report in FOLDER (default: the reports' folder), by
+    seed."""
+    names = [
+        os.path.basename(p)[:-5]
+        for p in glob.glob(os.path.join(folder or REPORTS, f"{arm}_s*.json"))
+    ]
+    return sorted(
+        (n for n in names if re.fullmatch(rf"{re.escape(arm)}_s\d+", n)),
+        key=lambda n: int(n.rsplit("s", 1)[1]),
+    )
 
 
 def runs_table(names: list) -> None:
-    print("| run | task | " + " | ".join(f"{r}: pretrained" for r in READOUTS) + " | "
-          + " | ".join(f"{r}: random" for r in READOUTS) + " |")
+    print(
+        "| run | task | "
+        + " | ".join(f"{r}: pretrained" for r in READOUTS)
+        + " | "
+        + " | ".join(f"{r}: random" for r in READOUTS)
+        + " |"
+    )
     print("|---|---|" + "---|" * 2 * len(READOUTS))
     for name in names:
         for task, t in load(name)["tasks"].items():
             m = t["metric"]
-            cells = [cell(t["encoders"][arm][r][m]) if r in t["encoders"][arm] else "-"
-                     for arm in ("pretrained", "random") for r in READOUTS]
+            cells = [
+                cell(t["encoders"][arm][r][m]) if r in t["encoders"][arm] else "-"
+                for arm in ("pretrained", "random")
+                for r in READOUTS
+            ]
             print(f"| {name} | {task} | " + " | ".join(cells) + " |")
 
 
@@ -78,13 +104,17 @@ def arm_means(arm: str, task: str, readout: str, encoder: str = "pretrained") ->
 
 
 def arms_table(arms: list) -> None:
-    print("| arm (seeds) | task | " + " | ".join(READOUTS) + " | random init (best read-out) | beats best hand-made "
-          "(runs, best read-out) |")
+    print(
+        "| arm (seeds) | task | "
+        + " | ".join(READOUTS)
+        + " | random init (best read-out) | beats best hand-made (runs, best read-out) |"
+    )
     print("|---|---|" + "---|" * (len(READOUTS) + 2))
     for arm in arms:
         names = seeds_of(arm)
         for task, t in load(names[0])["tasks"].items():
-            if task not in load("reference")["tasks"]:  # no hand-made features measured on these splits
+            # no hand-made features measured on these splits
+            if task not in load("reference")["tasks"]:
                 continue
             ref = reference_scores(task)
             cells = []
@@ -93,9 +123,19 @@ def arms_table(arms: list) -> None:
                 cells.append(cell(interval(values)) if len(values) > 1 else f"{values[0]:.3f}")
             random = max(interval(arm_means(arm, task, r, "random"))["mean"] for r in READOUTS)
             hand = ref["best_handmade"][1]
-            wins = sum(max(load(n)["tasks"][task]["encoders"]["pretrained"][r][t["metric"]]["low"] for r in READOUTS)
-                       > max(hand["high"], 0.5) for n in names)
-            print(f"| {arm} ({len(names)}) | {task} | " + " | ".join(cells) + f" | {random:.3f} | {wins}/{len(names)} |")
+            wins = sum(
+                max(
+                    load(n)["tasks"][task]["encoders"]["pretrained"][r][t["metric"]]["low"]
+                    for r in READOUTS
+                )
+                > max(hand["high"], 0.5)
+                for n in names
+            )
+            print(
+                f"| {arm} ({len(names)}) | {task} | "
+                + " | ".join(cells)
+                + f" | {random:.3f} | {wins}/{len(names)} |"
+            )
 
 
 def compare_table(a: str, b: str, readouts: list) -> None:
@@ -111,29 +151,48 @@ def compare_table(a: str, b: str, readouts: list) -> None:
         if not all(task in r["tasks"] for r in reports_a + reports_b):  # probed on some runs only
             continue
         for r in readouts:
-            va = [report["tasks"][task]["encoders"]["pretrained"][r][t["metric"]]["mean"] for report in reports_a]
-            vb = [report["tasks"][task]["encoders"]["pretrained"][r][t["metric"]]["mean"] for report in reports_b]
+            va = [
+                report["tasks"][task]["encoders"]["pretrained"][r][t["metric"]]["mean"]
+                for report in reports_a
+            ]
+            vb = [
+                report["tasks"][task]["encoders"]["pretrained"][r][t["metric"]]["mean"]
+                for report in reports_b
+            ]
             diff = interval([x - y for x, y in zip(va, vb)])
-            print(f"| {task} | {r} | {cell(interval(va))} | {cell(interval(vb))} | {signed(diff)} |")
+            print(
+                f"| {task} | {r} | {cell(interval(va))} | {cell(interval(vb))} | {signed(diff)} |"
+            )
 
 
 def reference_table() -> None:
     report = load("reference")
-    print("| task | metric | " + " | ".join(report["tasks"][next(iter(report["tasks"]))]["handmade"])
-          + " | small 3D CNN | valid |")
-    print("|---|---|" + "---|" * (len(report["tasks"][next(iter(report["tasks"]))]["handmade"]) + 2))
+    print(
+        "| task | metric | "
+        + " | ".join(report["tasks"][next(iter(report["tasks"]))]["handmade"])
+        + " | small 3D CNN | valid |"
+    )
+    print(
+        "|---|---|" + "---|" * (len(report["tasks"][next(iter(report["tasks"]))]["handmade"]) + 2)
+    )
     for task, t in report["tasks"].items():
         m = t["metric"]
-        print(f"| {task} | {m} | " + " | ".join(cell(s[m]) for s in t["handmade"].values())
-              + f" | {cell(t['supervised'][m])} | {'yes' if t['valid'] else 'no'} |")
+        print(
+            f"| {task} | {m} | "
+            + " | ".join(cell(s[m]) for s in t["handmade"].values())
+            + f" | {cell(t['supervised'][m])} | {'yes' if t['valid'] else 'no'} |"
+        )
 
 
 def demo_table(arms: list, readout: str = "attentive") -> None:
-    """One row per demo run (its verdict's read-out, paired with its random init and the best hand-made features on
-    its splits; *: a 5-split verdict judged again on 300 volumes and 10 splits by experiments/demo_verdicts.py), per arm the mean over seeds with its 95% interval and the runs that beat each, and each later arm
-    paired by seed with the first."""
-    print("| arm | seed | updates | pretrained | random init | vs random init | vs hand-made | beats random / "
-          "hand-made | last val target_std, RankMe | wall / CPU s |")
+    """One row per demo run (its verdict's read-out, paired with its random init and the best
+    hand-made features on its splits; *: a 5-split verdict judged again on 300 volumes and 10 splits
+    by experiments/demo_verdicts.py), per arm the mean over seeds with its 95% interval and the runs
+    that beat each, and each later arm paired by seed with the first."""
+    print(
+        "| arm | seed | updates | pretrained | random init | vs random init | vs hand-made | beats"
+        " random / hand-made | last val target_std, RankMe | wall / CPU s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     margins = {}
     for arm in arms:
@@ -143,27 +202,42 @@ def demo_table(arms: list, readout: str = "attentive") -> None:
             run = load(name, DEMO)
             probe, val, time = run["summary_probe"], run["last_val"], run["pretrain"]
             r = probe["readouts"][readout]
-            again = os.path.join(DEMO, "verdicts", f"{name}.json")  # experiments/demo_verdicts.py: 300 volumes, 10 splits
+            # experiments/demo_verdicts.py: 300 volumes, 10 splits
+            again = os.path.join(DEMO, "verdicts", f"{name}.json")
             if len(r["pretrained"]["values"]) < 10 and os.path.exists(again):
                 r = {**load(name, os.path.join(DEMO, "verdicts"))["300x10"], "recomputed": True}
             seed = name.rsplit("_s", 1)[1] + ("*" if r.get("recomputed") else "")
-            margins[arm][seed.rstrip("*")] = (r["pretrained"]["mean"], r["vs_random"]["mean"], r["vs_handmade"]["mean"],
-                                  r["beats_random"], r["beats_handmade"])
-            print(f"| {arm} | {seed} | {probe['step']} | {cell(r['pretrained'])} | {r['random']['mean']:.3f} | "
-                  f"{signed(r['vs_random'])} | {signed(r['vs_handmade'])} | "
-                  f"{'yes' if r['beats_random'] else 'no'} / {'yes' if r['beats_handmade'] else 'no'} | "
-                  f"{val['target_std']:.2f}, {val['rankme']:.1f} | {time['wall_s']:.0f} / {time['cpu_s']:.0f} |")
+            margins[arm][seed.rstrip("*")] = (
+                r["pretrained"]["mean"],
+                r["vs_random"]["mean"],
+                r["vs_handmade"]["mean"],
+                r["beats_random"],
+                r["beats_handmade"],
+            )
+            print(
+                f"| {arm} | {seed} | {probe['step']} | {cell(r['pretrained'])} |"
+                f" {r['random']['mean']:.3f} | {signed(r['vs_random'])} |"
+                f" {signed(r['vs_handmade'])} | {'yes' if r['beats_random'] else 'no'} /"
+                f" {'yes' if r['beats_handmade'] else 'no'} | {val['target_std']:.2f},"
+                f" {val['rankme']:.1f} | {time['wall_s']:.0f} / {time['cpu_s']:.0f} |"
+            )
         rows = list(margins[arm].values())
         if len(rows) > 1:
-            print(f"| {arm}: mean over {len(rows)} seeds | | | {cell(interval([m[0] for m in rows]))} | | "
-                  f"{signed(interval([m[1] for m in rows]))} | {signed(interval([m[2] for m in rows]))} | "
-                  f"{sum(m[3] for m in rows)} / {sum(m[4] for m in rows)} of {len(rows)} | | |")
+            print(
+                f"| {arm}: mean over {len(rows)} seeds | | | {cell(interval([m[0] for m in rows]))}"
+                f" | | {signed(interval([m[1] for m in rows]))} |"
+                f" {signed(interval([m[2] for m in rows]))} | {sum(m[3] for m in rows)} /"
+                f" {sum(m[4] for m in rows)} of {len(rows)} | | |"
+            )
     first = arms[0]
     for arm in arms[1:]:
         seeds = sorted(set(margins[arm]) & set(margins[first]), key=int)
         if len(seeds) > 1:
             diff = interval([margins[arm][s][0] - margins[first][s][0] for s in seeds])
-            print(f"| {arm} - {first}, paired over seeds {','.join(seeds)} | | | {signed(diff)} | | | | | | |")
+            print(
+                f"| {arm} - {first}, paired over seeds {','.join(seeds)} | | | {signed(diff)} | | |"
+                " | | | |"
+            )
 
 
 if __name__ == "__main__":

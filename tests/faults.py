@@ -1,37 +1,46 @@
-"""Run train.py's real main() in one of several processes (DDP ranks under torchrun, or simulated XLA hosts:
-RANK names the process) with faults injected into some of them; tests/test_resume.py, test_preemption.py and
-test_xla.py use it for the multi-process stories. Faults, comma-separated:
+"""Run train.py's real main() in one of several processes (DDP ranks under torchrun, or simulated
+XLA hosts: RANK names the process) with faults injected into some of them; tests/test_resume.py,
+test_preemption.py and test_xla.py use it for the multi-process stories. Faults, comma-separated:
 
     late_start   process 1 starts 1.5 s after process 0 (their clocks name different seconds)
     nan_5_7      updates 5 to 7 have a non-finite loss in every process (a rollback follows)
     read_once    process 1's first checkpoint read fails (a transient storage error)
-    read_twice   process 1's first two checkpoint reads fail (a transient error a single retry does not outlast)
-    read_always  every checkpoint read of process 1 fails
+    read_twice   process 1's first two checkpoint reads fail (a transient error a single retry does
+    not outlast) read_always  every checkpoint read of process 1 fails
     bad_files    process 1 cannot read the Heidelberg-style volumes (a quarter of the phantoms)
     no_data      process 1 cannot read any volume
-    exit_report  each process prints how many gloo worker threads are left when the interpreter starts its
+    exit_report  each process prints how many gloo worker threads are left when the interpreter
+    starts its
                  teardown (0 once the process group was left)
-    report       each process prints the update it resumed at and how many checkpoint states it built
-    race_lock    the process waits at the run folder's lock until the file $OCTJEPA_TEST_GO exists (after touching
-                 $OCTJEPA_TEST_READY.PID), then judges a gone holder slowly (0.5 s): a second process judges meanwhile
-    no_flock     flock fails as on a filesystem without file locks (NFS mounted nolock, some FUSE mounts): ENOLCK
-    sigkill_at_3 the process is SIGKILLed (the OOM killer) during its third update
+    report       each process prints the update it resumed at and how many checkpoint states it
+    built race_lock    the process waits at the run folder's lock until the file $OCTJEPA_TEST_GO
+    exists (after touching
+                 $OCTJEPA_TEST_READY.PID), then judges a gone holder slowly (0.5 s): a second
+                 process judges meanwhile
+    no_flock     flock fails as on a filesystem without file locks (NFS mounted nolock, some FUSE
+    mounts): ENOLCK sigkill_at_3 the process is SIGKILLed (the OOM killer) during its third update
     stall_in_save
-                 the process stalls in its second checkpoint, after its fencing check and before the write (a
-                 suspended job, a VM pause): it touches $OCTJEPA_TEST_READY and waits until $OCTJEPA_TEST_GO exists
+                 the process stalls in its second checkpoint, after its fencing check and before the
+                 write (a suspended job, a VM pause): it touches $OCTJEPA_TEST_READY and waits until
+                 $OCTJEPA_TEST_GO exists
     sigterm_in_probe, sigint_in_probe
-                 the process sends itself SIGTERM (or SIGINT, Ctrl-C) from inside the DICOM reader, while the
-                 end-of-run verdict reads its second labelled volume
+                 the process sends itself SIGTERM (or SIGINT, Ctrl-C) from inside the DICOM reader,
+                 while the end-of-run verdict reads its second labelled volume
     sigterm_in_encoder
-                 the process sends itself SIGTERM from inside the JPEG 2000 encoder (a Python logging call that
-                 openjpeg's C code makes while it encodes a frame), while the end-of-run verdict writes its labelled
-                 phantoms: an outside signal arriving there runs its handler at that very place
+                 the process sends itself SIGTERM from inside the JPEG 2000 encoder (a Python
+                 logging call that openjpeg's C code makes while it encodes a frame), while the
+                 end-of-run verdict writes its labelled phantoms: an outside signal arriving there
+                 runs its handler at that very place
 
-usage: torchrun ... tests/faults.py FAULTS TRAIN_FLAGS...   (or one python per simulated XLA host, RANK=0, 1...)
+usage: torchrun ... tests/faults.py FAULTS TRAIN_FLAGS...   (or one python per simulated XLA host,
+RANK=0, 1...)
 """
+
 import atexit
+import faulthandler
 import glob
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -44,12 +53,19 @@ import train  # noqa: E402
 
 faults = set(sys.argv[1].split(","))
 rank = int(os.environ.get("RANK", "0"))
+# a test that finds this process hung asks for its stacks
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 if "exit_report" in faults:
+
     def report_gloo_threads():  # registered before train's own exit handlers, so it runs after them
         names = [open(comm).read().strip() for comm in glob.glob("/proc/self/task/*/comm")]
-        print(f"process {rank}: gloo worker threads at exit: {sum(n.startswith('pt_gloo') for n in names)}",
-              file=sys.stderr, flush=True)
+        print(
+            f"process {rank}: gloo worker threads at exit:"
+            f" {sum(n.startswith('pt_gloo') for n in names)}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     atexit.register(report_gloo_threads)
 
@@ -82,7 +98,9 @@ if rank == 1 and faults & {"bad_files", "no_data"}:
 
     def load_prepared(paths, cfg, sources=None):
         if "no_data" in faults or "heidelberg" in paths[0]:
-            raise dicom.UnusableFile("read_error", f"injected read error on process 1 for {paths[0]}")
+            raise dicom.UnusableFile(
+                "read_error", f"injected read error on process 1 for {paths[0]}"
+            )
         return real_load(paths, cfg, sources)
 
     data.load_prepared = load_prepared
@@ -100,11 +118,15 @@ if "report" in faults:
         return real_state(*args, **kwargs)
 
     train.resume, checkpoint.checkpoint_state = resume, checkpoint_state
-    atexit.register(lambda: print(f"process {rank}: checkpoint states built: {len(built)}", file=sys.stderr,
-                                  flush=True))
+    atexit.register(
+        lambda: print(
+            f"process {rank}: checkpoint states built: {len(built)}", file=sys.stderr, flush=True
+        )
+    )
 
 if "race_lock" in faults:
     import lock  # noqa: E402
+
     real_take_lock, real_holder_is_gone = lock.take_lock, lock.holder_is_gone
 
     def take_lock(folder):
@@ -131,6 +153,7 @@ if "no_flock" in faults:
 
 if "sigkill_at_3" in faults:
     import signal
+
     real_train_update, update_calls = train.train_update, []
 
     def train_update_then_kill(*args, **kwargs):
@@ -158,8 +181,13 @@ if faults & {"sigterm_in_probe", "sigint_in_probe"}:
     import signal
     import pydicom
     import runprobe
+
     stop = signal.SIGTERM if "sigterm_in_probe" in faults else signal.SIGINT
-    real_prepare_probe_set, real_dcmread, probe_reads = runprobe.prepare_probe_set, pydicom.dcmread, []
+    real_prepare_probe_set, real_dcmread, probe_reads = (
+        runprobe.prepare_probe_set,
+        pydicom.dcmread,
+        [],
+    )
 
     def dcmread(*args, **kwargs):
         probe_reads.append(args)
@@ -177,16 +205,24 @@ if "sigterm_in_encoder" in faults:
     import logging
     import signal
     import runprobe
-    real_prepare_probe_set, encoder_log = runprobe.prepare_probe_set, logging.getLogger("openjpeg.encode")
 
-    def debug(*args, **kwargs):  # called by openjpeg's C encoder (encode_buffer) in the middle of a frame
+    real_prepare_probe_set, encoder_log = (
+        runprobe.prepare_probe_set,
+        logging.getLogger("openjpeg.encode"),
+    )
+
+    # called by openjpeg's C encoder (encode_buffer) in the middle of a frame
+    def debug(*args, **kwargs):
         del encoder_log.debug  # once
         os.kill(os.getpid(), signal.SIGTERM)  # its handler runs here, inside the encoder
 
     def prepare_probe_set(*args, **kwargs):
-        encoder_log.debug = debug  # from here on every encoded frame is the verdict's labelled phantoms'
+        # from here on every encoded frame is the verdict's labelled phantoms'
+        encoder_log.debug = debug
         return real_prepare_probe_set(*args, **kwargs)
 
     runprobe.prepare_probe_set = prepare_probe_set
 
-sys.exit(train.main(sys.argv[2:]))
+# a loader worker imports this file again (as __mp_main__): the faults, not the run
+if __name__ == "__main__":
+    sys.exit(train.main(sys.argv[2:]))

@@ -1,10 +1,13 @@
-"""gcp-storage-emulator with GCS's generation preconditions, which it ignores: an object insert or delete that
-carries ifGenerationMatch (0: only if the object does not exist) is refused with 412 unless the object's generation
-is that one, checked and applied in one step, as GCS does. The run folder's gs:// lock (lock.py) relies on them;
-tests/helpers.py's GCSEmulator starts this instead of the plain emulator.
+"""gcp-storage-emulator with GCS's generation preconditions, which it ignores: an object insert or
+delete that carries ifGenerationMatch (0: only if the object does not exist) is refused with 412
+unless the object's generation is that one, checked and applied in one step, as GCS does. The run
+folder's gs:// lock (lock.py) relies on them; tests/helpers.py's GCSEmulator starts this instead of
+the plain emulator.
 
-usage: python tests/gcs_emulator.py start --host 127.0.0.1 --port PORT ...   (gcp-storage-emulator's arguments)
+usage: python tests/gcs_emulator.py start --host 127.0.0.1 --port PORT ...   (gcp-storage-emulator's
+arguments)
 """
+
 import threading
 from http import HTTPStatus
 
@@ -20,11 +23,16 @@ def _with_precondition(handler):
         if not wanted:
             return handler(request, response, storage, *args, **kwargs)
         data = request.data if isinstance(request.data, dict) else {}
-        name = ((request.params or {}).get("object_id") or (request.query.get("name") or [None])[0]
-                or data.get("meta", {}).get("name"))
+        name = (
+            (request.params or {}).get("object_id")
+            or (request.query.get("name") or [None])[0]
+            or data.get("meta", {}).get("name")
+        )
         with _ONE_AT_A_TIME:
             try:
-                generation = str(storage.get_file_obj(request.params["bucket_name"], name)["generation"])
+                generation = str(
+                    storage.get_file_obj(request.params["bucket_name"], name)["generation"]
+                )
             except NotFound:
                 generation = "0"
             if generation != wanted[0]:
@@ -32,6 +40,7 @@ def _with_precondition(handler):
                 response.json({"error": {"code": 412, "message": "conditionNotMet"}})
                 return None
             return handler(request, response, storage, *args, **kwargs)
+
     return handle
 
 
@@ -39,5 +48,7 @@ objects.insert = _with_precondition(objects.insert)
 objects.delete = _with_precondition(objects.delete)
 
 if __name__ == "__main__":
-    from gcp_storage_emulator.__main__ import main  # after the patch: its server looks the handlers up on import
+    # after the patch: its server looks the handlers up on import
+    from gcp_storage_emulator.__main__ import main
+
     main()

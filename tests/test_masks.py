@@ -1,5 +1,7 @@
-"""Patch masks: exact static counts, disjoint, complete, unbiased, reproducible (incident 6); the options a
-researcher compares (block or random masks, several mask sets per sample) do what they say."""
+"""Patch masks: exact static counts, disjoint, complete, unbiased, reproducible (incident 6); the
+options a researcher compares (block or random masks, several mask sets per sample) do what they
+say."""
+
 import numpy as np
 import pytest
 import torch
@@ -41,8 +43,12 @@ def test_every_position_is_sometimes_target_and_sometimes_context(grid, mask_typ
     for i in range(1000):
         times_target[gen(sample_rng(3, 0, i))[1]] += 1
     assert times_target.min() > 0 and times_target.max() < 1000
-    if mask_type == "multiblock" and grid == (4, 8, 8):  # no border bias: corners about as often as the center
-        assert times_target.min() > 0.8 * times_target.mean() and times_target.max() < 1.2 * times_target.mean()
+    # no border bias: corners about as often as the center
+    if mask_type == "multiblock" and grid == (4, 8, 8):
+        assert (
+            times_target.min() > 0.8 * times_target.mean()
+            and times_target.max() < 1.2 * times_target.mean()
+        )
 
 
 def test_multiblock_targets_are_blocks_not_noise():
@@ -92,19 +98,43 @@ def test_each_mask_option_gives_exact_disjoint_complete_sets_of_static_shape(gri
 def test_context_neighbour_share_counts_targets_next_to_context_along_each_axis():
     is_target = np.zeros((4, 5, 6), bool)
     is_target[1:3, 2, 0:6] = True  # a bar across the lateral axis, two B-scans thick
-    assert context_neighbour_share(is_target) == [1.0, 1.0, 0.0]  # no wrap-around at the lateral borders
+    # no wrap-around at the lateral borders
+    assert context_neighbour_share(is_target) == [1.0, 1.0, 0.0]
 
 
 @pytest.mark.parametrize("grid", [(16, 24, 24), (4, 8, 8)])
-def test_mask_stats_say_that_blocks_clipped_at_the_borders_are_smaller_than_their_nominal_scale(grid):
+def test_mask_stats_say_that_blocks_clipped_at_the_borders_are_smaller_than_their_nominal_scale(
+    grid,
+):
     stats = mask_stats(MaskGenerator(grid, 0.6, "multiblock", (0.1, 0.3), 1.5), samples=30)
     assert stats["block_size_ratio"] < 0.6 and 0 < stats["thin_block_share"] <= 1
 
 
 def test_several_mask_sets_per_sample_train_like_one_set_each():
-    cfg = load_config(["--image_size", "8,32,32", "--patch_size", "4,8,8", "--embed_dim", "24", "--depth", "1",
-                       "--num_heads", "2", "--pred_embed_dim", "12", "--pred_depth", "1", "--pred_num_heads", "2",
-                       "--mask_type", "multiblock", "--mask_block_scale", "0.05,0.1,0.3,0.5"])
+    cfg = load_config(
+        [
+            "--image_size",
+            "8,32,32",
+            "--patch_size",
+            "4,8,8",
+            "--embed_dim",
+            "24",
+            "--depth",
+            "1",
+            "--num_heads",
+            "2",
+            "--pred_embed_dim",
+            "12",
+            "--pred_depth",
+            "1",
+            "--pred_num_heads",
+            "2",
+            "--mask_type",
+            "multiblock",
+            "--mask_block_scale",
+            "0.05,0.1,0.3,0.5",
+        ]
+    )
     torch.manual_seed(0)
     model = VJEPA3D.from_config(cfg)
     gen = mask_generator_from_config(cfg)

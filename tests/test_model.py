@@ -1,4 +1,6 @@
-"""VJEPA3D: a real JEPA (incident 12), one output dataclass (incident 7), shape errors before compute (incident 6)."""
+"""VJEPA3D: a real JEPA (incident 12), one output dataclass (incident 7), shape errors before
+compute (incident 6)."""
+
 import dataclasses
 import functools
 import math
@@ -10,7 +12,14 @@ import torch
 from config import load_config
 from data import sample_rng
 from masks import MaskGenerator
-from model import JEPAOutput, VJEPA3D, gather_tokens, sincos_pos_embed_3d, training_flops_per_sample, tubelet_embedding
+from model import (
+    JEPAOutput,
+    VJEPA3D,
+    gather_tokens,
+    sincos_pos_embed_3d,
+    training_flops_per_sample,
+    tubelet_embedding,
+)
 from objectives import LOCAL_FEATURES
 from runtime import with_input_gradient
 
@@ -19,9 +28,18 @@ IMAGE, PATCH = [8, 32, 32], [4, 8, 8]
 
 def tiny_model(**kw):
     torch.manual_seed(0)
-    args = dict(embed_dim=64, depth=2, num_heads=4, pred_embed_dim=48, pred_depth=2, pred_num_heads=4,
-                # the plain V-JEPA unless a test asks for the recipe
-                patch_stem="linear", local_loss_weight=0.0, local_loss_split=(1, 1, 1))
+    args = dict(
+        embed_dim=64,
+        depth=2,
+        num_heads=4,
+        pred_embed_dim=48,
+        pred_depth=2,
+        pred_num_heads=4,
+        # the plain V-JEPA unless a test asks for the recipe
+        patch_stem="linear",
+        local_loss_weight=0.0,
+        local_loss_split=(1, 1, 1),
+    )
     args.update(kw)
     return VJEPA3D(image_size=IMAGE, patch_size=PATCH, **args)
 
@@ -33,30 +51,41 @@ def masks(model, batch, seed=0, ratio=0.6):
 
 
 def test_production_config_is_the_29_4m_vjepa3d_plus_the_recipes_hmlp_stem_and_local_loss_head():
-    """The old system's 29.4M-parameter V-JEPA3D (linear stem, no local loss); the recipe adds its hmlp stem's
-    convolutions (in place of the one linear map) and the local loss's linear head, and nothing else."""
+    """The old system's 29.4M-parameter V-JEPA3D (linear stem, no local loss); the recipe adds its
+    hmlp stem's convolutions (in place of the one linear map) and the local loss's linear head, and
+    nothing else."""
     cfg = load_config(["--config", "configs/pretrain_single_domain.yaml"])
     assert cfg.patch_stem == "hmlp" and cfg.local_loss_weight > 0
     with torch.device("meta"):
         model = VJEPA3D.from_config(cfg)
-        plain = VJEPA3D.from_config(dataclasses.replace(cfg, patch_stem="linear", local_loss_weight=0.0))
+        plain = VJEPA3D.from_config(
+            dataclasses.replace(cfg, patch_stem="linear", local_loss_weight=0.0)
+        )
     n, n_plain = model.num_trainable_params(), plain.num_trainable_params()
-    print(f"production VJEPA3D trainable parameters: {n:,} ({n_plain:,} with a linear stem and no local loss)")
+    print(
+        f"production VJEPA3D trainable parameters: {n:,} ({n_plain:,} with a linear stem and no"
+        " local loss)"
+    )
     assert abs(n_plain - 29.4e6) / 29.4e6 < 0.03
     e, voxels = cfg.embed_dim, math.prod(cfg.patch_size)
-    hmlp = (4 + 1) * e // 2 + (8 * e // 2 + 1) * e // 2 + (voxels // 32 * e // 2 + 1) * e  # 1x2x2, 2x2x2, the rest
+    # 1x2x2, 2x2x2, the rest
+    hmlp = (4 + 1) * e // 2 + (8 * e // 2 + 1) * e // 2 + (voxels // 32 * e // 2 + 1) * e
     local_head = (e + 1) * LOCAL_FEATURES * math.prod(cfg.local_loss_split)
     assert n - n_plain == hmlp - (voxels + 1) * e + local_head
 
 
 def test_dry_run_memory_says_a_vit_g_will_not_fit_a_16_gib_device_unless_sharded():
     from plan import describe_memory
+
     cfg = load_config(["--config", "configs/pretrain_vitg.yaml"])
     with torch.device("meta"):
         model = VJEPA3D.from_config(cfg)
-    assert abs(sum(p.numel() for p in model.encoder.blocks.parameters()) - 1.0e9) / 1.0e9 < 0.05  # ViT-g's blocks
+    # ViT-g's blocks
+    assert abs(sum(p.numel() for p in model.encoder.blocks.parameters()) - 1.0e9) / 1.0e9 < 0.05
     whole = describe_memory(cfg, model, fsdp=1, batch=1)
-    print(whole)  # the recipe's hmlp stem keeps 9/32 x 1408 values per voxel: 7 GiB at 64x384x384, recomputed or not
+    # the recipe's hmlp stem keeps 9/32 x 1408 values per voxel: 7 GiB at 64x384x384, recomputed or
+    # not
+    print(whole)
     assert "will NOT fit TPU v5e (16 GiB), L4 (24 GiB); fits TPU v4 (32 GiB)" in whole
     sharded = describe_memory(cfg, model, fsdp=16, batch=1)
     assert "weights sharded over 16 devices" in sharded and "fits every named device" in sharded
@@ -64,6 +93,7 @@ def test_dry_run_memory_says_a_vit_g_will_not_fit_a_16_gib_device_unless_sharded
 
 def test_sharding_divides_the_weights_and_optimizer_state_but_not_the_activations():
     from model import memory_per_device
+
     cfg = load_config(["--config", "configs/pretrain_vitl.yaml"])
     with torch.device("meta"):
         model = VJEPA3D.from_config(cfg)
@@ -71,7 +101,8 @@ def test_sharding_divides_the_weights_and_optimizer_state_but_not_the_activation
     for part in ("weights", "gradients", "adamw", "ema_target"):
         assert sharded[part] == whole[part] / 8
     assert sharded["activations"] == whole["activations"] > 0
-    assert whole["gathered"] == 0 < sharded["gathered"] < whole["weights"] / 4  # a few blocks gathered at a time
+    # a few blocks gathered at a time
+    assert whole["gathered"] == 0 < sharded["gathered"] < whole["weights"] / 4
     assert whole["weights"] == 4 * model.num_trainable_params()
 
 
@@ -128,15 +159,29 @@ def test_update_target_moves_exactly_by_the_given_momentum():
         torch.testing.assert_close(new, 0.9 * old + 0.1 * o, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("make_inputs,expected", [
-    (lambda c, t: (torch.randn(2, *IMAGE), c, t), r"volume: expected shape \['B', 1, 8, 32, 32\], got \[2, 8, 32, 32\]"),
-    (lambda c, t: (torch.randn(2, 1, 8, 32, 16), c, t), r"got \[2, 1, 8, 32, 16\]"),
-    (lambda c, t: (torch.randn(2, 1, *IMAGE), torch.zeros(*IMAGE, dtype=torch.long), t),
-     r"context_idx: expected shape \[B=2, .*got \[8, 32, 32\]"),
-    (lambda c, t: (torch.randn(2, 1, *IMAGE), c, t.int()), r"target_idx: expected dtype torch.int64"),
-    (lambda c, t: (torch.randn(2, 1, *IMAGE), c, t + 1000), r"target_idx: indices must be in \[0, 32\)"),
-    (lambda c, t: (torch.randn(2, 1, *IMAGE), c[:1], t), r"context_idx: expected shape \[B=2"),
-])
+@pytest.mark.parametrize(
+    "make_inputs,expected",
+    [
+        (
+            lambda c, t: (torch.randn(2, *IMAGE), c, t),
+            r"volume: expected shape \['B', 1, 8, 32, 32\], got \[2, 8, 32, 32\]",
+        ),
+        (lambda c, t: (torch.randn(2, 1, 8, 32, 16), c, t), r"got \[2, 1, 8, 32, 16\]"),
+        (
+            lambda c, t: (torch.randn(2, 1, *IMAGE), torch.zeros(*IMAGE, dtype=torch.long), t),
+            r"context_idx: expected shape \[B=2, .*got \[8, 32, 32\]",
+        ),
+        (
+            lambda c, t: (torch.randn(2, 1, *IMAGE), c, t.int()),
+            r"target_idx: expected dtype torch.int64",
+        ),
+        (
+            lambda c, t: (torch.randn(2, 1, *IMAGE), c, t + 1000),
+            r"target_idx: indices must be in \[0, 32\)",
+        ),
+        (lambda c, t: (torch.randn(2, 1, *IMAGE), c[:1], t), r"context_idx: expected shape \[B=2"),
+    ],
+)
 def test_wrong_inputs_raise_value_error_naming_the_shapes(make_inputs, expected):
     model = tiny_model()
     ctx, tgt = masks(model, 2)
@@ -174,45 +219,74 @@ def test_each_hmlp_token_is_a_nonlinear_function_of_its_own_tubelets_voxels_only
     stem = tubelet_embedding(PATCH, 64, "hmlp")
     x = torch.randn(1, 1, *IMAGE)
     changed = x.clone()
-    changed[..., 4:8, 8:16, 16:24] += torch.randn(1, 1, 4, 8, 8)  # the voxels of token (1, 1, 2) alone
+    # the voxels of token (1, 1, 2) alone
+    changed[..., 4:8, 8:16, 16:24] += torch.randn(1, 1, 4, 8, 8)
     moved = (stem(changed) - stem(x)).abs().amax(dim=1)[0] > 0  # [gd, gh, gw]
     assert moved[1, 1, 2] and moved.sum() == 1  # no voxel of one tubelet reaches another token
     zero = stem(torch.zeros_like(x))
-    assert (stem(2 * x) - zero - 2 * (stem(x) - zero)).abs().max() > 1e-3  # linear maps would give 0
+    # linear maps would give 0
+    assert (stem(2 * x) - zero - 2 * (stem(x) - zero)).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("patch, shape", [(PATCH, [2, 1, 8, 32, 32]), ([4, 16, 16], [1, 1, 9, 35, 50]),
-                                          ([2, 4, 4], [3, 1, 2, 4, 4])])
+@pytest.mark.parametrize(
+    "patch, shape",
+    [(PATCH, [2, 1, 8, 32, 32]), ([4, 16, 16], [1, 1, 9, 35, 50]), ([2, 4, 4], [3, 1, 2, 4, 4])],
+)
 def test_the_hmlp_stem_computes_its_three_convolutions_and_their_gradients(patch, shape):
-    """Its matmuls on each tubelet's cells are the three Conv3d's its weights belong to (exported and loaded as such),
-    voxels past the last whole tubelet dropped as a convolution drops them."""
+    """Its matmuls on each tubelet's cells are the three Conv3d's its weights belong to (exported
+    and loaded as such), voxels past the last whole tubelet dropped as a convolution drops them."""
     torch.manual_seed(0)
     stem = tubelet_embedding(patch, 32, "hmlp")
     x = torch.randn(shape)
 
     def convolutions(volume):
         for layer in stem:
-            volume = layer._conv_forward(volume, layer.weight, layer.bias) if isinstance(layer, torch.nn.Conv3d) \
+            volume = (
+                layer._conv_forward(volume, layer.weight, layer.bias)
+                if isinstance(layer, torch.nn.Conv3d)
                 else layer(volume)
+            )
         return volume
 
     ours, theirs = stem(x), convolutions(x)
     assert ours.shape == theirs.shape
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
     weight = torch.randn_like(ours)
-    grads = [torch.autograd.grad((f(x) * weight).sum(), list(stem.parameters())) for f in (stem, convolutions)]
+    grads = [
+        torch.autograd.grad((f(x) * weight).sum(), list(stem.parameters()))
+        for f in (stem, convolutions)
+    ]
     for ours, theirs in zip(*grads):
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
 
 
 def test_the_hmlp_stem_is_refused_for_a_tubelet_it_cannot_cut_naming_the_sizes_by_the_configs_one_rule():
     from config import ConfigError
-    for patch, dim in (([4, 6, 8], 64), ([4, 8, 8], 63)):  # config and model once disagreed on the odd width
-        with pytest.raises(ValueError, match=rf"got patch_size \[{patch[0]}, {patch[1]}, {patch[2]}\] and embed_dim {dim}"):
+
+    # config and model once disagreed on the odd width
+    for patch, dim in (([4, 6, 8], 64), ([4, 8, 8], 63)):
+        with pytest.raises(
+            ValueError,
+            match=rf"got patch_size \[{patch[0]}, {patch[1]}, {patch[2]}\] and embed_dim {dim}",
+        ):
             tubelet_embedding(patch, dim, "hmlp")
         with pytest.raises(ConfigError, match="patch_stem: hmlp cuts each tubelet"):
-            load_config(["--patch_size", ",".join(map(str, patch)), "--image_size", "16,48,64", "--embed_dim",
-                         str(dim), "--num_heads", "1", "--local_loss_split", "1,1,1", "--patch_stem", "hmlp"])
+            load_config(
+                [
+                    "--patch_size",
+                    ",".join(map(str, patch)),
+                    "--image_size",
+                    "16,48,64",
+                    "--embed_dim",
+                    str(dim),
+                    "--num_heads",
+                    "1",
+                    "--local_loss_split",
+                    "1,1,1",
+                    "--patch_stem",
+                    "hmlp",
+                ]
+            )
     with pytest.raises(ValueError, match="'conv'"):
         tubelet_embedding(PATCH, 64, "conv")
 
@@ -220,13 +294,20 @@ def test_the_hmlp_stem_is_refused_for_a_tubelet_it_cannot_cut_naming_the_sizes_b
 @pytest.mark.parametrize("stem", ["linear", "hmlp"])
 def test_the_counted_flops_of_the_target_encoder_are_what_torch_counts_besides_attention(stem):
     from torch.utils.flop_counter import FlopCounterMode
-    cfg = load_config([], image_size=IMAGE, patch_size=PATCH, embed_dim=64, depth=2, num_heads=4, patch_stem=stem)
+
+    cfg = load_config(
+        [], image_size=IMAGE, patch_size=PATCH, embed_dim=64, depth=2, num_heads=4, patch_stem=stem
+    )
     model = VJEPA3D.from_config(cfg)
     with FlopCounterMode(display=False) as counter:
         model.encode(torch.randn(1, 1, *IMAGE))
-    attention = 2 * 2 * model.num_tokens ** 2 * 64 * 2  # QK^T and AV of 2 blocks
-    counted = sum(flops for op, flops in counter.get_flop_counts()["Global"].items()
-                  if "scaled_dot_product" not in str(op))  # torch counts some attention kernels, not CPU's fused one
+    attention = 2 * 2 * model.num_tokens**2 * 64 * 2  # QK^T and AV of 2 blocks
+    counted = sum(
+        flops
+        for op, flops in counter.get_flop_counts()["Global"].items()
+        # torch counts some attention kernels, not CPU's fused one
+        if "scaled_dot_product" not in str(op)
+    )
     assert training_flops_per_sample(cfg)["target_encoder"] - attention == counted > 0
 
 
@@ -234,7 +315,8 @@ def test_the_counted_flops_of_the_target_encoder_are_what_torch_counts_besides_a
 def test_the_context_encoder_embeds_only_its_tokens_and_gets_what_embedding_all_would_give(stem):
     model = tiny_model(patch_stem=stem)
     x = torch.randn(2, 1, *IMAGE)
-    keep = torch.stack([torch.randperm(model.num_tokens)[:12] for _ in range(4)])  # [B*M, K]: 2 mask sets a volume
+    # [B*M, K]: 2 mask sets a volume
+    keep = torch.stack([torch.randperm(model.num_tokens)[:12] for _ in range(4)])
     every = model.encoder.embed_tubelets(x).flatten(2).transpose(1, 2)  # [B, N, E]
     every = every + model.encoder.positions(model.encoder.grid)
     gathered = gather_tokens(every.repeat_interleave(2, dim=0), keep)
@@ -250,7 +332,9 @@ def test_grad_checkpointing_gives_the_same_gradients(stem):
         model.set_grad_checkpointing(enabled)
         ctx, tgt = masks(model, 2)
         model(x, ctx, tgt).loss.backward()
-        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+        grads.append(
+            torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        )
     torch.testing.assert_close(grads[0], grads[1])
 
 
@@ -272,30 +356,44 @@ def test_frozen_target_overfits_one_batch():
 
 
 def test_a_model_built_without_arguments_is_the_recipe_that_the_configs_train():
-    """The model's defaults live in one place, config.py's Config: VJEPA3D() is the demo's and learn.yaml's model."""
+    """The model's defaults live in one place, config.py's Config: VJEPA3D() is the demo's and
+    learn.yaml's model."""
     for config in ([], ["--config", "configs/demo.yaml"], ["--config", "configs/learn.yaml"]):
         torch.manual_seed(0)
         built = VJEPA3D()
         torch.manual_seed(0)
         configured = VJEPA3D.from_config(load_config(config))
-        assert built.encoder.patch_embed.__class__.__name__ == "HMLPStem" and built.local_head is not None
-        assert {k: v.shape for k, v in built.state_dict().items()} == \
-            {k: v.shape for k, v in configured.state_dict().items()}, config
-        assert all(torch.equal(v, configured.state_dict()[k]) for k, v in built.state_dict().items()), config
+        assert (
+            built.encoder.patch_embed.__class__.__name__ == "HMLPStem"
+            and built.local_head is not None
+        )
+        assert {k: v.shape for k, v in built.state_dict().items()} == {
+            k: v.shape for k, v in configured.state_dict().items()
+        }, config
+        assert all(
+            torch.equal(v, configured.state_dict()[k]) for k, v in built.state_dict().items()
+        ), config
 
 
-@pytest.mark.parametrize("reentrant", [False, True], ids=["torch's checkpoint", "a reentrant one, as torch_xla's"])
-def test_grad_checkpointing_gives_every_weight_the_gradient_it_has_without_it_the_hmlp_stem_included(reentrant):
-    """A reentrant checkpoint gives the weights inside no gradient when no input asks for one: the hmlp stem, whose
-    input is the volume, never trained on XLA with grad checkpointing (FSDP over 4 XLA devices then parted from one
-    device: tests/test_xla.py) until runtime.use_xla_checkpoint wrapped torch_xla's in with_input_gradient."""
+@pytest.mark.parametrize(
+    "reentrant", [False, True], ids=["torch's checkpoint", "a reentrant one, as torch_xla's"]
+)
+def test_grad_checkpointing_gives_every_weight_the_gradient_it_has_without_it_the_hmlp_stem_included(
+    reentrant,
+):
+    """A reentrant checkpoint gives the weights inside no gradient when no input asks for one: the
+    hmlp stem, whose input is the volume, never trained on XLA with grad checkpointing (FSDP over 4
+    XLA devices then parted from one device: tests/test_xla.py) until runtime.use_xla_checkpoint
+    wrapped torch_xla's in with_input_gradient."""
     model = tiny_model(patch_stem="hmlp", local_loss_weight=0.5, local_loss_split=(1, 4, 1))
     volume = torch.randn(2, 1, *IMAGE)
     ctx, tgt = masks(model, 2)
     grads = []
     for checkpointed in (False, True):
         checkpoint = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=reentrant)
-        model.set_grad_checkpointing(checkpointed, with_input_gradient(checkpoint) if reentrant else checkpoint)
+        model.set_grad_checkpointing(
+            checkpointed, with_input_gradient(checkpoint) if reentrant else checkpoint
+        )
         model.zero_grad(set_to_none=True)
         model(volume, ctx, tgt).loss.backward()
         grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})

@@ -1,9 +1,10 @@
-"""Run train.py's real loop on XLA with a NaN written into the input of one update (tests/test_xla.py runs this
-with the torch_xla venv's python). Prints one JSON line: whether the weights after that update equal the
-weights before it.
+"""Run train.py's real loop on XLA with a NaN written into the input of one update
+(tests/test_xla.py runs this with the torch_xla venv's python). Prints one JSON line: whether the
+weights after that update equal the weights before it.
 
 usage: python tests/xla_inject_nan.py POISONED_UPDATE TRAIN_FLAGS...
 """
+
 import json
 import sys
 from pathlib import Path
@@ -21,8 +22,8 @@ weights = {}
 
 
 def poisoning_to_device(batch, rt):
-    """to_device that reads the weights before every update (every update alike, so the reads cannot be what
-    makes the poisoned one compile differently) and poisons one batch."""
+    """to_device that reads the weights before every update (every update alike, so the reads cannot
+    be what makes the poisoned one compile differently) and poisons one batch."""
     update = len(calls)
     calls.append(update)
     weights[update] = runtime.fetch_to_host(list(train_model[0].parameters()), rt)
@@ -45,4 +46,8 @@ train.to_device = poisoning_to_device
 train.make_optimizer = recording_make_optimizer
 code = train.main(sys.argv[2:])
 before, after = weights[poisoned_update], weights[poisoned_update + 1]
-print(json.dumps({"exit": code, "weights_unchanged": all(torch.equal(a, b) for a, b in zip(before, after))}))
+print(
+    json.dumps(
+        {"exit": code, "weights_unchanged": all(torch.equal(a, b) for a, b in zip(before, after))}
+    )
+)

@@ -1,10 +1,13 @@
-"""The hMLP stem as matmuls (model.HMLPStem) against its three convolutions, timed alternately in one process.
+"""The hMLP stem as matmuls (model.HMLPStem) against its three convolutions, timed alternately in
+one process.
 
     python experiments/speed/stem_ab.py [CONFIG] [THREADS]     # default: configs/demo.yaml, 1 thread
 
-Two models from one seed, one with the convolutions' forward, each updated 25 times by train.train_update on
-bench.synthetic_batch: the median update time of the last 22 of each, their ratio and the largest loss difference.
+Two models from one seed, one with the convolutions' forward, each updated 25 times by
+train.train_update on bench.synthetic_batch: the median update time of the last 22 of each, their
+ratio and the largest loss difference.
 """
+
 import sys
 import time
 from pathlib import Path
@@ -24,7 +27,11 @@ from model import VJEPA3D  # noqa: E402
 def convolutions(stem: nn.Sequential, volume: torch.Tensor) -> torch.Tensor:
     """The stem's layers as nn.Sequential runs them: Conv3d, GELU, Conv3d, GELU, Conv3d."""
     for layer in stem:
-        volume = layer._conv_forward(volume, layer.weight, layer.bias) if isinstance(layer, nn.Conv3d) else layer(volume)
+        volume = (
+            layer._conv_forward(volume, layer.weight, layer.bias)
+            if isinstance(layer, nn.Conv3d)
+            else layer(volume)
+        )
     return volume
 
 
@@ -39,8 +46,15 @@ def main() -> None:
         model = VJEPA3D.from_config(cfg)
         if name == "convolutions":
             for encoder in (model.encoder, model.target_encoder):
-                encoder.patch_embed.forward = lambda volume, stem=encoder.patch_embed: convolutions(stem, volume)
-        arms[name] = {"model": model, "optimizer": train.make_optimizer(model, cfg, rt), "times": [], "losses": []}
+                encoder.patch_embed.forward = lambda volume, stem=encoder.patch_embed: convolutions(
+                    stem, volume
+                )
+        arms[name] = {
+            "model": model,
+            "optimizer": train.make_optimizer(model, cfg, rt),
+            "times": [],
+            "losses": [],
+        }
     batch = bench.synthetic_batch(cfg, cfg.per_core_batch_size)
     hp = schedules.Hyperparameters(cfg.base_lr, cfg.weight_decay, cfg.ema_base)
     for i in range(25):
@@ -51,9 +65,14 @@ def main() -> None:
             arm["losses"].append(float(result.loss))
     median = {name: sorted(arm["times"])[len(arm["times"]) // 2] for name, arm in arms.items()}
     for name, seconds in median.items():
-        print(f"{name:13s} {seconds * 1000:.1f} ms an update (median of {len(arms[name]['times'])})")
+        print(
+            f"{name:13s} {seconds * 1000:.1f} ms an update (median of {len(arms[name]['times'])})"
+        )
     print(f"ratio         {median['matmuls'] / median['convolutions']:.3f}")
-    print(f"losses        largest difference {max(abs(a - b) for a, b in zip(*(a['losses'] for a in arms.values()))):.1e}")
+    print(
+        "losses        largest difference"
+        f" {max(abs(a - b) for a, b in zip(*(a['losses'] for a in arms.values()))):.1e}"
+    )
 
 
 if __name__ == "__main__":

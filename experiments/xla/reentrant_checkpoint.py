@@ -1,9 +1,11 @@
-"""A reentrant checkpoint gives the weights inside no gradient when no input asks for one (torch_xla's checkpoint
-is reentrant; torch's default on CPU/CUDA is not). The hmlp stem's input is the volume, so on XLA with grad
-checkpointing it never trained until runtime.with_input_gradient made the input ask (experiments/NOTES.md 25).
+"""A reentrant checkpoint gives the weights inside no gradient when no input asks for one
+(torch_xla's checkpoint is reentrant; torch's default on CPU/CUDA is not). The hmlp stem's input is
+the volume, so on XLA with grad checkpointing it never trained until runtime.with_input_gradient
+made the input ask (experiments/NOTES.md 25).
 
     python experiments/xla/reentrant_checkpoint.py      # plain torch, no XLA needed
 """
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -17,5 +19,7 @@ for reentrant in (False, True):
         if out.requires_grad:
             out.sum().backward()
         grad = stem[0].weight.grad
-        print(f"reentrant={reentrant!s:<5} input asks for a gradient={asks!s:<5} first weight's gradient: "
-              f"{'none' if grad is None else f'norm {grad.norm():.3f}'}")
+        print(
+            f"reentrant={reentrant!s:<5} input asks for a gradient={asks!s:<5} first weight's"
+            f" gradient: {'none' if grad is None else f'norm {grad.norm():.3f}'}"
+        )
