@@ -5,6 +5,7 @@
     python bench.py all ...                                                      # data, then train
     python bench.py train --sizes demo,learn,production --variants eager,compiled,reduce-overhead   # one table
     python bench.py attention [--config FILE]      # each SDPA kernel at the config's shapes (default: ViT-L's)
+    python bench.py train --config configs/pretrain_vitl.yaml --variants eager,linear   # the recipe's cost
 
 `train` times the full training update of train.py (context encoder on the visible tokens, target
 encoder, predictor, loss, backward, clipping, AdamW, EMA) on synthetic inputs at the config's size
@@ -462,6 +463,18 @@ VARIANTS = {
     "reduce-overhead": "reduce-overhead",
     "max-autotune-no-cudagraphs": "max-autotune-no-cudagraphs",
 }
+# Eager updates of another recipe at the config's size, timed beside the config's own: what the
+# hmlp stem and the local loss cost where a config trains them. The config fields each one sets.
+RECIPES = {
+    "linear": {"patch_stem": "linear", "local_loss_weight": 0.0},
+    "linear_local": {"patch_stem": "linear"},
+    "hmlp": {"patch_stem": "hmlp"},
+}
+
+
+def variant_config(cfg, name: str):
+    """The config a variant of time_updates trains: cfg itself, or cfg with RECIPES[name]."""
+    return replace(cfg, **RECIPES.get(name, {}))
 
 
 def time_updates(
@@ -480,17 +493,18 @@ def time_updates(
     for name, v in variants.items():
         torch.manual_seed(cfg.seed)
         variant_rt = replace(rt, fsdp_size=1) if name == "unsharded" else rt
-        model = runtime.place_model(VJEPA3D.from_config(cfg), variant_rt)
+        variant_cfg = variant_config(cfg, name)
+        model = runtime.place_model(VJEPA3D.from_config(variant_cfg), variant_rt)
         if VARIANTS.get(name) is not None:
             model.compile_parts(VARIANTS[name])
-        optimizer = train.make_optimizer(model, cfg, variant_rt)
+        optimizer = train.make_optimizer(model, variant_cfg, variant_rt)
         wrapped = runtime.wrap_ddp(model, variant_rt)
 
-        def update(model=wrapped, optimizer=optimizer, variant_rt=variant_rt):
+        def update(model=wrapped, optimizer=optimizer, variant_rt=variant_rt, vcfg=variant_cfg):
             if rt.kind == "cuda":
                 torch.cuda.reset_peak_memory_stats()
                 v["resident"] = torch.cuda.memory_allocated()
-            result = train.train_update(model, optimizer, [batch], hp, cfg, variant_rt)
+            result = train.train_update(model, optimizer, [batch], hp, vcfg, variant_rt)
             runtime.mark_step(rt)
             return result
 
@@ -555,7 +569,6 @@ def bench_train(
     variants = timed["variants"]
     first, *second = variants  # eager or unsharded; compiled or sharded (none on XLA unsharded)
     step = {name: float(np.median(v["times"])) for name, v in variants.items()}
-    flops = training_flops_per_sample(cfg)["total"]
     peak = matmul_peak_flops(rt, dtype, seconds=max(1.0, 3 * step[first]) if repeats > 3 else 0.5)
     card_peak, card = card_peak_flops(rt, dtype)
     eager = variants[first]
@@ -566,8 +579,12 @@ def bench_train(
 
     def figures(name: str) -> dict:
         v, t = variants[name], variants[name]["times"]
-        achieved = flops * batch_size / step[name]
+        variant_cfg = variant_config(cfg, name)
+        model_flops = training_flops_per_sample(variant_cfg)["total"]
+        achieved = model_flops * batch_size / step[name]
         return {
+            "model_flops_per_sample": model_flops,
+            "activation_bytes_per_sample_estimate": activation_bytes_per_sample(variant_cfg),
             "step_time_s_median": step[name],
             "step_time_s_min": min(t),
             "step_time_s_max": max(t),
@@ -598,7 +615,6 @@ def bench_train(
         "target_tokens": n_target,
         "repeats": repeats,
         "warmup": warmup,
-        "model_flops_per_sample": flops,
         "matmul_peak_flops": peak,
         "plain_vit_flops": plain,
         "card": card,
@@ -612,27 +628,36 @@ def bench_train(
         **figures(first),
         "peak_memory_bytes_per_sample": eager["memory"] / batch_size,
         "memory_measure": "cuda max_memory_allocated" if rt.kind == "cuda" else "peak RSS growth",
-        "activation_bytes_per_sample_estimate": activation_bytes_per_sample(cfg),
         "one_layer_attention_matrix_bytes": tokens**2 * cfg.num_heads * (2 if cfg.use_bf16 else 4),
         "grad_checkpointing": cfg.grad_checkpointing,
         "load_average_1min": timed["load_average_1min"],
     }
     for name in second:
-        times, first_times = variants[name]["times"], eager["times"]
         out[name] = figures(name)
-        out[f"{name}_over_{first}"] = {
-            "step_time_median": step[name] / step[first],
-            "step_time_paired_median": float(np.median(np.array(times) / np.array(first_times))),
-            "step_time_min": min(times) / min(first_times),
-            "cpu_time_median": out[name]["cpu_time_s_median"] / out["cpu_time_s_median"],
-            "state_bytes_per_device": (
-                sum(out[name]["state_bytes_per_device"].values())
-                / sum(out["state_bytes_per_device"].values())
-            ),
-        }
+        out[f"{name}_over_{first}"] = ratios(out[name], out, variants[name], eager)
     if rt.is_master:
         print(format_train_report(out), flush=True)
     return out
+
+
+def ratios(figures: dict, first: dict, timed: dict, first_timed: dict) -> dict:
+    """A variant's figures over the first variant's (bench_train): time, state, FLOPs, activations."""
+    times, first_times = np.array(timed["times"]), np.array(first_timed["times"])
+    return {
+        "step_time_median": figures["step_time_s_median"] / first["step_time_s_median"],
+        "step_time_paired_median": float(np.median(times / first_times)),
+        "step_time_min": times.min() / first_times.min(),
+        "cpu_time_median": figures["cpu_time_s_median"] / first["cpu_time_s_median"],
+        "state_bytes_per_device": (
+            sum(figures["state_bytes_per_device"].values())
+            / sum(first["state_bytes_per_device"].values())
+        ),
+        "model_flops": figures["model_flops_per_sample"] / first["model_flops_per_sample"],
+        "activation_bytes_estimate": (
+            figures["activation_bytes_per_sample_estimate"]
+            / first["activation_bytes_per_sample_estimate"]
+        ),
+    }
 
 
 def format_train_report(out: dict) -> str:
@@ -649,7 +674,7 @@ def format_train_report(out: dict) -> str:
     for name, f in [(first, out)] + [(name, out[name]) for name in second]:
         card = f"{100 * f['mfu_card']:.1f}%" if f["mfu_card"] is not None else "unknown"
         lines.append(
-            f"  {name:<9}{f['step_time_s_median'] * 1e3:9.1f} ms median"
+            f"  {name:<13}{f['step_time_s_median'] * 1e3:9.1f} ms median"
             f" ({f['step_time_s_min'] * 1e3:.1f}-{f['step_time_s_max'] * 1e3:.1f}), CPU time"
             f" {f['cpu_time_s_median'] * 1e3:.1f} ms, {f['samples_per_s']:.2f} samples/s,"
             f" {f['achieved_flops'] / 1e9:.1f} GFLOP/s = {100 * f['mfu']:.1f}% MFU ({card} of the"
@@ -658,7 +683,7 @@ def format_train_report(out: dict) -> str:
         )
         held = f["state_bytes_per_device"]
         lines.append(
-            f"{'':11}per device: weights {size_text(held['weights'])}, EMA target "
+            f"{'':15}per device: weights {size_text(held['weights'])}, EMA target "
             f"{size_text(held['ema_target'])}, AdamW {size_text(held['adamw'])}"
             + (
                 f", its update adds {size_text(f['update_peak_bytes'])} at peak"
@@ -667,7 +692,7 @@ def format_train_report(out: dict) -> str:
             )
         )
         if f["ops"]:
-            lines.append(f"{'':11}one update: {ops_text(f['ops'])}")
+            lines.append(f"{'':15}one update: {ops_text(f['ops'])}")
     for name in second:
         ratio = out[f"{name}_over_{first}"]
         over = f" over {out['fsdp_size']} devices" if name == "sharded" else ""
@@ -675,7 +700,9 @@ def format_train_report(out: dict) -> str:
             f"  {name} / {first}{over}: {ratio['step_time_median']:.3f}x median time (paired "
             f"{ratio['step_time_paired_median']:.3f}x, min {ratio['step_time_min']:.3f}x, CPU time "
             f"{ratio['cpu_time_median']:.3f}x), "
-            f"{ratio['state_bytes_per_device']:.3f}x the state per device"
+            f"{ratio['state_bytes_per_device']:.3f}x the state per device, "
+            f"{ratio['model_flops']:.3f}x the FLOPs and {ratio['activation_bytes_estimate']:.3f}x"
+            " the estimated activations"
             + (
                 f"; compile time {out[name]['compile_time_s']:.1f} s (first update less a median"
                 " one)"
@@ -861,8 +888,9 @@ def main(argv: List[str]) -> int:
         "--variants",
         default="eager,compiled",
         help=(
-            f"train: the updates timed side by side, of {', '.join(VARIANTS)} (default "
-            "eager,compiled)"
+            f"train: the updates timed side by side, of {', '.join(VARIANTS)} and the eager"
+            f" updates of other recipes at the same size, {', '.join(RECIPES)} (RECIPES; default"
+            " eager,compiled)"
         ),
     )
     parser.add_argument(
@@ -881,10 +909,10 @@ def main(argv: List[str]) -> int:
     args, rest = parser.parse(argv)
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     sizes = [v.strip() for v in (args.sizes or "").split(",") if v.strip()]
-    if set(names) - set(VARIANTS) or set(sizes) - set(SIZES):
+    if set(names) - set(VARIANTS) - set(RECIPES) or set(sizes) - set(SIZES):
         raise ConfigError(
             f"--variants {args.variants} / --sizes {args.sizes}: expected variants of "
-            f"{', '.join(VARIANTS)} and sizes of {', '.join(SIZES)}."
+            f"{', '.join([*VARIANTS, *RECIPES])} and sizes of {', '.join(SIZES)}."
         )
     plan = QUICK if args.quick else FULL
     cfg = load_config(rest, defaults={k: plan[k] for k in ("image_size", "patch_size")})

@@ -874,6 +874,21 @@ def test_bench_times_each_attention_kernel_or_says_why_it_does_not_run():
         assert "unsupported" in row["cudnn"] and row["math"]["ms"] > 0
 
 
+def test_bench_times_the_recipe_beside_the_linear_stem_in_one_process(capsys):
+    """What the hmlp stem and the local loss cost where a config trains them: each variant its own
+    model, FLOPs and activations, timed interleaved (issue 56)."""
+    import bench
+
+    cfg = load_config(["--config", SMOKE, "--patch_stem", "hmlp", "--local_loss_weight", "0.5"])
+    out = bench.bench_train(cfg, warmup=1, repeats=2, names=["eager", "linear", "linear_local"])
+    assert out["variants"] == ["eager", "linear", "linear_local"]
+    linear, linear_local = out["linear_over_eager"], out["linear_local_over_eager"]
+    assert 0 < linear["model_flops"] < linear_local["model_flops"] < 1
+    assert linear["activation_bytes_estimate"] < 1 and linear["step_time_median"] > 0
+    assert out["linear"]["loss"] != out["loss"]  # another model, not the same one timed twice
+    assert "linear / eager:" in capsys.readouterr().out
+
+
 def test_probe_every_steps_logs_the_probe_auroc_during_pretraining(
     tmp_path, smoke_phantoms, phantom_dir
 ):
