@@ -58,8 +58,7 @@ from pydicom.uid import (
 import runtime
 import schedules
 import train
-from config import ConfigError, load_config
-from cli import ScriptParser, given_flags, script_main
+from config import ConfigError, ScriptParser, given_flags, load_config, script_main
 from data import OCTDataset, load_prepared, make_loader
 from masks import mask_generator_from_config
 from model import VJEPA3D, activation_bytes_per_sample, training_flops_per_sample, transformer_flops

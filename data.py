@@ -8,7 +8,7 @@ what they give into batches of static shape.
 
 SRC is a folder (recursive), a glob, a gs:// prefix or glob, or a manifest (--manifest_path, a
 TSV/CSV with a `filepath` column relative to SRC). gs:// goes through gcsfs (storage.py); set
-STORAGE_EMULATOR_HOST to use a local emulator. A sample is: read the DICOM (volumes.read_volume: any
+STORAGE_EMULATOR_HOST to use a local emulator. A sample is: read the DICOM (index.read_volume: any
 maker, multi-frame or one file per B-scan, Zeiss Cirrus unscrambled; only one stack of parallel,
 evenly spaced B-scans is a volume) -> resample to target_spacing (or resize to image_size) -> robust
 percentile clip, stored as uint8 (8-bit sources) or uint16 (what the cache holds) -> crop and pad to
@@ -43,25 +43,35 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from config import Config, ConfigError, NoUsableData, StorageFailed, load_config
-from cli import ScriptParser, script_main
+from config import (
+    Config,
+    ConfigError,
+    NoUsableData,
+    ScriptParser,
+    StorageFailed,
+    load_config,
+    script_main,
+)
 from dicom import BENIGN_REASONS, UnusableFile
 from index import (
+    Volume,
     format_reason_table,
     format_scan_report,
     index_records,
     index_source,
     list_sources,
+    read_volume,
     reason_counts,
     scan_command,
     source_identity,
+    source_paths,
     update_index,
+    uses_builtin_phantoms,
     write_index,
 )
 from masks import mask_generator_from_config
 from privacy import site_secret
-from storage import exists, storage_errors, write_atomic
-from volumes import Volume, read_volume, source_paths
+from storage import storage_errors, write_atomic
 
 
 def sample_rng(seed: int, *keys: int) -> np.random.Generator:
@@ -605,11 +615,7 @@ def build_datasets(cfg: Config) -> Tuple[OCTDataset, OCTDataset]:
         raise ConfigError(
             "cache_dir: the decoded-volume cache must be a local folder (it is read at every step)."
         )
-    builtin = (
-        cfg.data_root is None
-        and cfg.manifest_path is None
-        and not (cfg.index_path and exists(cfg.index_path))
-    )
+    builtin = uses_builtin_phantoms(cfg)
     if cfg.data_root is None and cfg.manifest_path is None and cfg.cache_dir is None:
         # decode the built-in phantoms once
         cfg = replace(cfg, cache_dir=cfg.phantom_dir.rstrip("/") + "-cache")

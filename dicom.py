@@ -1,5 +1,5 @@
 """OCT DICOM files, one at a time: read a file into its Header and frames, or say why it cannot be
-trained on (UnusableFile with a stable reason code). volumes.py decides what a set of files is
+trained on (UnusableFile with a stable reason code). index.py decides what a set of files is
 (`units`: volumes, or files rejected with a reason) and reads a volume [D,H,W] with its spacing;
 index.py scans a whole source into an index with the same decision; data.py turns a Volume into
 training batches.
@@ -30,8 +30,8 @@ path):
   public scheme of https://github.com/pydicom/pydicom/discussions/1618; the full decode verifies
   it); PixelSpacing written as one string with a comma and a NUL ("0.0039,0.0113\\x00") is parsed
   (_numbers); frames stored in reverse stack order are put in order by their positions or
-  InStackPositionNumber (volumes._layout).
-- One file per B-scan (e.g. Optovue): the series' files make one volume (volumes.py says how they
+  InStackPositionNumber (index._layout).
+- One file per B-scan (e.g. Optovue): the series' files make one volume (index.py says how they
   are ordered).
 """
 

@@ -63,13 +63,20 @@ import torch.nn.functional as F
 from sklearn.decomposition import PCA
 
 from checkpoint import resolve_checkpoint
-from config import Config, ConfigError, NoUsableData, load_config
-from cli import ScriptParser, given_flags, script_main
+from config import (
+    Config,
+    ConfigError,
+    NoUsableData,
+    ScriptParser,
+    given_flags,
+    load_config,
+    script_main,
+)
 from data import load_prepared, load_val_sample, to_sample, worker_processes
 from dicom import UnusableFile
-from health import position_share, position_share_of_sums, position_sums
+from runlog import new_figure, position_share, position_share_of_sums, position_sums
 from export import HUBCONF, MODEL_CARD, STANDALONE_MODULE, export
-from index import format_reason_table, index_records
+from index import format_reason_table, index_records, read_volume
 from model import POOLS, pool_name, pool_tokens
 from pretrained import (
     CONFIG_FILE,
@@ -92,11 +99,9 @@ from privacy import (
 from labels import read_label_table, task_targets
 from readouts import fit_attentive, stratified_split
 from progress import counted, progress
-from runlog import new_figure
 from runtime import fetch_to_host, probe_device, release_freed_memory, setup_runtime, to_device
 from storage import write_atomic
 from tokens import encode_volumes
-from volumes import read_volume
 
 CLI_FIELDS = {
     "export": (),

@@ -43,7 +43,16 @@ none of them holds a path (docs/privacy.md). The config flags that apply: device
 probes, heads and the random init follow from it).
 """
 
-from cli import preempt_at_once_on_stop_signals
+from config import (
+    Config,
+    ConfigError,
+    Preempted,
+    ScriptParser,
+    given_flags,
+    load_config,
+    preempt_at_once_on_stop_signals,
+    script_main,
+)
 
 # a stop while the imports run (seconds: nothing started yet) is a preemption too
 if __name__ == "__main__":
@@ -71,11 +80,9 @@ import torch.nn.functional as F
 from sklearn.model_selection import StratifiedGroupKFold
 
 from checkpoint import list_checkpoints
-from config import Config, ConfigError, Preempted, load_config
-from cli import ScriptParser, given_flags, script_main
 from data import resample_and_clip, to_sample
 from dicom import UnusableFile
-from index import format_reason_table
+from index import format_reason_table, read_volume
 from labels import classification_targets, read_label_table
 from lock import process_is_gone, process_started, this_machine
 from pretrained import ExportError, PretrainedEncoder, load_encoder, random_encoder, save_encoder
@@ -102,7 +109,6 @@ from runtime import StopRequested, StopSignals, probe_device, release_freed_memo
 from schedules import cosine_ramp
 from storage import write_atomic
 from tokens import TokenFile, encode_volumes
-from volumes import read_volume
 
 CLI_FIELDS = ("device", "seed")
 MODES = ("frozen", "full")

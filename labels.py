@@ -22,7 +22,7 @@ from dicom import UnusableFile, inspect_file
 from phantom import ensure_phantom_set
 from progress import counted
 from storage import gcs_filesystem
-from volumes import _instances, source_paths
+from index import _instances, source_paths
 
 # volumes of the plain labelled phantom set (plain_lesion, and the probe during pretraining)
 PROBE_PHANTOMS = 240
@@ -162,7 +162,7 @@ def shown(path: str, root: str) -> str:
 def copied_rows(paths: Sequence[str]) -> List[Tuple[int, int]]:
     """(line, earlier line) of the labels CSV (2 = the first row) for each row whose volume holds a
     copy of a file of an earlier row's: the same SOPInstanceUID and voxels, the rule by which a scan
-    calls a file duplicate_instance (volumes._instances). Local files and gs:// objects: their
+    calls a file duplicate_instance (index._instances). Local files and gs:// objects: their
     SOPInstanceUIDs are read first (from the head of the file), and only files that share one are
     read whole and decoded to compare their voxels."""
     by_uid: Dict[str, List[Tuple[int, str]]] = {}

@@ -64,10 +64,10 @@ from pydicom.uid import (
     generate_uid,
 )
 
-from config import Config, ConfigError
-from cli import ScriptParser, script_main
+from config import Config, ConfigError, ScriptParser, script_main
 from dicom import OPT_SOP
-from storage import exists, process_is_running
+from index import uses_builtin_phantoms
+from storage import process_is_running
 
 # bump when the look or the files change: ensure_phantom_set then rewrites old sets
 PHANTOM_VERSION = 3
@@ -945,11 +945,7 @@ def ensure_builtin_phantoms(cfg: Config) -> None:
     index_path that exists), written once to cfg.phantom_dir: phantom_count volumes, varied eyes
     with phantom_varied. The scripts call it before they index the data (index.index_records reads
     cfg.phantom_dir then)."""
-    if (
-        cfg.data_root is None
-        and cfg.manifest_path is None
-        and not (cfg.index_path and exists(cfg.index_path))
-    ):
+    if uses_builtin_phantoms(cfg):
         ensure_phantom_set(cfg.phantom_dir, cfg.phantom_count, varied=cfg.phantom_varied)
 
 

@@ -52,9 +52,16 @@ from matplotlib.figure import Figure
 
 import dense
 from checkpoint import read_model_checkpoint, resolve_checkpoint
-from config import Config, ConfigError, Preempted, load_config
-from cli import ScriptParser, given_flags, script_main
-from health import position_share
+from config import (
+    Config,
+    ConfigError,
+    Preempted,
+    ScriptParser,
+    given_flags,
+    load_config,
+    script_main,
+)
+from runlog import position_share
 from labels import PATIENT_COLUMN, load_labelled_volumes, phantom_set_labels, task_targets
 from phantom import set_voxel_layers
 from progress import counted

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from objectives import LOCAL_BINS
+from model import LOCAL_BINS
 from progress import counted, progress
 from readouts import classification_scores, intervals, linear_probe, probe_split, train_steps
 

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from config import Config
-from health import position_share
+from runlog import position_share
 from labels import load_labelled_volumes, phantom_labels, task_targets
 from model import VJEPA3D, pool_tokens
 from readouts import (

@@ -30,8 +30,17 @@ import checkpoint
 import runtime
 import schedules
 import train
-from config import EXIT_FAILED, EXIT_OK, Config, ConfigError, NoUsableData, load_config, plan_run
-from cli import ScriptParser, script_main
+from config import (
+    EXIT_FAILED,
+    EXIT_OK,
+    Config,
+    ConfigError,
+    NoUsableData,
+    ScriptParser,
+    load_config,
+    plan_run,
+    script_main,
+)
 from data import OCTDataset, build_datasets, collate
 from dicom import BENIGN_REASONS
 from index import find_files, format_reason_table, reason_counts, scan_command, scan_files

@@ -13,7 +13,23 @@ StorageFailed, Preempted). "incident N" in the comments: the failures of the pre
 in docs/incidents.md.
 """
 
-from cli import preempt_at_once_on_stop_signals
+from config import (
+    DEMO_FLAGS,
+    EXIT_OK,
+    Config,
+    ConfigError,
+    Diverged,
+    NoUsableData,
+    Preempted,
+    RunPlan,
+    ScriptParser,
+    StorageFailed,
+    load_config,
+    plan_run,
+    preempt_at_once_on_stop_signals,
+    save_config,
+    script_main,
+)
 
 # a stop while the imports run (seconds) is a preemption too, until the run's own handlers
 if __name__ == "__main__":
@@ -33,27 +49,22 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from config import (
-    DEMO_FLAGS,
-    EXIT_OK,
-    Config,
-    ConfigError,
-    Diverged,
-    NoUsableData,
-    Preempted,
-    RunPlan,
-    StorageFailed,
-    load_config,
-    plan_run,
-    save_config,
-)
-from cli import ScriptParser, script_main
 from data import build_datasets, format_reason_table, make_loader, make_val_loader
+from index import uses_builtin_phantoms
 from masks import mask_generator_from_config
 from model import VJEPA3D
-from health import position_share_of_sums, position_sums, rankme
+from runlog import (
+    RunLog,
+    Throughput,
+    format_train_line,
+    json_number,
+    position_share_of_sums,
+    position_sums,
+    rankme,
+    save_training_plot,
+    summary,
+)
 from plan import choose_auto_settings, dry_run_report
-from runlog import RunLog, Throughput, format_train_line, json_number, save_training_plot, summary
 from checkpoint import (
     carry_out,
     check_checkpoint_folder,
@@ -90,7 +101,6 @@ from runtime import (
     to_device,
     wrap_ddp,
 )
-from phantom import ensure_builtin_phantoms
 from privacy import KEY_FILE_ENV, site_secret
 from schedules import Hyperparameters, describe_extension, hyperparameters_at
 
@@ -502,8 +512,11 @@ def prepare_run(cfg: Config, rt: Runtime) -> Run:
     (None: dry run)."""
     torch.manual_seed(cfg.seed)
     check_resumed_key_file(cfg)
-    # the demo's data (no data_root): written once, before the index reads it
-    ensure_builtin_phantoms(cfg)
+    if uses_builtin_phantoms(cfg):  # the demo's data: written once, before the index reads it
+        # here, not at the top: a run on real data never loads the thousand lines of eye drawing
+        from phantom import ensure_builtin_phantoms
+
+        ensure_builtin_phantoms(cfg)
     train_ds, val_ds = build_datasets(cfg)
     check_ranks_agree(
         split_fingerprint(train_ds, val_ds), "the train/val split (use an index_path)", rt

@@ -1,4 +1,4 @@
-"""scan and read_volume decide alike: both follow volumes.units, the one rule for what a set of
+"""scan and read_volume decide alike: both follow index.units, the one rule for what a set of
 files is (a volume, several volumes, or files rejected with a reason). First the folders they once
 disagreed on, then folders drawn from seeds: mixed sizes, mixed series, two eyes, line scans, other
 objects, copies, broken files, shuffled names."""
@@ -14,9 +14,8 @@ import pytest
 
 from corpora import write_photo
 from dicom import BENIGN_REASONS, UnusableFile
-from index import find_files, scan_files
+from index import find_files, read_volume, scan_files
 from phantom import STYLES, write_oct, write_phantom
-from volumes import read_volume
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 CASES = 30  # generated folders (tiny B-scans: a few seconds in all)

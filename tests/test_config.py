@@ -10,8 +10,16 @@ import warnings
 import pytest
 
 from checkpoint import changed_settings
-from config import REMOVED_FIELDS, Config, ConfigError, load_config, plan_run, save_config
-from cli import ScriptParser, script_main
+from config import (
+    REMOVED_FIELDS,
+    Config,
+    ConfigError,
+    ScriptParser,
+    load_config,
+    plan_run,
+    save_config,
+    script_main,
+)
 
 REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
 

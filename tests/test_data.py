@@ -41,13 +41,13 @@ from data import (
     collate,
     load_prepared,
     load_val_sample,
+    main as data_main,
     make_loader,
     resample,
     split_by_patient,
 )
-from data import main as data_main
 from dicom import UnusableFile
-from index import find_files, format_reason_table, read_index, scan_files, write_index
+from index import find_files, format_reason_table, read_index, read_volume, scan_files, write_index
 from phantom import (
     STYLES,
     ensure_builtin_phantoms,
@@ -56,7 +56,6 @@ from phantom import (
     write_oct,
     write_phantom,
 )
-from volumes import read_volume
 
 SMALL = (8, 64, 64)
 # pydicom's own note on each truncated JPEG 2000 file of the broken corpus; data.py reports them as

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import dense
-import health
+import runlog
 import probe
 import references
 from config import load_config
@@ -20,14 +20,14 @@ from phantom import set_member, set_voxel_layers, synth_reflectivity, write_phan
 def test_position_share_is_one_for_a_position_code_and_near_zero_for_tokens_that_ignore_position():
     torch.manual_seed(0)
     code = torch.randn(1, 64, 16) * 3
-    assert health.position_share(code.expand(50, -1, -1)) == pytest.approx(1.0)
-    assert health.position_share(torch.randn(50, 64, 16)) < 0.05
+    assert runlog.position_share(code.expand(50, -1, -1)) == pytest.approx(1.0)
+    assert runlog.position_share(torch.randn(50, 64, 16)) < 0.05
     tokens = code + torch.randn(50, 64, 16)
     # positions carry 9 of 10 parts of the variance
-    assert 0.85 < health.position_share(tokens) < 0.95
+    assert 0.85 < runlog.position_share(tokens) < 0.95
     # validation adds batches
-    sums = health.position_sums(tokens[:20]) + health.position_sums(tokens[20:])
-    assert health.position_share_of_sums(sums, 50) == pytest.approx(health.position_share(tokens))
+    sums = runlog.position_sums(tokens[:20]) + runlog.position_sums(tokens[20:])
+    assert runlog.position_share_of_sums(sums, 50) == pytest.approx(runlog.position_share(tokens))
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from PIL import Image
 import encoder as encoder_cli
 import export
 import finetune
-import health
+import runlog
 import model
 import octjepa_encoder
 import pretrained
@@ -36,12 +36,11 @@ from helpers import (
     one_thread,  # noqa: F401 (autouse: tiny models in one thread)
     phantom_flags,
 )
-from index import find_files, scan_files
+from index import find_files, read_volume, scan_files
 from labels import read_label_table
 from model import Encoder
 from pretrained import ExportError, load_encoder, random_encoder, save_encoder
 from checkpoint import read_model_checkpoint
-from volumes import read_volume
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -920,7 +919,7 @@ def test_embed_stores_what_standardizing_needs_and_the_position_share_of_the_tok
     assert np.median(cosines(standardized["embedding"])) < np.median(cosines(raw["embedding"]))
     encoder = load_encoder(export_dir)
     volumes = torch.stack([load_val_sample(str(p), encoder.settings) for p in raw["path"]])
-    share = health.position_share(encoder.encode(volumes))
+    share = runlog.position_share(encoder.encode(volumes))
     assert float(raw["position_share"]) == pytest.approx(share, abs=1e-6) and 0 < share < 1
 
 

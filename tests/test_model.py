@@ -13,14 +13,14 @@ from config import load_config
 from data import sample_rng
 from masks import MaskGenerator
 from model import (
-    JEPAOutput,
+    LOCAL_FEATURES,
     VJEPA3D,
+    JEPAOutput,
     gather_tokens,
     sincos_pos_embed_3d,
     training_flops_per_sample,
     tubelet_embedding,
 )
-from objectives import LOCAL_FEATURES
 from runtime import with_input_gradient
 
 IMAGE, PATCH = [8, 32, 32], [4, 8, 8]

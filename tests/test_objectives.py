@@ -9,8 +9,7 @@ import torch.nn.functional as F
 from config import CHOICES, ConfigError, load_config
 from data import sample_rng
 from masks import MaskGenerator
-from model import VJEPA3D, gather_tokens
-from objectives import LOCAL_BINS, LOSSES, jepa_loss, token_voxel_statistics
+from model import LOCAL_BINS, LOSSES, VJEPA3D, gather_tokens, jepa_loss, token_voxel_statistics
 
 IMAGE, PATCH = [8, 32, 32], [4, 8, 8]
 

@@ -20,9 +20,8 @@ import readouts
 import references
 import runprobe
 from config import EXIT_CODES, Preempted, load_config
-from health import rankme
-from model import VJEPA3D
-from objectives import feature_std
+from runlog import rankme
+from model import VJEPA3D, feature_std
 from phantom import (
     INNER_VARIED_LABELS,
     VARIED_LABELS,

@@ -25,18 +25,18 @@ from pydicom.uid import JPEGBaseline8Bit
 
 from config import load_config
 from corpora import patch_bytes, write_odd_cases
-from data import main as data_main
 from data import (
     OCTDataset,
     build_datasets,
     cache_path,
     crop_starts,
     load_prepared,
+    main as data_main,
     resample_and_clip,
     to_sample,
 )
 from dicom import REASONS, UnusableFile, unscramble_czm
-from index import find_files, index_records, read_index, scan_files
+from index import find_files, index_records, read_index, read_volume, scan_files
 from phantom import (
     STYLES,
     czm_scramble,
@@ -47,7 +47,6 @@ from phantom import (
     write_oct,
     write_phantom,
 )
-from volumes import read_volume
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.filterwarnings(

@@ -235,7 +235,7 @@ def test_an_update_decided_on_the_device_is_the_update_the_host_decided_before()
 
 
 def test_a_collapsed_target_encoder_is_flagged_by_target_std_and_rankme(tmp_path):
-    from health import rankme
+    from runlog import rankme
     from runlog import RunLog
 
     cfg, model, _, batch, _ = tiny_update_setup()

@@ -1,6 +1,6 @@
 """Do a run's tokens keep the part of the local loss's targets that reads the lesion? probe.py's
 attentive read-out of `lesion` (its splits, seeds 0..9) on the suite's 300 labelled varied phantoms,
-from (a) the exact targets (objectives.token_voxel_statistics with --local_loss_split SPLIT, [M, N,
+from (a) the exact targets (model.token_voxel_statistics with --local_loss_split SPLIT, [M, N,
 S * F]) and, for each run, (b) their ridge prediction from the run's target-encoder tokens
 (cross-fitted: each half of the volumes predicted by a fit on the other half) and (c) the tokens
 themselves, standardized. (a) high and (b) low: the tokens hold the bulk of the targets
@@ -17,7 +17,7 @@ import torch
 from sklearn.linear_model import Ridge
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-from objectives import token_voxel_statistics  # noqa: E402
+from model import token_voxel_statistics  # noqa: E402
 from checkpoint import read_model_checkpoint, resolve_checkpoint  # noqa: E402
 from readouts import readout_scores  # noqa: E402
 from suite import lesion_suite  # noqa: E402  (experiments/dense/suite.py)

@@ -1,5 +1,5 @@
 """How well a run's tokens hold each token's own voxel statistics (the local loss's targets,
-objectives.token_voxel_statistics): the local head's l1 error on the context and on the target
+model.token_voxel_statistics): the local head's l1 error on the context and on the target
 encoder's tokens (runs with --local_loss_weight), and the held-out R^2 of a ridge regression from
 each encoder's tokens to the statistics (half the tokens fit, half scored), on 60 of the suite's
 labelled varied phantoms, no masking.
@@ -14,7 +14,7 @@ import torch
 from sklearn.linear_model import RidgeCV
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-from objectives import token_voxel_statistics  # noqa: E402
+from model import token_voxel_statistics  # noqa: E402
 from checkpoint import read_model_checkpoint, resolve_checkpoint  # noqa: E402
 from suite import lesion_suite  # noqa: E402  (experiments/dense/suite.py)
 
