@@ -39,7 +39,7 @@ from config import (
 )
 from model import VJEPA3D
 from privacy import KEY_FILE_ENV, key_fingerprint, patient_key_file
-from lock import LOCK_NAME, fenced, lease_lost, stop_if_taken_over
+from lock import LOCK_NAME, fenced, lease_lost, lease_metadata, stale_commits, stop_if_taken_over
 from runtime import (
     Runtime,
     any_process,
@@ -74,10 +74,13 @@ def step_of(path: str) -> int:
 
 
 def list_checkpoints(ckpt_dir: str) -> List[str]:
-    """Step checkpoints in ckpt_dir, newest first (temp files of interrupted writes and set-aside
-    files ignored)."""
+    """Step checkpoints in ckpt_dir, newest first (temp files of interrupted writes, set-aside files
+    and, on gs://, a stalled holder's commits after a takeover ignored: lock.stale_commits)."""
+    stale = stale_commits(ckpt_dir)
     paths = [
-        p for p in glob_paths(ckpt_dir.rstrip("/") + "/step_*.pt") if re.search(r"step_\d+\.pt$", p)
+        p
+        for p in glob_paths(ckpt_dir.rstrip("/") + "/step_*.pt")
+        if re.search(r"step_\d+\.pt$", p) and p not in stale
     ]
     return sorted(paths, key=step_of, reverse=True)
 
@@ -319,7 +322,7 @@ def checkpoint_everywhere(
 
 
 def _write_checkpoint(path: str, state: dict, fence: Optional[Callable] = None) -> None:
-    with open_atomic(path, fence) as f:
+    with open_atomic(path, fence, lease_metadata(path)) as f:
         try:
             torch.save(state, f)
         # torch's zip writer, closed after a failed write, hides the storage's error
@@ -629,7 +632,8 @@ def choose_resume_checkpoint(cfg: Config) -> Tuple[Optional[str], Optional[dict]
     (never_checkpointed: killed before its first), which first move that history aside (nothing is
     deleted). Then every step checkpoint past the resumed update, and a best.pt written after it, is
     set aside ('abandoned': a timeline left by resuming an earlier file), so neither a later
-    `--resume auto`, keep_last nor a new best overwrites it: only planned here ('pending'), and done
+    `--resume auto`, keep_last nor a new best overwrites it, and on gs:// so is what a stalled holder
+    committed after a takeover ('stale'; other_timelines): only planned here ('pending'), and done
     by carry_out once the checkpoint's plan and weights were accepted (a refused resume changes
     nothing). A checkpoint that may be intact but does not load stops the run with nothing renamed
     (read_checkpoint); a storage error that outlasts ckpt_retry_minutes is StorageFailed, with
@@ -682,24 +686,8 @@ def choose_resume_checkpoint(cfg: Config) -> Tuple[Optional[str], Optional[dict]
             )
             return None, None, moved
         check_resumable(path, ckpt)
-        step = ckpt["train_state"]["step"]
-        for later in list_checkpoints(cfg.ckpt_dir) if cfg.ckpt_dir is not None else []:
-            if step_of(later) > step and later != path:
-                moved.append(
-                    set_aside(
-                        later, "abandoned", f"past update {step}, where this run resumes", now=False
-                    )
-                )
-        best = f"{cfg.ckpt_dir.rstrip('/')}/best.pt" if cfg.ckpt_dir is not None else None
-        if best != path and best_step(best, retry_seconds) > step:
-            moved.append(
-                set_aside(
-                    best,
-                    "abandoned",
-                    f"written after update {step}, where this run resumes",
-                    now=False,
-                )
-            )
+        if cfg.ckpt_dir is not None:
+            moved += other_timelines(cfg.ckpt_dir, path, ckpt["train_state"]["step"], retry_seconds)
     except FileNotFoundError as e:
         raise ConfigError(
             f"resume: {cfg.resume} is not a checkpoint file ({e}); give the path of a step_*.pt or "
@@ -716,6 +704,31 @@ def choose_resume_checkpoint(cfg: Config) -> Tuple[Optional[str], Optional[dict]
             "again when the storage is back."
         ) from None
     return path, ckpt, moved
+
+
+def other_timelines(ckpt_dir: str, path: str, step: int, retry_seconds: float) -> List[dict]:
+    """The files of ckpt_dir that a run resuming `path` (at update `step`) sets aside, as pending
+    moves (set_aside): on gs://, what a stalled holder committed after a takeover ('stale':
+    lock.stale_commits); every step checkpoint past `step`, and a best.pt written after it
+    ('abandoned': a timeline left by resuming an earlier file)."""
+    moves = [
+        set_aside(stale, "stale", why, now=False)
+        for stale, why in sorted(stale_commits(ckpt_dir).items())
+        if stale != path and re.search(r"(step_\d+|best)\.pt$", stale)
+    ]
+    for later in list_checkpoints(ckpt_dir):
+        if step_of(later) > step and later != path:
+            moves.append(
+                set_aside(later, "abandoned", f"past update {step}, where this run resumes", False)
+            )
+    best = f"{ckpt_dir.rstrip('/')}/best.pt"
+    if best not in {path, *(m["path"] for m in moves)} and best_step(best, retry_seconds) > step:
+        moves.append(
+            set_aside(
+                best, "abandoned", f"written after update {step}, where this run resumes", False
+            )
+        )
+    return moves
 
 
 def check_resumable(path: str, ckpt: dict) -> None:

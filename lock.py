@@ -16,7 +16,10 @@ check_locks) and stops without writing again; a checkpoint it was writing meanwh
 only under the lock (fenced: locally its rename happens under the flock after the record was read
 again; on gs:// the lease is read again right before a copy whose precondition is the object's
 generation when the write began), so a holder stalled past its lease (suspended, a VM pause, a
-storage stall) never replaces what the new holder wrote.
+storage stall) never replaces what the new holder wrote. GCS has no precondition on another object,
+so on gs:// a holder that stalls exactly between that read and the copy can still commit one object:
+each commit carries when its lease began (lease_metadata), and stale_commits tells such an object
+apart (committed after a later lease began), for the checkpoint timeline to leave out.
 """
 
 import contextlib
@@ -30,7 +33,7 @@ import sys
 import threading
 import time
 import uuid
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from config import Config, ConfigError
 from runtime import Runtime, master_decides
@@ -239,8 +242,9 @@ def take_lock(folder: str) -> dict:
     path = f"{folder.rstrip('/')}/{LOCK_NAME}"
     holder = lock_holder()
     try:
+        began = None  # gs://: when this lease began, which every commit under it carries
         if path.startswith("gs://"):
-            generation = _take_lease(path, folder, holder)
+            generation, began = _take_lease(path, folder, holder)
         else:
             with _flocked(path) as (content, written_at):
                 current = judge(content, written_at, path, folder, storage_now(folder))
@@ -273,6 +277,7 @@ def take_lock(folder: str) -> dict:
         "folder": folder,
         "holder": holder,
         "generation": generation,
+        "began": began,
         "stop": threading.Event(),
         "lost": threading.Event(),
     }
@@ -280,16 +285,18 @@ def take_lock(folder: str) -> dict:
     return lock
 
 
-def _take_lease(path: str, folder: str, holder: dict) -> str:
+def _take_lease(path: str, folder: str, holder: dict) -> Tuple[str, str]:
     """Write a gs:// lock record where it is free, under a precondition on the generation that was
-    judged (0: none), so that of two processes exactly one writes it; its new generation."""
+    judged (0: none), so that of two processes exactly one writes it; (its new generation, when the
+    lease began: the record's GCS time)."""
     for _ in range(3):  # a lost race is judged again; a live winner ends in the refusal
         content, generation, written_at = _read_lease(path)
         current = judge(content, written_at, path, folder)
         if current is not None:
             raise refusal(current, path, folder)
         try:
-            return _write_lease(path, holder, generation)
+            written = _write_lease_record(path, holder, generation)
+            return str(written["generation"]), written["updated"]
         except FileExistsError:  # 412: another process wrote it since it was read
             continue
     raise ConfigError(
@@ -388,6 +395,51 @@ def fenced():
             if lock["lost"].is_set():
                 raise Fenced(lost_message(lock))
         yield
+
+
+# the custom metadata each fenced gs:// commit carries: when the lease it was made under began
+LEASE_METADATA = "octjepa-lease"
+
+
+def lease_metadata(path: str) -> Dict[str, str]:
+    """The custom metadata of a gs:// object this process writes under a run-folder lock: when the
+    lease that covers `path` began (GCS's own time, the lock record's first write); {} elsewhere."""
+    for lock in _HELD:
+        if lock["began"] is not None and path.startswith(lock["folder"].rstrip("/") + "/"):
+            return {LEASE_METADATA: lock["began"]}
+    return {}
+
+
+def stale_commits(folder: str) -> Dict[str, str]:
+    """The objects of a gs:// folder that a holder committed after its lease was taken over, each
+    with why: committed (its `updated`) after a later lease began, one that another object in the
+    folder carries or the one this process holds. GCS has no precondition on another object, so a
+    holder that stalled past its lease between its fencing check and its commit (lock.fenced) can
+    still commit once; its object is then told apart here, by GCS's times alone (no machine's clock).
+    {} for a local folder: its commit happens under the flock."""
+    if not folder.startswith("gs://"):
+        return {}
+    try:
+        objects = gcs_filesystem().ls(folder, detail=True, refresh=True)
+    except FileNotFoundError:  # nothing written there yet
+        return {}
+    leases = {o.get("metadata", {}).get(LEASE_METADATA) for o in objects} | {
+        lock["began"] for lock in _HELD if lock["folder"].rstrip("/") == folder.rstrip("/")
+    }
+    began = sorted((gcs_time(lease), lease) for lease in leases - {None})
+    stale = {}
+    for o in objects:
+        lease = o.get("metadata", {}).get(LEASE_METADATA)
+        if lease is None or not o.get("updated"):
+            continue
+        own, committed = gcs_time(lease), gcs_time(o["updated"])
+        later = [text for at, text in began if own < at < committed]
+        if later:
+            stale[f"gs://{o['name']}"] = (
+                f"committed at {o['updated']} under the lease that began at {lease}, after another"
+                f" process's lease began at {later[0]} (its holder stalled past its lease)"
+            )
+    return stale
 
 
 def lease_lost(read: bool = False) -> bool:
@@ -539,17 +591,28 @@ def _read_lease(path: str) -> Tuple[bytes, str, float]:
     except FileNotFoundError:
         return b"", "0", 0.0
     updated = info.get("updated") or info.get("mtime")
-    written_at = (
-        datetime.datetime.fromisoformat(str(updated).replace("Z", "+00:00")).timestamp()
-        if updated
-        else time.time()
+    return (
+        content,
+        str(info.get("generation") or "0"),
+        gcs_time(updated) if updated else time.time(),
     )
-    return content, str(info.get("generation") or "0"), written_at
+
+
+def gcs_time(stamp) -> float:
+    """A GCS time (RFC 3339 text, as `updated`, or a datetime) in seconds since the epoch."""
+    if isinstance(stamp, datetime.datetime):
+        return stamp.timestamp()
+    return datetime.datetime.fromisoformat(str(stamp).replace("Z", "+00:00")).timestamp()
 
 
 def _write_lease(path: str, holder: dict, generation: str) -> str:
     """Write a gs:// lock record only if its generation is still `generation` ('0': only if absent);
     its new generation. FileExistsError (GCS's 412) when it is not."""
+    return str(_write_lease_record(path, holder, generation)["generation"])
+
+
+def _write_lease_record(path: str, holder: dict, generation: str) -> dict:
+    """_write_lease's write; the object GCS answers with (its generation, updated...)."""
     fs = gcs_filesystem()
     bucket, key = path[len("gs://") :].split("/", 1)
     written = fs.call(
@@ -563,4 +626,4 @@ def _write_lease(path: str, holder: dict, generation: str) -> str:
         headers={"Content-Type": "application/octet-stream"},
     )
     fs.invalidate_cache(path)
-    return str(written["generation"])
+    return written

@@ -57,7 +57,7 @@ def exists(path: str) -> bool:
 
 
 @contextlib.contextmanager
-def open_atomic(path: str, fence: Optional[Callable] = None):
+def open_atomic(path: str, fence: Optional[Callable] = None, metadata: Optional[dict] = None):
     """A binary file to write `path` through (local or gs://), streamed: readers see the old state
     or the whole new file, never a part, and nothing is held in memory beyond a buffer. Local: a tmp
     file beside it, named for this host, process and call (a shared NFS folder), fsynced, then
@@ -65,13 +65,14 @@ def open_atomic(path: str, fence: Optional[Callable] = None):
     context manager factory, lock.fenced: it raises Fenced when this process no longer holds the
     folder) the last step, the rename or (gs://: the upload goes to a tmp object) a server-side copy
     with a precondition on the object's generation when the write began, runs inside it: a process
-    stalled past its lease never replaces what the folder's new holder wrote. On an exception (a
-    full disk, a kill's KeyboardInterrupt, Fenced) the tmp file or the upload is discarded and the
+    stalled past its lease never replaces what the folder's new holder wrote. gs:// objects carry
+    `metadata` (custom metadata: lock.lease_metadata), which the copy keeps. On an exception (a full
+    disk, a kill's KeyboardInterrupt, Fenced) the tmp file or the upload is discarded and the
     exception raised."""
     tmp = f"{path}{TMP_INFIX}{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
     if path.startswith("gs://"):
         generation = _generation(path) if fence is not None else None
-        f = gcs_filesystem().open(tmp if fence is not None else path, "wb")
+        f = gcs_filesystem().open(tmp if fence is not None else path, "wb", metadata=metadata)
         try:
             yield _InBlocks(f)
             f.close()

@@ -342,6 +342,88 @@ def test_a_gcs_write_committed_after_a_takeover_is_refused_and_leaves_nothing(gc
         lock.release_lock(held)
 
 
+def test_a_gcs_commit_never_replaces_an_object_another_writer_wrote_since_the_write_began(
+    gcs_emulator,
+):
+    import storage
+
+    folder = f"gs://{gcs_emulator.bucket}/replaced"
+    held = lock.take_lock(folder)
+    lock._HELD.append(held)
+    try:
+        with pytest.raises(storage.Fenced, match="replaced by another writer"):
+            with storage.open_atomic(f"{folder}/best.pt", lock.fenced) as f:
+                f.write(b"this writer's weights")
+                storage.write_atomic(f"{folder}/best.pt", b"another writer's weights")
+        assert storage.read_bytes(f"{folder}/best.pt") == b"another writer's weights"
+    finally:
+        lock._HELD.remove(held)
+        lock.release_lock(held)
+
+
+def training_state(step: int) -> dict:
+    """What a resume needs of a step checkpoint to choose it (checkpoint.check_resumable)."""
+    return {"model": {}, "optimizer": {}, "rng": {}, "train_state": {"step": step}}
+
+
+def test_a_gcs_checkpoint_a_stalled_holder_commits_after_a_takeover_is_left_out_then_set_aside(
+    tmp_path, gcs_emulator, monkeypatch
+):
+    """A holder passes its fencing check for update 20, then stalls (a VM pause) past its lease just
+    before the copy that commits it: GCS has no precondition on another object, so the commit lands,
+    after another process took the folder over and checkpointed update 15. Neither a resume, nor
+    keep_last, nor probe.py --ckpt FOLDER may take update 20 for the folder's timeline."""
+    import storage
+    from checkpoint import carry_out, checkpoint_path, choose_resume_checkpoint, save_checkpoint
+    from config import Config
+
+    folder = f"gs://{gcs_emulator.bucket}/stalled"
+    real_rewrite, taken = storage._rewrite, []
+
+    def commit_after_a_stall(source, destination, generation):
+        if destination.endswith("step_0000020.pt") and not taken:
+            # meanwhile its lease runs out, and a process on another machine takes the folder over
+            lock._HELD.remove(old)
+            old["stop"].set()
+            gone = {**lock.lock_holder(), "host": "paused-vm", "boot_id": "x", "expires": 0}
+            lock._write_lease(old["path"], gone, lock._read_lease(old["path"])[1])
+            taken.append(lock.take_lock(folder))
+            lock._HELD.append(taken[0])
+            save_checkpoint(
+                checkpoint_path(folder, 15), training_state(15), 5, True, fence=lock.fenced
+            )
+        real_rewrite(source, destination, generation)
+
+    old = lock.take_lock(folder)
+    lock._HELD.append(old)
+    try:
+        save_checkpoint(checkpoint_path(folder, 10), training_state(10), 5, True, fence=lock.fenced)
+        monkeypatch.setattr(storage, "_rewrite", commit_after_a_stall)
+        save_checkpoint(
+            checkpoint_path(folder, 20), training_state(20), 5, False, fence=lock.fenced
+        )
+        assert storage.exists(checkpoint_path(folder, 20))  # the commit landed
+        assert list_checkpoints(folder) == [checkpoint_path(folder, s) for s in (15, 10)]
+    finally:
+        for held in (old, *taken):
+            if held in lock._HELD:
+                lock._HELD.remove(held)
+            lock.release_lock(held)
+    # the new holder is gone too (no lock held here): the leases its files carry still tell
+    assert list_checkpoints(folder) == [checkpoint_path(folder, s) for s in (15, 10)]
+    cfg = Config(out_dir=str(tmp_path), run_name="r", ckpt_dir=folder, resume="auto")
+    path, ckpt, moves = choose_resume_checkpoint(cfg)
+    assert path == checkpoint_path(folder, 15) and ckpt["train_state"]["step"] == 15
+    assert storage.exists(checkpoint_path(folder, 20))  # planned only: a refusal changes nothing
+    (move,) = carry_out(moves)
+    assert move["event"] == "stale_checkpoint" and move["path"] == checkpoint_path(folder, 20)
+    assert "after another process's lease began" in move["why"]
+    assert not storage.exists(checkpoint_path(folder, 20))
+    assert storage.exists(move["moved_to"]) and ".stale-" in move["moved_to"]  # set aside, kept
+    # the folder's checkpoints are one timeline again; what was set aside still says what it is
+    assert set(lock.stale_commits(folder)) == {move["moved_to"]}
+
+
 def test_a_gcs_lease_taken_over_is_never_overwritten_by_the_old_holders_renewal(
     gcs_emulator, monkeypatch
 ):
