@@ -57,7 +57,7 @@ def describe_run(
         describe_memory(cfg, model, fsdp, plan.per_core_batch_size),
     ]
     if cfg.patch_stem != "linear" or cfg.local_loss_weight > 0:
-        lines.append(describe_recipe_cost(cfg))
+        lines.append(describe_recipe_cost(cfg, rt.kind))
     lines.append(masks)
     geometry = getattr(train_ds, "geometry_report", None)
     if callable(geometry):
@@ -69,21 +69,55 @@ def describe_run(
     return "\n".join(lines)
 
 
-def describe_recipe_cost(cfg: Config) -> str:
+# The recipe's update time over the linear stem without the local loss, as bench.py measured it
+# interleaved in one process (`python bench.py train --config CONFIG --variants eager,linear`), by the
+# sizes it was measured at (image_size, patch_size, embed_dim, depth) and device kind:
+# (ratio, how it was measured), of the hmlp stem with the local loss. Where a config's sizes are not
+# here, the dry run says so.
+MEASURED_RECIPE_TIME = {
+    ((64, 384, 384), (4, 16, 16), 384, 12, "cpu"): (
+        1.16,
+        "CPU time, fp32, batch 1, pretrain_single_domain.yaml; docs/performance.md",
+    ),
+}
+
+
+def describe_recipe_cost(cfg: Config, device_kind: str) -> str:
     """The dry run's line of what the recipe (the hmlp stem, the local loss) costs over a linear
-    stem without the local loss at the same sizes: FLOPs per sample and the activations kept for
-    backward per sample."""
+    stem without the local loss at the same sizes: FLOPs per sample, the activations kept for
+    backward per sample, and the update's time where bench.py measured it at these sizes on this
+    kind of device (MEASURED_RECIPE_TIME), else the bench.py command that measures it."""
     plain = replace(cfg, patch_stem="linear", local_loss_weight=0.0)
     flops, plain_flops = (
         training_flops_per_sample(cfg)["total"],
         training_flops_per_sample(plain)["total"],
     )
     extra = activation_bytes_per_sample(cfg) - activation_bytes_per_sample(plain)
+    sizes = (
+        tuple(cfg.image_size),
+        tuple(cfg.patch_size),
+        cfg.embed_dim,
+        cfg.depth,
+        device_kind,
+    )
+    flags = (
+        f"--image_size {','.join(map(str, cfg.image_size))} --patch_size"
+        f" {','.join(map(str, cfg.patch_size))} --embed_dim {cfg.embed_dim} --depth {cfg.depth}"
+        f" --num_heads {cfg.num_heads}"
+    )
+    time = (
+        f"measured {MEASURED_RECIPE_TIME[sizes][0]:.2f}x the time ({MEASURED_RECIPE_TIME[sizes][1]})"
+        if sizes in MEASURED_RECIPE_TIME and cfg.patch_stem == "hmlp" and cfg.local_loss_weight > 0
+        else (
+            f"its time not measured at these sizes on {device_kind}: python bench.py train"
+            f" --variants eager,linear {flags} --per_core_batch_size 1 --warmup 1 --repeats 2"
+        )
+    )
     return (
         f"recipe cost       {cfg.patch_stem} stem, local loss {cfg.local_loss_weight:g}:"
         f" {flops / plain_flops:.2f}x the FLOPs (+{(flops - plain_flops) / 1e9:.1f} GFLOP) and"
         f" +{extra / 2**30:.2f} GiB of activations per sample over a linear stem without the"
-        " local loss"
+        f" local loss; {time}"
     )
 
 

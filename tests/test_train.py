@@ -625,6 +625,31 @@ def test_dry_run_prints_the_preflight_and_saves_pictures(tmp_path, smoke_phantom
     assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "checkpoints").exists()
 
 
+@pytest.mark.slow
+def test_the_dry_runs_recipe_cost_gives_the_measured_time_beside_the_flops_or_a_bench_command_that_runs(
+    tmp_path, smoke_phantoms, capsys
+):
+    production = load_config(["--config", str(REPO / "configs" / "pretrain_single_domain.yaml")])
+    line = plan.describe_recipe_cost(production, "cpu")
+    assert "1.08x the FLOPs" in line and "measured 1.16x the time (CPU time" in line
+    assert "not measured at these sizes on cuda" in plan.describe_recipe_cost(production, "cuda")
+    # elsewhere the dry run names the command that measures it, and that command runs as printed
+    assert main(smoke_flags(tmp_path, smoke_phantoms, "--dry_run")) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("recipe cost")]
+    command = line.split(": python ", 1)[1]
+    assert command.startswith("bench.py train --variants eager,linear")
+    bench = subprocess.run(
+        [sys.executable, *command.split()],
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert bench.returncode == 0, bench.stderr[-2000:]
+    assert "linear" in bench.stdout
+
+
 def test_auto_settings_weigh_the_memory_estimate_against_the_device_and_say_why(monkeypatch):
     cfg = load_config(["--config", SMOKE])  # compile and grad_checkpointing: auto
     cpu = Runtime(torch.device("cpu"), "cpu", 1, 0, 1, 1)
