@@ -423,9 +423,9 @@ def stale_commits(folder: str) -> Dict[str, str]:
         objects = gcs_filesystem().ls(folder, detail=True, refresh=True)
     except FileNotFoundError:  # nothing written there yet
         return {}
-    leases = {o.get("metadata", {}).get(LEASE_METADATA) for o in objects} | {
-        lock["began"] for lock in _HELD if lock["folder"].rstrip("/") == folder.rstrip("/")
-    }
+    leases = {o.get("metadata", {}).get(LEASE_METADATA) for o in objects} | set(
+        lease_metadata(folder.rstrip("/") + "/").values()
+    )
     began = sorted((gcs_time(lease), lease) for lease in leases - {None})
     stale = {}
     for o in objects:

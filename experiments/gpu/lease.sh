@@ -10,7 +10,7 @@
 set -u
 cd "$(dirname "$0")/../.."
 mode=$1; out=$2
-work=${TMPDIR:-/tmp}/lease46
+work=${WORK:-${TMPDIR:-/tmp}/lease46}  # WORK: gpu56.sh's, for its finish
 train=${TRAIN:-210}; probe=${PROBE:-120}
 case $mode in
 start)

@@ -1,4 +1,4 @@
-"""Issue 46's arms on one GPU in one lease: which recipe the configs ship, measured over pretraining
+"""Issues 46 and 56's arms on one GPU in one lease: which recipe the configs ship, measured over pretraining
 seeds.
 
     python experiments/gpu/recipe.py OUT [--train_seconds 210] [--probe_seconds 120] [--go FILE] [--smoke]
@@ -8,9 +8,9 @@ it; --parallel runs go at once (one GPU, OMP_NUM_THREADS=1 each), and probe.py p
 last checkpoint as soon as the run ends:
 
   geometry  the production tubelet (4x16x16) on 16x128x128 inputs from the same 32x128x128 phantoms
-  (learn.yaml's
-            4x8x8 token grid), 3000 updates, seeds 0-2: the old recipe (linear stem, no local loss),
-            the recipe (hmlp stem, local loss 0.5) with local_loss_split 1,4,1 and 1,8,1
+            (learn.yaml's 256-token grid), 3000 updates, seeds 0-2, issue 56's three arms: the recipe
+            (hmlp stem, local loss 0.5 on depth quarters), the linear stem with that local loss, the
+            linear stem without it
   splits    learn.yaml (hmlp stem) with local_loss_split 1,1,1 / 1,2,1 / 1,4,1, seeds 0-2: is the
   split tuned to where
             the suite's drusen and fluid sit? (probed on lesion and on the tasks beyond it)
@@ -44,6 +44,14 @@ sys.path.insert(0, REPO)
 RUNS = os.path.join(REPO, "experiments", "runs46")
 RECIPE = ["--patch_stem", "hmlp", "--local_loss_weight", "0.5"]
 OLD = ["--patch_stem", "linear", "--local_loss_weight", "0"]
+LINEAR_LOCAL = [
+    "--patch_stem",
+    "linear",
+    "--local_loss_weight",
+    "0.5",
+    "--local_loss_split",
+    "1,4,1",
+]
 GEOMETRY = ["--image_size", "16,128,128", "--patch_size", "4,16,16"]
 
 
@@ -75,9 +83,12 @@ def arms(smoke: bool) -> dict:
             ),
         ]
         out["geometry"] += [
-            (f"geo_old_s{s}", learn + GEOMETRY + OLD + seed),
-            (f"geo_q_s{s}", learn + GEOMETRY + RECIPE + ["--local_loss_split", "1,4,1"] + seed),
-            (f"geo_e_s{s}", learn + GEOMETRY + RECIPE + ["--local_loss_split", "1,8,1"] + seed),
+            (
+                f"geo_recipe_s{s}",
+                learn + GEOMETRY + RECIPE + ["--local_loss_split", "1,4,1"] + seed,
+            ),
+            (f"geo_linear_local_s{s}", learn + GEOMETRY + LINEAR_LOCAL + seed),
+            (f"geo_linear_s{s}", learn + GEOMETRY + OLD + seed),
         ]
         out["splits"] += [
             (
