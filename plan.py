@@ -103,7 +103,8 @@ def describe_recipe_cost(cfg: Config, device_kind: str) -> str:
     flags = (
         f"--image_size {','.join(map(str, cfg.image_size))} --patch_size"
         f" {','.join(map(str, cfg.patch_size))} --embed_dim {cfg.embed_dim} --depth {cfg.depth}"
-        f" --num_heads {cfg.num_heads}"
+        f" --num_heads {cfg.num_heads} --pred_embed_dim {cfg.pred_embed_dim} --pred_depth"
+        f" {cfg.pred_depth} --pred_num_heads {cfg.pred_num_heads}"
     )
     time = (
         f"measured {MEASURED_RECIPE_TIME[sizes][0]:.2f}x the time ({MEASURED_RECIPE_TIME[sizes][1]})"
