@@ -117,16 +117,25 @@ def arms_table(arms: list) -> None:
             if task not in load("reference")["tasks"]:
                 continue
             ref = reference_scores(task)
+            read = [
+                r for r in READOUTS if r in t["encoders"]["pretrained"]
+            ]  # the probe's --readouts
             cells = []
             for r in READOUTS:
-                values = arm_means(arm, task, r)
-                cells.append(cell(interval(values)) if len(values) > 1 else f"{values[0]:.3f}")
-            random = max(interval(arm_means(arm, task, r, "random"))["mean"] for r in READOUTS)
+                values = arm_means(arm, task, r) if r in read else []
+                cells.append(
+                    cell(interval(values))
+                    if len(values) > 1
+                    else f"{values[0]:.3f}"
+                    if values
+                    else "not read"
+                )
+            random = max(interval(arm_means(arm, task, r, "random"))["mean"] for r in read)
             hand = ref["best_handmade"][1]
             wins = sum(
                 max(
                     load(n)["tasks"][task]["encoders"]["pretrained"][r][t["metric"]]["low"]
-                    for r in READOUTS
+                    for r in read
                 )
                 > max(hand["high"], 0.5)
                 for n in names
