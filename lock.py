@@ -423,13 +423,13 @@ def stale_commits(folder: str) -> Dict[str, str]:
         objects = gcs_filesystem().ls(folder, detail=True, refresh=True)
     except FileNotFoundError:  # nothing written there yet
         return {}
-    leases = {o.get("metadata", {}).get(LEASE_METADATA) for o in objects} | set(
+    leases = {(o.get("metadata") or {}).get(LEASE_METADATA) for o in objects} | set(
         lease_metadata(folder.rstrip("/") + "/").values()
     )
     began = sorted((gcs_time(lease), lease) for lease in leases - {None})
     stale = {}
     for o in objects:
-        lease = o.get("metadata", {}).get(LEASE_METADATA)
+        lease = (o.get("metadata") or {}).get(LEASE_METADATA)  # GCS may give null for none
         if lease is None or not o.get("updated"):
             continue
         own, committed = gcs_time(lease), gcs_time(o["updated"])
