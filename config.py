@@ -134,8 +134,12 @@ class Config:
     mask_block_aspect: float = 1.5  # max aspect ratio distortion of a block per axis pair
     # --- model ---
     # linear (ViT's: one linear map of each tubelet) | hmlp (three non-overlapping convolutions with
-    # GELU: a nonlinear map of the tubelet's own voxels; patch_size [even, 4k, 4k])
+    # GELU: a nonlinear map of the tubelet's own voxels)
     patch_stem: str = "hmlp"
+    # the hmlp stem's first cell [cd, ch, cw] in voxels: cells -> E/2 channels, 2x2x2 cells -> E/2,
+    # the rest of the tubelet -> E (patch_size a multiple of 2x the cell on each axis); its cost
+    # falls with the cell's size (docs/performance.md)
+    stem_cell: List[int] = field(default_factory=lambda: [1, 2, 2])
     embed_dim: int = 96  # context/target encoder width
     depth: int = 4  # encoder blocks
     num_heads: int = 4  # encoder attention heads (embed_dim must divide by it)
@@ -286,6 +290,7 @@ LIST_LENGTHS = {
     "clip_percentiles": 2,
     "adam_betas": 2,
     "local_loss_split": 3,
+    "stem_cell": 3,
 }
 # Fields naming a file, folder or URL: the string "None" there is a YAML/shell slip, never a path
 # (incident 8).
@@ -576,16 +581,19 @@ def load_config(
     return cfg
 
 
-def hmlp_stem_problem(patch_size: Sequence[int], embed_dim: int) -> Optional[str]:
-    """Why the hmlp stem cannot embed tubelets of patch_size at width embed_dim, or None when it
-    can: it cuts each tubelet into 1x2x2 cells, then 2x2x2 of those, then the rest, with embed_dim /
-    2 channels in between (the one rule of config.validate and model.tubelet_embedding)."""
-    pd, ph, pw = patch_size
-    if pd % 2 or ph % 4 or pw % 4 or embed_dim % 2:
+def hmlp_stem_problem(
+    patch_size: Sequence[int], embed_dim: int, cell: Sequence[int] = (1, 2, 2)
+) -> Optional[str]:
+    """Why the hmlp stem cannot embed tubelets of patch_size at width embed_dim from first cells of
+    `cell` voxels, or None when it can: it cuts each tubelet into cells, then 2x2x2 of those, then
+    the rest, with embed_dim / 2 channels in between (the one rule of config.validate and
+    model.tubelet_embedding)."""
+    if embed_dim % 2 or any(c < 1 or p % (2 * c) for p, c in zip(patch_size, cell)):
         return (
-            "hmlp cuts each tubelet into 1x2x2 cells, then 2x2x2 of those, then the rest: it needs"
-            " an even pd, ph and pw multiples of 4 and an even embed_dim, got patch_size"
-            f" {list(patch_size)} and embed_dim {embed_dim}"
+            f"hmlp cuts each tubelet into cells of stem_cell {list(cell)} voxels, then 2x2x2 of"
+            " those, then the rest: it needs each axis of patch_size a multiple of twice the"
+            f" cell's and an even embed_dim, got patch_size {list(patch_size)} and embed_dim"
+            f" {embed_dim}"
         )
     return None
 
@@ -662,11 +670,14 @@ def validate(cfg: Config) -> None:
             " whole sub-blocks: each a positive divisor of patch_size on its axis, e.g. 1,2,1."
         )
     stem_problem = (
-        hmlp_stem_problem(cfg.patch_size, cfg.embed_dim) if cfg.patch_stem == "hmlp" else None
+        hmlp_stem_problem(cfg.patch_size, cfg.embed_dim, cfg.stem_cell)
+        if cfg.patch_stem == "hmlp"
+        else None
     )
     if stem_problem:
         raise ConfigError(
-            f"patch_stem: {stem_problem}; use e.g. patch_size 4,8,8, or patch_stem linear."
+            f"patch_stem: {stem_problem}; use e.g. patch_size 4,8,8 with stem_cell 1,2,2 (4,16,16"
+            " with 1,4,4), or patch_stem linear."
         )
     if cfg.embed_dim % cfg.num_heads or cfg.pred_embed_dim % cfg.pred_num_heads:
         raise ConfigError(

@@ -42,6 +42,7 @@ from pretrained import (
     CONFIG_FILE,
     EXPORT_FORMAT,
     EXPORT_VERSION,
+    FULLY_BOUND_VERSION,
     HUBCONF,
     MODEL_CARD,
     STANDALONE_MODULE,
@@ -217,9 +218,9 @@ def load(folder: str) -> OCTJEPAEncoder:
     strict (every key, every shape)."""
     with open(os.path.join(folder, "config.json")) as f:
         config = json.load(f)
-    if config.get("format") != {format!r} or config.get("format_version") != {version!r}:
+    if config.get("format") != {format!r} or config.get("format_version") not in {versions!r}:
         raise ValueError(f"{{folder}}/config.json: format {{config.get('format')!r}} version "
-                         f"{{config.get('format_version')!r}}, expected {format!r} version {version!r}.")
+                         f"{{config.get('format_version')!r}}, expected {format!r} version {versions_text}.")
     path = os.path.join(folder, {weights!r})
     with open(path, "rb") as f:
         payload = f.read()
@@ -486,7 +487,10 @@ def standalone_module() -> str:
         + definitions
         + "\n"
         + STANDALONE_LOADER.format(
-            format=EXPORT_FORMAT, version=EXPORT_VERSION, weights=WEIGHTS_FILE
+            format=EXPORT_FORMAT,
+            versions=list(range(FULLY_BOUND_VERSION, EXPORT_VERSION + 1)),
+            versions_text=f"{FULLY_BOUND_VERSION} to {EXPORT_VERSION}",
+            weights=WEIGHTS_FILE,
         )
     )
 

@@ -168,17 +168,18 @@ def cells_last(weight: torch.Tensor) -> torch.Tensor:
 
 
 class HMLPStem(nn.Sequential):
-    """The hierarchical MLP stem (Touvron et al., ECCV 2022): 1x2x2 voxel cells -> E/2 channels,
-    2x2x2 of those -> E/2, the rest of the tubelet -> E, with GELU between. Its layers are Conv3d's
-    whose kernel is their stride (keys {0,2,4}.weight/bias), computed as three matmuls on each
-    tubelet's cells (equal to the convolutions to rounding; a demo update 0.875x as long on one CPU
-    thread: experiments/speed/stem_ab.py)."""
+    """The hierarchical MLP stem (Touvron et al., ECCV 2022): cells of `cell` voxels (1x2x2 by
+    default; Touvron's 2D stem cuts 4x4) -> E/2 channels, 2x2x2 of those -> E/2, the rest of the
+    tubelet -> E, with GELU between. Its layers are Conv3d's whose kernel is their stride (keys
+    {0,2,4}.weight/bias), computed as three matmuls on each tubelet's cells (equal to the
+    convolutions to rounding; a demo update 0.875x as long on one CPU thread:
+    experiments/speed/stem_ab.py)."""
 
-    def __init__(self, patch_size: Sequence[int], dim: int):
-        pd, ph, pw = patch_size
-        rest = (pd // 2, ph // 4, pw // 4)
+    def __init__(self, patch_size: Sequence[int], dim: int, cell: Sequence[int] = (1, 2, 2)):
+        cell = tuple(cell)
+        rest = tuple(p // (2 * c) for p, c in zip(patch_size, cell))
         super().__init__(
-            nn.Conv3d(1, dim // 2, kernel_size=(1, 2, 2), stride=(1, 2, 2)),
+            nn.Conv3d(1, dim // 2, kernel_size=cell, stride=cell),
             nn.GELU(),
             nn.Conv3d(dim // 2, dim // 2, kernel_size=(2, 2, 2), stride=(2, 2, 2)),
             nn.GELU(),
@@ -189,15 +190,16 @@ class HMLPStem(nn.Sequential):
         """volume [B,1,D,H,W] -> [B,E,gd,gh,gw] (as the convolutions: voxels past the last whole
         tubelet dropped)."""
         (B, _, D, H, W), (rd, rh, rw) = volume.shape, self[4].kernel_size
-        gd, gh, gw = D // (2 * rd), H // (4 * rh), W // (4 * rw)
-        x = volume[:, 0, : gd * 2 * rd, : gh * 4 * rh, : gw * 4 * rw]
-        # a voxel's depth is (gd, rd, 2), its height (gh, rh, 2, 2) and width (gw, rw, 2, 2):
-        # tubelet, rest, cell
-        x = x.reshape(B, gd, rd, 2, gh, rh, 2, 2, gw, rw, 2, 2).permute(
-            0, 1, 4, 8, 2, 5, 9, 3, 6, 10, 7, 11
+        cd, ch, cw = self[0].kernel_size
+        gd, gh, gw = D // (2 * rd * cd), H // (2 * rh * ch), W // (2 * rw * cw)
+        x = volume[:, 0, : gd * 2 * rd * cd, : gh * 2 * rh * ch, : gw * 2 * rw * cw]
+        # a voxel's depth is (gd, rd, 2, cd), its height (gh, rh, 2, ch) and width (gw, rw, 2, cw):
+        # tubelet, rest, 2x2x2 of cells, cell
+        x = x.reshape(B, gd, rd, 2, cd, gh, rh, 2, ch, gw, rw, 2, cw).permute(
+            0, 1, 5, 9, 2, 6, 10, 3, 7, 11, 4, 8, 12
         )
-        # [B, gd, gh, gw, rest, 2x2x2 cells, 1x2x2 voxels]
-        x = x.reshape(B, gd, gh, gw, rd * rh * rw, 8, 4)
+        # [B, gd, gh, gw, rest, 2x2x2 cells, cell voxels]
+        x = x.reshape(B, gd, gh, gw, rd * rh * rw, 8, cd * ch * cw)
         x = self[1](F.linear(x, self[0].weight.flatten(1), self[0].bias))  # [..., rest, 8, E/2]
         # [..., rest, E/2]
         x = self[3](F.linear(x.flatten(-2), cells_last(self[2].weight), self[2].bias))
@@ -205,21 +207,24 @@ class HMLPStem(nn.Sequential):
         return x.permute(0, 4, 1, 2, 3)
 
 
-def tubelet_embedding(patch_size: Sequence[int], dim: int, stem: str) -> nn.Module:
+def tubelet_embedding(
+    patch_size: Sequence[int], dim: int, stem: str, cell: Sequence[int] = (1, 2, 2)
+) -> nn.Module:
     """The tubelet embedding, volume [B,1,D,H,W] -> [B,E,gd,gh,gw]: each token a function of its own
     tubelet's voxels only, so no masked voxel reaches a context token. 'linear': one Conv3d whose
-    kernel is its stride (ViT's). 'hmlp': HMLPStem, a nonlinear map of the same voxels. ValueError
-    for another stem, or a tubelet hmlp cannot cut (config.hmlp_stem_problem)."""
+    kernel is its stride (ViT's). 'hmlp': HMLPStem from first cells of `cell` voxels, a nonlinear
+    map of the same voxels. ValueError for another stem, or a tubelet hmlp cannot cut
+    (config.hmlp_stem_problem)."""
     if stem == "linear":
         return nn.Conv3d(1, dim, kernel_size=tuple(patch_size), stride=tuple(patch_size))
     problem = (
-        hmlp_stem_problem(patch_size, dim)
+        hmlp_stem_problem(patch_size, dim, cell)
         if stem == "hmlp"
         else f"patch_stem {stem!r}: expected linear or hmlp"
     )
     if problem:
         raise ValueError(problem)
-    return HMLPStem(patch_size, dim)
+    return HMLPStem(patch_size, dim, cell)
 
 
 class Encoder(nn.Module):
@@ -227,14 +232,23 @@ class Encoder(nn.Module):
     patch_embed.{0,2,4}.*), blocks.{i}.*, norm.*"""
 
     def __init__(
-        self, *, image_size, patch_size, dim, depth, num_heads, mlp_ratio, patch_stem: str
+        self,
+        *,
+        image_size,
+        patch_size,
+        dim,
+        depth,
+        num_heads,
+        mlp_ratio,
+        patch_stem: str,
+        stem_cell: Sequence[int] = (1, 2, 2),
     ):
         super().__init__()
         self.grid, self.patch_size = (
             [s // p for s, p in zip(image_size, patch_size)],
             list(patch_size),
         )
-        self.patch_embed = tubelet_embedding(patch_size, dim, patch_stem)
+        self.patch_embed = tubelet_embedding(patch_size, dim, patch_stem, stem_cell)
         self.register_buffer("pos_embed", sincos_pos_embed_3d(dim, self.grid), persistent=False)
         self.blocks = nn.ModuleList([Block(dim, num_heads, mlp_ratio) for _ in range(depth)])
         self.norm = nn.LayerNorm(dim)
@@ -340,6 +354,7 @@ MODEL_FIELDS = (
     "image_size",
     "patch_size",
     "patch_stem",
+    "stem_cell",
     "embed_dim",
     "depth",
     "num_heads",
@@ -365,6 +380,7 @@ class VJEPA3D(nn.Module):
         image_size: Sequence[int] = RECIPE.image_size,
         patch_size: Sequence[int] = RECIPE.patch_size,
         patch_stem: str = RECIPE.patch_stem,
+        stem_cell: Sequence[int] = RECIPE.stem_cell,
         embed_dim: int = RECIPE.embed_dim,
         depth: int = RECIPE.depth,
         num_heads: int = RECIPE.num_heads,
@@ -391,6 +407,7 @@ class VJEPA3D(nn.Module):
             num_heads=num_heads,
             mlp_ratio=mlp_ratio,
             patch_stem=patch_stem,
+            stem_cell=stem_cell,
         )
         self.predictor = Predictor(
             grid=self.grid,
@@ -635,10 +652,11 @@ def training_flops_per_sample(cfg) -> dict:
     n = n_context + n_target
     patch_voxels = math.prod(cfg.patch_size)
     hmlp = cfg.patch_stem == "hmlp"
-    # hmlp: 4 voxels -> E/2 a cell
+    # hmlp: a cell's voxels -> E/2, as many FLOPs a voxel at any cell size
     first_per_token = 2 * patch_voxels * (cfg.embed_dim // 2 if hmlp else cfg.embed_dim)
-    # + 2x2x2, last
-    embed_per_token = first_per_token + (patch_voxels * cfg.embed_dim**2 * 5 / 32 if hmlp else 0)
+    cells = patch_voxels / math.prod(cfg.stem_cell)  # per token
+    # + 2x2x2 cells -> E/2 (2 x cells x 8 x E/2 x E/2 / 8), last (2 x cells / 8 x E/2 x E)
+    embed_per_token = first_per_token + (cells * cfg.embed_dim**2 * 5 / 8 if hmlp else 0)
     # the context encoder embeds its tokens only
     first, embed = n_context * first_per_token, n * embed_per_token
     context = (
@@ -670,8 +688,8 @@ def activation_bytes_per_sample(cfg) -> float:
         dtype; with
     grad_checkpointing only the block inputs are kept, plus all of one block's while backward
     recomputes it. The hmlp stem keeps its two inner maps before and after GELU for every context
-    token: 9/32 x E values per voxel; with grad_checkpointing it recomputes them at the end of
-    backward, when the blocks' are freed."""
+    token: 9/8 x E values per first cell (9/32 x E per voxel with 1x2x2 cells); with
+    grad_checkpointing it recomputes them at the end of backward, when the blocks' are freed."""
     n_context, n_target = cfg.token_counts()
     bytes_per_value = 2 if cfg.use_bf16 else 4
     full_block = 9 + 2 * cfg.mlp_ratio  # values per token and width
@@ -680,8 +698,8 @@ def activation_bytes_per_sample(cfg) -> float:
     values = widths[0] * cfg.depth + widths[1] * cfg.pred_depth
     values = values + max(widths) * full_block if cfg.grad_checkpointing else values * full_block
     if cfg.patch_stem == "hmlp":
-        # the context tokens' tubelets
-        stem = n_context * math.prod(cfg.patch_size) * cfg.embed_dim * 9 / 32
+        cells = math.prod(cfg.patch_size) / math.prod(cfg.stem_cell)
+        stem = n_context * cells * cfg.embed_dim * 9 / 8  # the context tokens' tubelets
         values = max(values, stem) if cfg.grad_checkpointing else values + stem
     return values * bytes_per_value + math.prod(cfg.image_size) * 4
 

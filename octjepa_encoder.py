@@ -25,16 +25,19 @@ import os
 import safetensors.torch
 
 
-def hmlp_stem_problem(patch_size: Sequence[int], embed_dim: int) -> Optional[str]:
-    """Why the hmlp stem cannot embed tubelets of patch_size at width embed_dim, or None when it
-    can: it cuts each tubelet into 1x2x2 cells, then 2x2x2 of those, then the rest, with embed_dim /
-    2 channels in between (the one rule of config.validate and model.tubelet_embedding)."""
-    pd, ph, pw = patch_size
-    if pd % 2 or ph % 4 or pw % 4 or embed_dim % 2:
+def hmlp_stem_problem(
+    patch_size: Sequence[int], embed_dim: int, cell: Sequence[int] = (1, 2, 2)
+) -> Optional[str]:
+    """Why the hmlp stem cannot embed tubelets of patch_size at width embed_dim from first cells of
+    `cell` voxels, or None when it can: it cuts each tubelet into cells, then 2x2x2 of those, then
+    the rest, with embed_dim / 2 channels in between (the one rule of config.validate and
+    model.tubelet_embedding)."""
+    if embed_dim % 2 or any(c < 1 or p % (2 * c) for p, c in zip(patch_size, cell)):
         return (
-            "hmlp cuts each tubelet into 1x2x2 cells, then 2x2x2 of those, then the rest: it needs"
-            " an even pd, ph and pw multiples of 4 and an even embed_dim, got patch_size"
-            f" {list(patch_size)} and embed_dim {embed_dim}"
+            f"hmlp cuts each tubelet into cells of stem_cell {list(cell)} voxels, then 2x2x2 of"
+            " those, then the rest: it needs each axis of patch_size a multiple of twice the"
+            f" cell's and an even embed_dim, got patch_size {list(patch_size)} and embed_dim"
+            f" {embed_dim}"
         )
     return None
 
@@ -146,17 +149,18 @@ def cells_last(weight: torch.Tensor) -> torch.Tensor:
 
 
 class HMLPStem(nn.Sequential):
-    """The hierarchical MLP stem (Touvron et al., ECCV 2022): 1x2x2 voxel cells -> E/2 channels,
-    2x2x2 of those -> E/2, the rest of the tubelet -> E, with GELU between. Its layers are Conv3d's
-    whose kernel is their stride (keys {0,2,4}.weight/bias), computed as three matmuls on each
-    tubelet's cells (equal to the convolutions to rounding; a demo update 0.875x as long on one CPU
-    thread: experiments/speed/stem_ab.py)."""
+    """The hierarchical MLP stem (Touvron et al., ECCV 2022): cells of `cell` voxels (1x2x2 by
+    default; Touvron's 2D stem cuts 4x4) -> E/2 channels, 2x2x2 of those -> E/2, the rest of the
+    tubelet -> E, with GELU between. Its layers are Conv3d's whose kernel is their stride (keys
+    {0,2,4}.weight/bias), computed as three matmuls on each tubelet's cells (equal to the
+    convolutions to rounding; a demo update 0.875x as long on one CPU thread:
+    experiments/speed/stem_ab.py)."""
 
-    def __init__(self, patch_size: Sequence[int], dim: int):
-        pd, ph, pw = patch_size
-        rest = (pd // 2, ph // 4, pw // 4)
+    def __init__(self, patch_size: Sequence[int], dim: int, cell: Sequence[int] = (1, 2, 2)):
+        cell = tuple(cell)
+        rest = tuple(p // (2 * c) for p, c in zip(patch_size, cell))
         super().__init__(
-            nn.Conv3d(1, dim // 2, kernel_size=(1, 2, 2), stride=(1, 2, 2)),
+            nn.Conv3d(1, dim // 2, kernel_size=cell, stride=cell),
             nn.GELU(),
             nn.Conv3d(dim // 2, dim // 2, kernel_size=(2, 2, 2), stride=(2, 2, 2)),
             nn.GELU(),
@@ -167,15 +171,16 @@ class HMLPStem(nn.Sequential):
         """volume [B,1,D,H,W] -> [B,E,gd,gh,gw] (as the convolutions: voxels past the last whole
         tubelet dropped)."""
         (B, _, D, H, W), (rd, rh, rw) = volume.shape, self[4].kernel_size
-        gd, gh, gw = D // (2 * rd), H // (4 * rh), W // (4 * rw)
-        x = volume[:, 0, : gd * 2 * rd, : gh * 4 * rh, : gw * 4 * rw]
-        # a voxel's depth is (gd, rd, 2), its height (gh, rh, 2, 2) and width (gw, rw, 2, 2):
-        # tubelet, rest, cell
-        x = x.reshape(B, gd, rd, 2, gh, rh, 2, 2, gw, rw, 2, 2).permute(
-            0, 1, 4, 8, 2, 5, 9, 3, 6, 10, 7, 11
+        cd, ch, cw = self[0].kernel_size
+        gd, gh, gw = D // (2 * rd * cd), H // (2 * rh * ch), W // (2 * rw * cw)
+        x = volume[:, 0, : gd * 2 * rd * cd, : gh * 2 * rh * ch, : gw * 2 * rw * cw]
+        # a voxel's depth is (gd, rd, 2, cd), its height (gh, rh, 2, ch) and width (gw, rw, 2, cw):
+        # tubelet, rest, 2x2x2 of cells, cell
+        x = x.reshape(B, gd, rd, 2, cd, gh, rh, 2, ch, gw, rw, 2, cw).permute(
+            0, 1, 5, 9, 2, 6, 10, 3, 7, 11, 4, 8, 12
         )
-        # [B, gd, gh, gw, rest, 2x2x2 cells, 1x2x2 voxels]
-        x = x.reshape(B, gd, gh, gw, rd * rh * rw, 8, 4)
+        # [B, gd, gh, gw, rest, 2x2x2 cells, cell voxels]
+        x = x.reshape(B, gd, gh, gw, rd * rh * rw, 8, cd * ch * cw)
         x = self[1](F.linear(x, self[0].weight.flatten(1), self[0].bias))  # [..., rest, 8, E/2]
         # [..., rest, E/2]
         x = self[3](F.linear(x.flatten(-2), cells_last(self[2].weight), self[2].bias))
@@ -183,21 +188,24 @@ class HMLPStem(nn.Sequential):
         return x.permute(0, 4, 1, 2, 3)
 
 
-def tubelet_embedding(patch_size: Sequence[int], dim: int, stem: str) -> nn.Module:
+def tubelet_embedding(
+    patch_size: Sequence[int], dim: int, stem: str, cell: Sequence[int] = (1, 2, 2)
+) -> nn.Module:
     """The tubelet embedding, volume [B,1,D,H,W] -> [B,E,gd,gh,gw]: each token a function of its own
     tubelet's voxels only, so no masked voxel reaches a context token. 'linear': one Conv3d whose
-    kernel is its stride (ViT's). 'hmlp': HMLPStem, a nonlinear map of the same voxels. ValueError
-    for another stem, or a tubelet hmlp cannot cut (config.hmlp_stem_problem)."""
+    kernel is its stride (ViT's). 'hmlp': HMLPStem from first cells of `cell` voxels, a nonlinear
+    map of the same voxels. ValueError for another stem, or a tubelet hmlp cannot cut
+    (config.hmlp_stem_problem)."""
     if stem == "linear":
         return nn.Conv3d(1, dim, kernel_size=tuple(patch_size), stride=tuple(patch_size))
     problem = (
-        hmlp_stem_problem(patch_size, dim)
+        hmlp_stem_problem(patch_size, dim, cell)
         if stem == "hmlp"
         else f"patch_stem {stem!r}: expected linear or hmlp"
     )
     if problem:
         raise ValueError(problem)
-    return HMLPStem(patch_size, dim)
+    return HMLPStem(patch_size, dim, cell)
 
 
 class Encoder(nn.Module):
@@ -205,14 +213,23 @@ class Encoder(nn.Module):
     patch_embed.{0,2,4}.*), blocks.{i}.*, norm.*"""
 
     def __init__(
-        self, *, image_size, patch_size, dim, depth, num_heads, mlp_ratio, patch_stem: str
+        self,
+        *,
+        image_size,
+        patch_size,
+        dim,
+        depth,
+        num_heads,
+        mlp_ratio,
+        patch_stem: str,
+        stem_cell: Sequence[int] = (1, 2, 2),
     ):
         super().__init__()
         self.grid, self.patch_size = (
             [s // p for s, p in zip(image_size, patch_size)],
             list(patch_size),
         )
-        self.patch_embed = tubelet_embedding(patch_size, dim, patch_stem)
+        self.patch_embed = tubelet_embedding(patch_size, dim, patch_stem, stem_cell)
         self.register_buffer("pos_embed", sincos_pos_embed_3d(dim, self.grid), persistent=False)
         self.blocks = nn.ModuleList([Block(dim, num_heads, mlp_ratio) for _ in range(depth)])
         self.norm = nn.LayerNorm(dim)
@@ -284,7 +301,21 @@ def pool_tokens(tokens: torch.Tensor, grid: Sequence[int], pool: str = "mean_poo
     return tokens.unflatten(1, tuple(grid)).mean(dim=(1, 3)).flatten(1)
 
 
-VERSION_1_ARCHITECTURE = {"patch_stem": "linear"}
+UNWRITTEN_ARCHITECTURE = {1: {"patch_stem": "linear"}, 3: {"stem_cell": [1, 2, 2]}}
+
+
+FULLY_BOUND_VERSION = 3
+
+
+def unwritten_architecture(version: int) -> dict:
+    """The architecture fields an export of format_version `version` did not write, with the values
+    they had then."""
+    return {
+        name: value
+        for last, fields in UNWRITTEN_ARCHITECTURE.items()
+        if version <= last
+        for name, value in fields.items()
+    }
 
 
 class ExportedEncoder(Encoder):
@@ -294,7 +325,7 @@ class ExportedEncoder(Encoder):
     or [B, gh*E] ('depth_rows'). Its state_dict keys are those of the export's weights file."""
 
     def __init__(self, config: dict):
-        a = {**VERSION_1_ARCHITECTURE, **config["architecture"]}
+        a = {**unwritten_architecture(config["format_version"]), **config["architecture"]}
         super().__init__(
             image_size=a["image_size"],
             patch_size=a["patch_size"],
@@ -303,6 +334,7 @@ class ExportedEncoder(Encoder):
             num_heads=a["num_heads"],
             mlp_ratio=a["mlp_ratio"],
             patch_stem=a["patch_stem"],
+            stem_cell=a["stem_cell"],
         )
         self.architecture = a  # config.json's, with the fields its format_version did not write
         self.config = config
@@ -377,7 +409,7 @@ def monai_vit(encoder: ExportedEncoder, img_size: Optional[Sequence[int]] = None
     )
     if a["patch_stem"] != "linear":
         vit.patch_embedding.patch_embeddings = tubelet_embedding(
-            encoder.patch_size, a["embed_dim"], a["patch_stem"]
+            encoder.patch_size, a["embed_dim"], a["patch_stem"], a["stem_cell"]
         )
     state = vit.state_dict()  # its norm_cross_attn (unused without cross-attention) stays as built
     for key, value in encoder.state_dict().items():
@@ -467,7 +499,7 @@ def export_contract(config: dict) -> str:
     too), before CONTRACT_SECTIONS."""
     sections = (
         CONTRACT_SECTIONS
-        if config.get("format_version", 1) < 3
+        if config.get("format_version", 1) < FULLY_BOUND_VERSION
         else sorted(set(config) - {"weights"})
     )
     return json.dumps({k: config.get(k) for k in sections}, sort_keys=True)
@@ -491,9 +523,9 @@ def load(folder: str) -> OCTJEPAEncoder:
     strict (every key, every shape)."""
     with open(os.path.join(folder, "config.json")) as f:
         config = json.load(f)
-    if config.get("format") != 'octjepa-encoder' or config.get("format_version") != 3:
+    if config.get("format") != 'octjepa-encoder' or config.get("format_version") not in [3, 4]:
         raise ValueError(f"{folder}/config.json: format {config.get('format')!r} version "
-                         f"{config.get('format_version')!r}, expected 'octjepa-encoder' version 3.")
+                         f"{config.get('format_version')!r}, expected 'octjepa-encoder' version 3 to 4.")
     path = os.path.join(folder, 'model.safetensors')
     with open(path, "rb") as f:
         payload = f.read()

@@ -36,9 +36,9 @@ except ImportError:
 
 EXPORT_FORMAT = "octjepa-encoder"
 # bump when config.json or the weights' layout changes meaning; newer exports are refused
-EXPORT_VERSION = 3
+EXPORT_VERSION = 4
 # (2: architecture.patch_stem; 3: the weights bind all of config.json, provenance and code files'
-# sha256 included) the names Hugging Face's hub tools read
+# sha256 included; 4: architecture.stem_cell) the names Hugging Face's hub tools read
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 EARLIER_WEIGHTS_FILE = "encoder.safetensors"  # what exports before 2026-11-25 named their weights
 # the model card of an export (export.model_card), the file Hugging Face's hub shows
@@ -52,13 +52,16 @@ ARCHITECTURE_FIELDS = (
     "image_size",
     "patch_size",
     "patch_stem",
+    "stem_cell",
     "embed_dim",
     "depth",
     "num_heads",
     "mlp_ratio",
 )
-# the fields format_version 1 did not write, as they were then
-VERSION_1_ARCHITECTURE = {"patch_stem": "linear"}
+# the fields earlier format_versions did not write, as they were then: {last version without: fields}
+UNWRITTEN_ARCHITECTURE = {1: {"patch_stem": "linear"}, 3: {"stem_cell": [1, 2, 2]}}
+# from this format_version on, the weights bind all of config.json (export_contract)
+FULLY_BOUND_VERSION = 3
 PREPROCESSING_FIELDS = (
     "image_size",
     "target_spacing",
@@ -111,6 +114,17 @@ def export_config(cfg: Config, source: dict) -> dict:
     }
 
 
+def unwritten_architecture(version: int) -> dict:
+    """The architecture fields an export of format_version `version` did not write, with the values
+    they had then."""
+    return {
+        name: value
+        for last, fields in UNWRITTEN_ARCHITECTURE.items()
+        if version <= last
+        for name, value in fields.items()
+    }
+
+
 def export_settings(config: dict, where: str = CONFIG_FILE) -> Config:
     """A Config holding an export's architecture, preprocessing and augmentation (the rest at
     defaults), for data.load_val_sample and fine-tuning. Raises ExportError naming the field that is
@@ -135,8 +149,8 @@ def export_settings(config: dict, where: str = CONFIG_FILE) -> Config:
         values = config.get(section)
         if not isinstance(values, dict):
             raise ExportError(f"{where}: no '{section}' section.")
-        if section == "architecture" and version == 1:
-            values = {**VERSION_1_ARCHITECTURE, **values}
+        if section == "architecture":
+            values = {**unwritten_architecture(version), **values}
         extra = set(values) - set(names) - ({"steps"} if section == "preprocessing" else set())
         missing = [n for n in names if n not in values]
         if missing or extra:
@@ -171,7 +185,7 @@ class ExportedEncoder(Encoder):
     or [B, gh*E] ('depth_rows'). Its state_dict keys are those of the export's weights file."""
 
     def __init__(self, config: dict):
-        a = {**VERSION_1_ARCHITECTURE, **config["architecture"]}
+        a = {**unwritten_architecture(config["format_version"]), **config["architecture"]}
         super().__init__(
             image_size=a["image_size"],
             patch_size=a["patch_size"],
@@ -180,6 +194,7 @@ class ExportedEncoder(Encoder):
             num_heads=a["num_heads"],
             mlp_ratio=a["mlp_ratio"],
             patch_stem=a["patch_stem"],
+            stem_cell=a["stem_cell"],
         )
         self.architecture = a  # config.json's, with the fields its format_version did not write
         self.config = config
@@ -254,7 +269,7 @@ def monai_vit(encoder: ExportedEncoder, img_size: Optional[Sequence[int]] = None
     )
     if a["patch_stem"] != "linear":
         vit.patch_embedding.patch_embeddings = tubelet_embedding(
-            encoder.patch_size, a["embed_dim"], a["patch_stem"]
+            encoder.patch_size, a["embed_dim"], a["patch_stem"], a["stem_cell"]
         )
     state = vit.state_dict()  # its norm_cross_attn (unused without cross-attention) stays as built
     for key, value in encoder.state_dict().items():
@@ -386,7 +401,7 @@ def export_contract(config: dict) -> str:
     too), before CONTRACT_SECTIONS."""
     sections = (
         CONTRACT_SECTIONS
-        if config.get("format_version", 1) < 3
+        if config.get("format_version", 1) < FULLY_BOUND_VERSION
         else sorted(set(config) - {"weights"})
     )
     return json.dumps({k: config.get(k) for k in sections}, sort_keys=True)
@@ -550,10 +565,10 @@ def load_encoder(
     config = read_export_config(directory)
     # every field, before any weight
     settings = export_settings(config, f"{directory.rstrip('/')}/{CONFIG_FILE}")
-    if config["format_version"] < EXPORT_VERSION and not allow_older_format:
+    if config["format_version"] < FULLY_BOUND_VERSION and not allow_older_format:
         raise ExportError(
             f"{directory.rstrip('/')}/{CONFIG_FILE}: format_version {config['format_version']},"
-            f" older than this octjepa's {EXPORT_VERSION}: its weights bind less of config.json."
+            f" older than {FULLY_BOUND_VERSION}: its weights bind less of config.json."
             " Export the checkpoint again, or load_encoder(DIR, allow_older_format=True) if you"
             " trust its sender."
         )

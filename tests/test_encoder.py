@@ -479,12 +479,23 @@ def test_monai_unetr_segments_with_the_encoder_inside_at_both_shipped_patch_size
     pytest.importorskip("monai", reason="monai (requirements-dev.txt) is not installed")
     exported = load_encoder(export_dir)  # [4, 8, 8], trained
     config = json.loads(Path(export_dir, "config.json").read_text())
-    production = pretrained.ExportedEncoder(
-        {**config, "architecture": {**config["architecture"], "patch_size": [4, 16, 16]}}
-    )
+    production = [  # the hmlp stem from 1x2x2 and from 1x4x4 cells
+        pretrained.ExportedEncoder(
+            {
+                **config,
+                "architecture": {
+                    **config["architecture"],
+                    "patch_size": [4, 16, 16],
+                    "stem_cell": cell,
+                },
+            }
+        )
+        for cell in ([1, 2, 2], [1, 4, 4])
+    ]
+    assert production[1].patch_embed[0].kernel_size == (1, 4, 4)
     size = [16, 32, 32]  # UNETR's grid: [1, 2, 2]
     volume = torch.randn(2, 1, *size, generator=torch.Generator().manual_seed(10))
-    for encoder in (exported, production):
+    for encoder in (exported, *production):
         unetr = pretrained.monai_unetr(encoder, out_channels=2, img_size=size)
         logits = unetr(volume)
         assert logits.shape == (2, 2, *size)
@@ -535,12 +546,32 @@ def test_an_export_of_format_version_1_loads_with_the_linear_stem_it_had_when_as
     volume = torch.randn(2, 1, *cfg.image_size, generator=torch.Generator().manual_seed(9))
     with pytest.raises(
         ExportError,
-        match="format_version 1, older than this octjepa's 3: .*allow_older_format=True",
+        match="format_version 1, older than 3: .*allow_older_format=True",
     ):
         load_encoder(str(tmp_path))
     encoder = load_encoder(str(tmp_path), allow_older_format=True)
     assert encoder.settings.patch_stem == "linear"
     assert float((encoder.encode(volume) - trained.encode(volume)).abs().max()) <= 1e-6
+
+
+def test_an_export_of_format_version_3_loads_by_default_with_the_1x2x2_stem_cells_it_had(
+    export_dir, trained_checkpoint, tmp_path
+):
+    """Format 4 added architecture.stem_cell; a format 3 export (its weights bind all of
+    config.json too) loads as it was written, with the hmlp stem's cells of then, and no
+    allow_older_format."""
+    config = json.loads(Path(export_dir, "config.json").read_text())
+    assert config["architecture"]["stem_cell"] == [1, 2, 2]
+    config["format_version"] = 3
+    del config["architecture"]["stem_cell"], config["weights"]
+    save_encoder(
+        safetensors.torch.load_file(Path(export_dir, "model.safetensors")), config, str(tmp_path)
+    )
+    trained, cfg, _ = read_model_checkpoint(trained_checkpoint)
+    volume = torch.randn(2, 1, *cfg.image_size, generator=torch.Generator().manual_seed(11))
+    for loaded in (load_encoder(str(tmp_path)), octjepa_encoder.load(str(tmp_path))):
+        assert loaded.architecture["stem_cell"] == [1, 2, 2]
+        assert float((loaded.encode(volume) - trained.encode(volume)).abs().max()) <= 1e-6
 
 
 def rewrite_weights(directory: Path, edit) -> None:
@@ -1526,4 +1557,4 @@ def test_the_model_card_says_the_folder_is_data_what_its_checks_prove_and_how_to
     assert "load_encoder" in docs_block("python", 0) and "torch.hub.load" in docs_block("python", 1)
     assert "damage" in docs and "not a hostile sender" in docs and "--with_loader_code" in docs
     config = json.loads((Path(export_dir) / "config.json").read_text())
-    assert config["format_version"] == pretrained.EXPORT_VERSION == 3 and "code" not in config
+    assert config["format_version"] == pretrained.EXPORT_VERSION == 4 and "code" not in config

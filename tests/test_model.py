@@ -229,14 +229,22 @@ def test_each_hmlp_token_is_a_nonlinear_function_of_its_own_tubelets_voxels_only
 
 
 @pytest.mark.parametrize(
-    "patch, shape",
-    [(PATCH, [2, 1, 8, 32, 32]), ([4, 16, 16], [1, 1, 9, 35, 50]), ([2, 4, 4], [3, 1, 2, 4, 4])],
+    "patch, cell, shape",
+    [
+        (PATCH, [1, 2, 2], [2, 1, 8, 32, 32]),
+        ([4, 16, 16], [1, 2, 2], [1, 1, 9, 35, 50]),
+        ([4, 16, 16], [1, 4, 4], [1, 1, 9, 35, 50]),
+        ([4, 16, 8], [2, 2, 1], [2, 1, 8, 32, 17]),
+        ([2, 4, 4], [1, 2, 2], [3, 1, 2, 4, 4]),
+    ],
 )
-def test_the_hmlp_stem_computes_its_three_convolutions_and_their_gradients(patch, shape):
+def test_the_hmlp_stem_computes_its_three_convolutions_and_their_gradients(patch, cell, shape):
     """Its matmuls on each tubelet's cells are the three Conv3d's its weights belong to (exported
-    and loaded as such), voxels past the last whole tubelet dropped as a convolution drops them."""
+    and loaded as such), at any first cell, voxels past the last whole tubelet dropped as a
+    convolution drops them."""
     torch.manual_seed(0)
-    stem = tubelet_embedding(patch, 32, "hmlp")
+    stem = tubelet_embedding(patch, 32, "hmlp", cell)
+    assert stem[0].kernel_size == tuple(cell)
     x = torch.randn(shape)
 
     def convolutions(volume):
@@ -289,14 +297,27 @@ def test_the_hmlp_stem_is_refused_for_a_tubelet_it_cannot_cut_naming_the_sizes_b
             )
     with pytest.raises(ValueError, match="'conv'"):
         tubelet_embedding(PATCH, 64, "conv")
+    with pytest.raises(ConfigError, match=r"stem_cell \[1, 4, 4\] voxels.*patch_size \[4, 8, 12\]"):
+        load_config(["--patch_size", "4,8,12", "--image_size", "16,64,48", "--stem_cell", "1,4,4"])
 
 
-@pytest.mark.parametrize("stem", ["linear", "hmlp"])
-def test_the_counted_flops_of_the_target_encoder_are_what_torch_counts_besides_attention(stem):
+@pytest.mark.parametrize(
+    "stem, cell", [("linear", [1, 2, 2]), ("hmlp", [1, 2, 2]), ("hmlp", [1, 4, 4])]
+)
+def test_the_counted_flops_of_the_target_encoder_are_what_torch_counts_besides_attention(
+    stem, cell
+):
     from torch.utils.flop_counter import FlopCounterMode
 
     cfg = load_config(
-        [], image_size=IMAGE, patch_size=PATCH, embed_dim=64, depth=2, num_heads=4, patch_stem=stem
+        [],
+        image_size=IMAGE,
+        patch_size=PATCH,
+        embed_dim=64,
+        depth=2,
+        num_heads=4,
+        patch_stem=stem,
+        stem_cell=cell,
     )
     model = VJEPA3D.from_config(cfg)
     with FlopCounterMode(display=False) as counter:
