@@ -468,6 +468,7 @@ RECIPES = {
     "linear": {"patch_stem": "linear", "local_loss_weight": 0.0},
     "linear_local": {"patch_stem": "linear"},
     "hmlp": {"patch_stem": "hmlp"},
+    "hmlp_1x4x4": {"patch_stem": "hmlp", "stem_cell": [1, 4, 4]},  # the larger first cell
 }
 
 

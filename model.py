@@ -207,6 +207,11 @@ class HMLPStem(nn.Sequential):
         return x.permute(0, 4, 1, 2, 3)
 
 
+# under grad checkpointing the hmlp stem is recomputed in this many parts, so that its inner maps
+# are no longer the largest activations (activation_bytes_per_sample)
+STEM_CHUNKS = 4
+
+
 def tubelet_embedding(
     patch_size: Sequence[int], dim: int, stem: str, cell: Sequence[int] = (1, 2, 2)
 ) -> nn.Module:
@@ -277,9 +282,11 @@ class Encoder(nn.Module):
     def embed_tubelets(self, volume: torch.Tensor) -> torch.Tensor:
         """The tubelet embedding of volume [B,1,D,H,W] -> [B,E,gd,gh,gw]; under grad_checkpointing
         the hmlp stem's inner maps (the largest activations at production sizes) are recomputed in
-        backward too."""
+        backward too, a STEM_CHUNKS-th of the volumes (embed_kept: of the tubelets) at a time."""
         if self.checkpoint_fn is not None and isinstance(self.patch_embed, nn.Sequential):
-            return self.checkpoint_fn(self.patch_embed, volume)
+            return torch.cat(
+                [self.checkpoint_fn(self.patch_embed, part) for part in volume.chunk(STEM_CHUNKS)]
+            )
         return self.patch_embed(volume)
 
     def embed_kept(self, volume: torch.Tensor, keep_idx: torch.Tensor) -> torch.Tensor:
@@ -689,7 +696,8 @@ def activation_bytes_per_sample(cfg) -> float:
     grad_checkpointing only the block inputs are kept, plus all of one block's while backward
     recomputes it. The hmlp stem keeps its two inner maps before and after GELU for every context
     token: 9/8 x E values per first cell (9/32 x E per voxel with 1x2x2 cells); with
-    grad_checkpointing it recomputes them at the end of backward, when the blocks' are freed."""
+    grad_checkpointing it recomputes them at the end of backward, when the blocks' are freed, a
+    STEM_CHUNKS-th of them at a time."""
     n_context, n_target = cfg.token_counts()
     bytes_per_value = 2 if cfg.use_bf16 else 4
     full_block = 9 + 2 * cfg.mlp_ratio  # values per token and width
@@ -700,7 +708,7 @@ def activation_bytes_per_sample(cfg) -> float:
     if cfg.patch_stem == "hmlp":
         cells = math.prod(cfg.patch_size) / math.prod(cfg.stem_cell)
         stem = n_context * cells * cfg.embed_dim * 9 / 8  # the context tokens' tubelets
-        values = max(values, stem) if cfg.grad_checkpointing else values + stem
+        values = max(values, stem / STEM_CHUNKS) if cfg.grad_checkpointing else values + stem
     return values * bytes_per_value + math.prod(cfg.image_size) * 4
 
 
