@@ -51,9 +51,9 @@ start)
   { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     $py -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available())'
   } >> "$out/gpu56.log" 2>&1
-  log "bench: the recipe, linear_local and linear at ViT-L, interleaved"
+  log "bench: the recipe from 1x2x2 and 1x4x4 cells, linear_local and linear at ViT-L, interleaved"
   timeout --signal=INT --kill-after=15 "${BENCH:-150}" $py bench.py train "${vitl[@]}" --device $device \
-    --per_core_batch_size 2 --variants eager,linear_local,linear --warmup 2 --repeats 8 \
+    --per_core_batch_size 2 --variants eager,hmlp_1x4x4,linear_local,linear --warmup 2 --repeats 8 \
     --json "$out/bench_vitl.json" >> "$out/gpu56.log" 2>&1
   log "bench: rc $?"
   log "reference: octjepa against facebookresearch/jepa at ViT-L, eager"
