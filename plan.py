@@ -121,7 +121,9 @@ def describe_recipe_cost(cfg: Config, device_kind: str) -> str:
         )
     )
     return (
-        f"recipe cost       {cfg.patch_stem} stem, local loss {cfg.local_loss_weight:g}:"
+        f"recipe cost       {cfg.patch_stem} stem"
+        + (f" from {'x'.join(map(str, cfg.stem_cell))} cells" if cfg.patch_stem == "hmlp" else "")
+        + f", local loss {cfg.local_loss_weight:g}:"
         f" {flops / plain_flops:.2f}x the FLOPs (+{(flops - plain_flops) / 1e9:.1f} GFLOP) and"
         f" +{extra / 2**30:.2f} GiB of activations per sample over a linear stem without the"
         f" local loss; {time}"

@@ -7,7 +7,8 @@ CNN on the same splits).
                                                              # the mean over pretraining seeds of
                                                              each read-out, the # 95% interval over
                                                              seeds, and the runs that beat hand-made
-    python experiments/table.py compare ARM_A ARM_B [READOUT]   # paired differences A - B over pretraining seeds
+    python experiments/table.py compare ARM_A ARM_B [READOUT...]   # paired differences A - B over pretraining
+                                                             # seeds (default: every read-out they hold)
     python experiments/table.py reference                    # the floor's companions: hand-made features and CNN
     python experiments/table.py demo ARM [ARM...]            # demo runs (experiments/demo.sh: experiments/demo/ARM_sK.json):
                                                              # each seed's summary probe, and per
@@ -103,25 +104,37 @@ def arm_means(arm: str, task: str, readout: str, encoder: str = "pretrained") ->
     return out
 
 
+def readouts_of(names: list) -> list:
+    """READOUTS, then any other read-out the reports NAMES hold (a dense task's token_linear)."""
+    held = {
+        r
+        for name in names
+        for t in load(name)["tasks"].values()
+        for r in t["encoders"]["pretrained"]
+    }
+    return [*READOUTS, *sorted(held - set(READOUTS))]
+
+
 def arms_table(arms: list) -> None:
+    columns = readouts_of([seeds_of(arm)[0] for arm in arms])
     print(
         "| arm (seeds) | task | "
-        + " | ".join(READOUTS)
+        + " | ".join(columns)
         + " | random init (best read-out) | beats best hand-made (runs, best read-out) |"
     )
-    print("|---|---|" + "---|" * (len(READOUTS) + 2))
+    print("|---|---|" + "---|" * (len(columns) + 2))
+    measured = os.path.exists(os.path.join(REPORTS, "reference.json"))
     for arm in arms:
         names = seeds_of(arm)
         for task, t in load(names[0])["tasks"].items():
             # no hand-made features measured on these splits
-            if task not in load("reference")["tasks"]:
+            if measured and task not in load("reference")["tasks"]:
                 continue
-            ref = reference_scores(task)
             read = [
-                r for r in READOUTS if r in t["encoders"]["pretrained"]
+                r for r in columns if r in t["encoders"]["pretrained"]
             ]  # the probe's --readouts
             cells = []
-            for r in READOUTS:
+            for r in columns:
                 values = arm_means(arm, task, r) if r in read else []
                 cells.append(
                     cell(interval(values))
@@ -131,19 +144,22 @@ def arms_table(arms: list) -> None:
                     else "not read"
                 )
             random = max(interval(arm_means(arm, task, r, "random"))["mean"] for r in read)
-            hand = ref["best_handmade"][1]
-            wins = sum(
-                max(
-                    load(n)["tasks"][task]["encoders"]["pretrained"][r][t["metric"]]["low"]
-                    for r in read
+            wins = "no reference.json yet"
+            if measured:
+                hand = reference_scores(task)["best_handmade"][1]
+                beat = sum(
+                    max(
+                        load(n)["tasks"][task]["encoders"]["pretrained"][r][t["metric"]]["low"]
+                        for r in read
+                    )
+                    > max(hand["high"], 0.5)
+                    for n in names
                 )
-                > max(hand["high"], 0.5)
-                for n in names
-            )
+                wins = f"{beat}/{len(names)}"
             print(
                 f"| {arm} ({len(names)}) | {task} | "
                 + " | ".join(cells)
-                + f" | {random:.3f} | {wins}/{len(names)} |"
+                + f" | {random:.3f} | {wins} |"
             )
 
 
@@ -159,7 +175,7 @@ def compare_table(a: str, b: str, readouts: list) -> None:
     for task, t in reports_a[0]["tasks"].items():
         if not all(task in r["tasks"] for r in reports_a + reports_b):  # probed on some runs only
             continue
-        for r in readouts:
+        for r in [r for r in readouts if r in t["encoders"]["pretrained"]]:
             va = [
                 report["tasks"][task]["encoders"]["pretrained"][r][t["metric"]]["mean"]
                 for report in reports_a
@@ -259,7 +275,7 @@ if __name__ == "__main__":
     elif command == "arms":
         arms_table(args)
     elif command == "compare":
-        compare_table(args[0], args[1], args[2:] or list(READOUTS))
+        compare_table(args[0], args[1], args[2:] or readouts_of(seeds_of(args[0])))
     elif command == "reference":
         reference_table()
     elif command == "demo":

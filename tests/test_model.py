@@ -67,9 +67,9 @@ def test_production_config_is_the_29_4m_vjepa3d_plus_the_recipes_hmlp_stem_and_l
         " local loss)"
     )
     assert abs(n_plain - 29.4e6) / 29.4e6 < 0.03
-    e, voxels = cfg.embed_dim, math.prod(cfg.patch_size)
-    # 1x2x2, 2x2x2, the rest
-    hmlp = (4 + 1) * e // 2 + (8 * e // 2 + 1) * e // 2 + (voxels // 32 * e // 2 + 1) * e
+    e, voxels, cell = cfg.embed_dim, math.prod(cfg.patch_size), math.prod(cfg.stem_cell)
+    # the first cell, 2x2x2 of those, the rest
+    hmlp = (cell + 1) * e // 2 + (8 * e // 2 + 1) * e // 2 + (voxels // (8 * cell) * e // 2 + 1) * e
     local_head = (e + 1) * LOCAL_FEATURES * math.prod(cfg.local_loss_split)
     assert n - n_plain == hmlp - (voxels + 1) * e + local_head
 
@@ -83,8 +83,8 @@ def test_dry_run_memory_says_a_vit_g_will_not_fit_a_16_gib_device_unless_sharded
     # ViT-g's blocks
     assert abs(sum(p.numel() for p in model.encoder.blocks.parameters()) - 1.0e9) / 1.0e9 < 0.05
     whole = describe_memory(cfg, model, fsdp=1, batch=1)
-    # grad checkpointing (auto: counted on): the hmlp stem's inner maps (9/32 x 1408 values per voxel, 7 GiB at
-    # 64x384x384) are recomputed a STEM_CHUNKS-th at a time, no longer the largest activations
+    # grad checkpointing (auto: counted on): the hmlp stem's inner maps are recomputed a
+    # STEM_CHUNKS-th at a time (from 1x2x2 cells, all at once, they were 7 GiB at 64x384x384)
     assert "will NOT fit TPU v5e (16 GiB); fits L4 (24 GiB)" in whole
     sharded = describe_memory(cfg, model, fsdp=16, batch=1)
     assert "weights sharded over 16 devices" in sharded and "fits every named device" in sharded

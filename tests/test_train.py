@@ -631,10 +631,11 @@ def test_the_dry_runs_recipe_cost_gives_the_measured_time_beside_the_flops_or_a_
 ):
     production = load_config(["--config", str(REPO / "configs" / "pretrain_single_domain.yaml")])
     line = plan.describe_recipe_cost(production, "cpu")
-    assert "1.08x the FLOPs" in line and "measured 1.14x the time (median of 2" in line
-    larger_cells = dataclasses.replace(production, stem_cell=[1, 4, 4])
-    line = plan.describe_recipe_cost(larger_cells, "cpu")
-    assert "1.02x the FLOPs" in line and "measured 1.04x the time" in line
+    assert production.stem_cell == [1, 4, 4]
+    assert "1.02x the FLOPs" in line and "measured 1.04x the time (median of 2" in line
+    smaller_cells = dataclasses.replace(production, stem_cell=[1, 2, 2])
+    line = plan.describe_recipe_cost(smaller_cells, "cpu")
+    assert "from 1x2x2 cells" in line and "1.08x the FLOPs" in line and "measured 1.14x" in line
     assert "not measured at these sizes on cuda" in plan.describe_recipe_cost(production, "cuda")
     # elsewhere the dry run names the command that measures it, and that command runs as printed
     assert main(smoke_flags(tmp_path, smoke_phantoms, "--dry_run")) == 0
