@@ -188,6 +188,9 @@ class HMLPStem(nn.Sequential):
         return x.permute(0, 4, 1, 2, 3)
 
 
+STEM_CHUNKS = 4
+
+
 def tubelet_embedding(
     patch_size: Sequence[int], dim: int, stem: str, cell: Sequence[int] = (1, 2, 2)
 ) -> nn.Module:
@@ -258,9 +261,11 @@ class Encoder(nn.Module):
     def embed_tubelets(self, volume: torch.Tensor) -> torch.Tensor:
         """The tubelet embedding of volume [B,1,D,H,W] -> [B,E,gd,gh,gw]; under grad_checkpointing
         the hmlp stem's inner maps (the largest activations at production sizes) are recomputed in
-        backward too."""
+        backward too, a STEM_CHUNKS-th of the volumes (embed_kept: of the tubelets) at a time."""
         if self.checkpoint_fn is not None and isinstance(self.patch_embed, nn.Sequential):
-            return self.checkpoint_fn(self.patch_embed, volume)
+            return torch.cat(
+                [self.checkpoint_fn(self.patch_embed, part) for part in volume.chunk(STEM_CHUNKS)]
+            )
         return self.patch_embed(volume)
 
     def embed_kept(self, volume: torch.Tensor, keep_idx: torch.Tensor) -> torch.Tensor:

@@ -244,7 +244,10 @@ def test_a_stopped_writer_deletes_its_half_set_and_leaves_a_live_writers_alone(t
     target, live = tmp_path / "set", tmp_path / f"set.partial-{socket.gethostname()}-{os.getpid()}"
     live.mkdir()
     script = (
-        "import os, signal, sys; sys.path.insert(0, sys.argv[1]); import phantom\nreal ="
+        # Python raises KeyboardInterrupt only where SIGINT was not ignored when it started (a
+        # suite run as a background job inherits it ignored)
+        "import os, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+        "sys.path.insert(0, sys.argv[1]); import phantom\nreal ="
         " phantom.write_oct\ndef write_oct(path, *args, **kwargs):\n    if"
         " path.endswith('0002_zeiss_cirrus.dcm'): os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C,"
         " mid-set\n    return real(path, *args, **kwargs)\nphantom.write_oct ="
