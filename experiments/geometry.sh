@@ -7,6 +7,7 @@
 #                                        # learn.yaml's stem at 4x8x8), linear_local (linear stem, the same local
 #                                        # loss), linear (linear stem alone)
 #   experiments/geometry.sh reference    # the hand-made features and the CNNs at this geometry, on the same splits
+#                                        # (the CNN: ~9 min a split on 2 cores, about 3 hours for the three tasks)
 # Writes experiments/geometry/geo_ARM_sS.json (the probe report, with the pretraining run's wall and CPU seconds
 # under "pretrain"); the run goes to experiments/runs/geo_ARM_sS and is not trained again once done.
 # OMP_NUM_THREADS=1 and nice: two arms share the 2-core CI machine, shared with other jobs.
