@@ -582,7 +582,7 @@ def load_config(
 
 
 def hmlp_stem_problem(
-    patch_size: Sequence[int], embed_dim: int, cell: Sequence[int] = (1, 2, 2)
+    patch_size: Sequence[int], embed_dim: int, cell: Sequence[int]
 ) -> Optional[str]:
     """Why the hmlp stem cannot embed tubelets of patch_size at width embed_dim from first cells of
     `cell` voxels, or None when it can: it cuts each tubelet into cells, then 2x2x2 of those, then

@@ -175,7 +175,7 @@ class HMLPStem(nn.Sequential):
     convolutions to rounding; a demo update 0.875x as long on one CPU thread:
     experiments/speed/stem_ab.py)."""
 
-    def __init__(self, patch_size: Sequence[int], dim: int, cell: Sequence[int] = (1, 2, 2)):
+    def __init__(self, patch_size: Sequence[int], dim: int, cell: Sequence[int]):
         cell = tuple(cell)
         rest = tuple(p // (2 * c) for p, c in zip(patch_size, cell))
         super().__init__(

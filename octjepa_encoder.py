@@ -26,7 +26,7 @@ import safetensors.torch
 
 
 def hmlp_stem_problem(
-    patch_size: Sequence[int], embed_dim: int, cell: Sequence[int] = (1, 2, 2)
+    patch_size: Sequence[int], embed_dim: int, cell: Sequence[int]
 ) -> Optional[str]:
     """Why the hmlp stem cannot embed tubelets of patch_size at width embed_dim from first cells of
     `cell` voxels, or None when it can: it cuts each tubelet into cells, then 2x2x2 of those, then
@@ -156,7 +156,7 @@ class HMLPStem(nn.Sequential):
     convolutions to rounding; a demo update 0.875x as long on one CPU thread:
     experiments/speed/stem_ab.py)."""
 
-    def __init__(self, patch_size: Sequence[int], dim: int, cell: Sequence[int] = (1, 2, 2)):
+    def __init__(self, patch_size: Sequence[int], dim: int, cell: Sequence[int]):
         cell = tuple(cell)
         rest = tuple(p // (2 * c) for p, c in zip(patch_size, cell))
         super().__init__(
