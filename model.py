@@ -207,8 +207,9 @@ class HMLPStem(nn.Sequential):
         return x.permute(0, 4, 1, 2, 3)
 
 
-# under grad checkpointing the hmlp stem is recomputed in this many parts, so that its inner maps
-# are no longer the largest activations (activation_bytes_per_sample)
+# In training the hmlp stem is recomputed in backward in this many parts, with or without grad
+# checkpointing: its inner maps are the largest activations a context token has (9/8 E values a
+# first cell) and its FLOPs a few percent of an update (experiments/NOTES.md 30)
 STEM_CHUNKS = 4
 
 
@@ -258,6 +259,8 @@ class Encoder(nn.Module):
         self.blocks = nn.ModuleList([Block(dim, num_heads, mlp_ratio) for _ in range(depth)])
         self.norm = nn.LayerNorm(dim)
         self.checkpoint_fn: Optional[Callable] = None  # set_grad_checkpointing
+        # the hmlp stem's, always (XLA: torch_xla's, runtime.use_xla_checkpoint)
+        self.stem_checkpoint_fn: Callable = recompute_in_backward
 
     def positions(self, grid: Sequence[int]) -> torch.Tensor:
         """The sin-cos positions [N, E] of a (gd, gh, gw) token grid: the buffer for the grid it was
@@ -280,14 +283,16 @@ class Encoder(nn.Module):
         return self.norm(run_blocks(self.blocks, x, self.checkpoint_fn))
 
     def embed_tubelets(self, volume: torch.Tensor) -> torch.Tensor:
-        """The tubelet embedding of volume [B,1,D,H,W] -> [B,E,gd,gh,gw]; under grad_checkpointing
-        the hmlp stem's inner maps (the largest activations at production sizes) are recomputed in
-        backward too, a STEM_CHUNKS-th of the volumes (embed_kept: of the tubelets) at a time."""
-        if self.checkpoint_fn is not None and isinstance(self.patch_embed, nn.Sequential):
+        """The tubelet embedding of volume [B,1,D,H,W] -> [B,E,gd,gh,gw]. Where it trains, the
+        hmlp stem keeps none of its inner maps for backward but recomputes them there, a
+        STEM_CHUNKS-th of the volumes (embed_kept: of the tubelets) at a time."""
+        stem = self.patch_embed
+        if isinstance(stem, HMLPStem) and torch.is_grad_enabled() and stem[0].weight.requires_grad:
+            # [B, E, gd, gh, gw], from the chunks of B
             return torch.cat(
-                [self.checkpoint_fn(self.patch_embed, part) for part in volume.chunk(STEM_CHUNKS)]
+                [self.stem_checkpoint_fn(stem, part) for part in volume.chunk(STEM_CHUNKS)]
             )
-        return self.patch_embed(volume)
+        return stem(volume)
 
     def embed_kept(self, volume: torch.Tensor, keep_idx: torch.Tensor) -> torch.Tensor:
         """The embedded tokens in keep_idx [B*M,K] with their positions, [B*M,K,E]: only their
@@ -692,12 +697,10 @@ def activation_bytes_per_sample(cfg) -> float:
 
     Per pre-norm block and token: norm in/out (2), qkv (3), attention out, residual, norm2 in/out
     (2) and the MLP hidden before and after GELU (2 x mlp_ratio) values of the width, in the compute
-        dtype; with
-    grad_checkpointing only the block inputs are kept, plus all of one block's while backward
-    recomputes it. The hmlp stem keeps its two inner maps before and after GELU for every context
-    token: 9/8 x E values per first cell (9/32 x E per voxel with 1x2x2 cells); with
-    grad_checkpointing it recomputes them at the end of backward, when the blocks' are freed, a
-    STEM_CHUNKS-th of them at a time."""
+    dtype; with grad_checkpointing only the block inputs are kept, plus all of one block's while
+    backward recomputes it. The hmlp stem's two inner maps before and after GELU, 9/8 x E values per
+    first cell of every context token, are recomputed at the end of backward, when the blocks' are
+    freed, a STEM_CHUNKS-th of them at a time (Encoder.embed_tubelets)."""
     n_context, n_target = cfg.token_counts()
     bytes_per_value = 2 if cfg.use_bf16 else 4
     full_block = 9 + 2 * cfg.mlp_ratio  # values per token and width
@@ -708,7 +711,7 @@ def activation_bytes_per_sample(cfg) -> float:
     if cfg.patch_stem == "hmlp":
         cells = math.prod(cfg.patch_size) / math.prod(cfg.stem_cell)
         stem = n_context * cells * cfg.embed_dim * 9 / 8  # the context tokens' tubelets
-        values = max(values, stem / STEM_CHUNKS) if cfg.grad_checkpointing else values + stem
+        values = max(values, stem / STEM_CHUNKS)
     return values * bytes_per_value + math.prod(cfg.image_size) * 4
 
 

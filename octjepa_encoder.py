@@ -19,6 +19,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 import json
 import hashlib
 import os
@@ -141,6 +142,11 @@ def run_blocks(
     return x
 
 
+def recompute_in_backward(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """torch's activation checkpointing of one block (the default checkpoint_fn)."""
+    return checkpoint(block, x, use_reentrant=False)
+
+
 def cells_last(weight: torch.Tensor) -> torch.Tensor:
     """A Conv3d weight [out, in, kd, kh, kw] as a matrix [out, kd*kh*kw*in] for inputs laid out cell
     by cell, each cell's channels together (the layout a matmul leaves, so no activation is
@@ -237,6 +243,8 @@ class Encoder(nn.Module):
         self.blocks = nn.ModuleList([Block(dim, num_heads, mlp_ratio) for _ in range(depth)])
         self.norm = nn.LayerNorm(dim)
         self.checkpoint_fn: Optional[Callable] = None  # set_grad_checkpointing
+        # the hmlp stem's, always (XLA: torch_xla's, runtime.use_xla_checkpoint)
+        self.stem_checkpoint_fn: Callable = recompute_in_backward
 
     def positions(self, grid: Sequence[int]) -> torch.Tensor:
         """The sin-cos positions [N, E] of a (gd, gh, gw) token grid: the buffer for the grid it was
@@ -259,14 +267,16 @@ class Encoder(nn.Module):
         return self.norm(run_blocks(self.blocks, x, self.checkpoint_fn))
 
     def embed_tubelets(self, volume: torch.Tensor) -> torch.Tensor:
-        """The tubelet embedding of volume [B,1,D,H,W] -> [B,E,gd,gh,gw]; under grad_checkpointing
-        the hmlp stem's inner maps (the largest activations at production sizes) are recomputed in
-        backward too, a STEM_CHUNKS-th of the volumes (embed_kept: of the tubelets) at a time."""
-        if self.checkpoint_fn is not None and isinstance(self.patch_embed, nn.Sequential):
+        """The tubelet embedding of volume [B,1,D,H,W] -> [B,E,gd,gh,gw]. Where it trains, the
+        hmlp stem keeps none of its inner maps for backward but recomputes them there, a
+        STEM_CHUNKS-th of the volumes (embed_kept: of the tubelets) at a time."""
+        stem = self.patch_embed
+        if isinstance(stem, HMLPStem) and torch.is_grad_enabled() and stem[0].weight.requires_grad:
+            # [B, E, gd, gh, gw], from the chunks of B
             return torch.cat(
-                [self.checkpoint_fn(self.patch_embed, part) for part in volume.chunk(STEM_CHUNKS)]
+                [self.stem_checkpoint_fn(stem, part) for part in volume.chunk(STEM_CHUNKS)]
             )
-        return self.patch_embed(volume)
+        return stem(volume)
 
     def embed_kept(self, volume: torch.Tensor, keep_idx: torch.Tensor) -> torch.Tensor:
         """The embedded tokens in keep_idx [B*M,K] with their positions, [B*M,K,E]: only their

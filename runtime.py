@@ -563,7 +563,8 @@ def place_model(model: torch.nn.Module, rt: Runtime) -> torch.nn.Module:
     """The model (built on the CPU) on this process's device: whole, or sharded without a whole copy
     of it on any device. FSDP2 moves the parameters of each unit of model.shard_units(), then of the
     model, and keeps its shard of each; XLA sends every device only its shards (place_xla_shards).
-    On XLA, grad checkpointing recomputes with torch_xla's checkpoint (use_xla_checkpoint)."""
+    On XLA, what backward recomputes (the hmlp stem; the blocks with grad checkpointing) it
+    recomputes with torch_xla's checkpoint (use_xla_checkpoint)."""
     if rt.kind == "xla":
         use_xla_checkpoint(model)
     if not rt.sharded:
@@ -738,11 +739,13 @@ def place_xla_shards(model: torch.nn.Module, rt: Runtime) -> torch.nn.Module:
 
 
 def use_xla_checkpoint(model: torch.nn.Module) -> None:
-    """With grad checkpointing, recompute the blocks with torch_xla's checkpoint: torch's
-    non-reentrant one fails on XLA (it looks for a torch.xla device module), and torch_xla's keeps
-    the recomputation in the compiled graph."""
+    """Recompute the hmlp stem (always) and with grad checkpointing the blocks with torch_xla's
+    checkpoint: torch's non-reentrant one fails on XLA (it looks for a torch.xla device module),
+    and torch_xla's keeps the recomputation in the compiled graph."""
+    checkpoint = with_input_gradient(xla_modules().checkpoint)
+    model.encoder.stem_checkpoint_fn = checkpoint
     if model.grad_checkpointing:
-        model.set_grad_checkpointing(True, with_input_gradient(xla_modules().checkpoint))
+        model.set_grad_checkpointing(True, checkpoint)
 
 
 def with_input_gradient(checkpoint: Callable) -> Callable:

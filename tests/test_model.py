@@ -358,6 +358,43 @@ def test_grad_checkpointing_gives_the_same_gradients(stem):
     torch.testing.assert_close(grads[0], grads[1])
 
 
+def bytes_kept_for_backward(model, x, ctx, tgt) -> int:
+    """The bytes of the tensors autograd keeps for backward in one training forward of model."""
+    kept = 0
+
+    def keep(t):
+        nonlocal kept
+        kept += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        loss = model(x, ctx, tgt).loss
+    return kept, loss
+
+
+def test_the_hmlp_stem_keeps_no_inner_map_for_backward_even_without_grad_checkpointing():
+    """Its inner maps (9/8 E values a first cell of each context token) are recomputed in backward:
+    the same gradients, and none of them kept."""
+    x = torch.randn(2, 1, *IMAGE)
+    kept, grads = [], []
+    for recompute in (True, False):
+        model = tiny_model(patch_stem="hmlp", local_loss_weight=0.5)
+        assert not model.grad_checkpointing
+        if not recompute:
+            model.encoder.stem_checkpoint_fn = lambda stem, part: stem(part)
+        ctx, tgt = masks(model, 2)
+        nbytes, loss = bytes_kept_for_backward(model, x, ctx, tgt)
+        loss.backward()
+        kept.append(nbytes)
+        grads.append(
+            torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        )
+    torch.testing.assert_close(grads[0], grads[1])
+    cells = math.prod(PATCH) // math.prod((1, 2, 2))
+    inner_maps = ctx.numel() * cells * 64 * 9 // 8 * 4  # context tokens x cells x 9/8 E, fp32
+    assert kept[1] - kept[0] >= 0.95 * inner_maps
+
+
 @pytest.mark.slow
 def test_frozen_target_overfits_one_batch():
     model = tiny_model()
@@ -398,26 +435,28 @@ def test_a_model_built_without_arguments_is_the_recipe_that_the_configs_train():
 @pytest.mark.parametrize(
     "reentrant", [False, True], ids=["torch's checkpoint", "a reentrant one, as torch_xla's"]
 )
-def test_grad_checkpointing_gives_every_weight_the_gradient_it_has_without_it_the_hmlp_stem_included(
+def test_recomputation_gives_every_weight_the_gradient_it_has_without_it_the_hmlp_stem_included(
     reentrant,
 ):
     """A reentrant checkpoint gives the weights inside no gradient when no input asks for one: the
     hmlp stem, whose input is the volume, never trained on XLA with grad checkpointing (FSDP over 4
     XLA devices then parted from one device: tests/test_xla.py) until runtime.use_xla_checkpoint
-    wrapped torch_xla's in with_input_gradient."""
+    wrapped torch_xla's in with_input_gradient. Compared: nothing recomputed, the stem recomputed
+    (always, in training), and the blocks too (grad checkpointing)."""
     model = tiny_model(patch_stem="hmlp", local_loss_weight=0.5, local_loss_split=(1, 4, 1))
     volume = torch.randn(2, 1, *IMAGE)
     ctx, tgt = masks(model, 2)
+    checkpoint = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=reentrant)
+    checkpoint = with_input_gradient(checkpoint) if reentrant else checkpoint
     grads = []
-    for checkpointed in (False, True):
-        checkpoint = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=reentrant)
-        model.set_grad_checkpointing(
-            checkpointed, with_input_gradient(checkpoint) if reentrant else checkpoint
-        )
+    for stem, blocks in ((False, False), (True, False), (True, True)):
+        model.encoder.stem_checkpoint_fn = checkpoint if stem else lambda m, part: m(part)
+        model.set_grad_checkpointing(blocks, checkpoint)
         model.zero_grad(set_to_none=True)
         model(volume, ctx, tgt).loss.backward()
         grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
-    assert set(grads[1]) == set(grads[0])
-    for name, grad in grads[0].items():
-        assert grads[1][name] is not None, f"{name}: no gradient under grad checkpointing"
-        torch.testing.assert_close(grads[1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    for recomputed in grads[1:]:
+        assert set(recomputed) == set(grads[0])
+        for name, grad in grads[0].items():
+            assert recomputed[name] is not None, f"{name}: no gradient when recomputed"
+            torch.testing.assert_close(recomputed[name], grad, rtol=1e-4, atol=1e-6, msg=name)
