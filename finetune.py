@@ -9,10 +9,10 @@ Labels: probe.py's CSV (paths relative to the CSV's folder; a series folder is o
 extended:
     path,label             one class per volume: binary or multi-class
     path,drusen,fluid      multi-label: no `label` column; every other column is a class, 1 or 0 per
-    volume ...,patient            optional with either: the patient of each volume (default: the
-    reader's key of the
-                           DICOM PatientID, else the file), so that no patient is on two sides of a
-                           split
+                           volume
+    ...,patient            optional with either: the patient of each volume (default: the reader's
+                           key of the DICOM PatientID, else the file), so that no patient is on two
+                           sides of a split
 
 Modes: `frozen` runs probe.py's probes (readouts.split_scores: logistic regression on mean-pooled
 tokens, attentive probe; the budget probe.py uses) on the frozen encoder. `full` fine-tunes the

@@ -1,19 +1,18 @@
 """Read-outs of frozen encoder tokens, and the statistics every comparison of encoders uses.
 
     tokens [M, N, E] of M labelled volumes --read-out trained on a split--> held-out scores, per
-    probe seed read-outs (READOUTS): mean_pool (the mean token, a linear model), depth_rows (the
-    mean of each depth row of the
-                 token grid, concatenated: where along the A-scan a feature is survives), attentive
-                 (learned attention pooling of standardized tokens, a fixed budget of full-batch
-                 AdamW steps)
+    probe seed
+    read-outs (READOUTS): mean_pool (the mean token, a linear model), depth_rows (the mean of each
+                 depth row of the token grid, concatenated: where along the A-scan a feature is
+                 survives), attentive (learned attention pooling of standardized tokens, a fixed
+                 budget of full-batch AdamW steps)
     linear models: scikit-learn's logistic regression on standardized features, the L2 strength
-    chosen by
-                 cross-validation on the training split
+                 chosen by cross-validation on the training split
     metrics:     macro one-vs-rest AUROC (0.5 = chance) and balanced accuracy of the held-out class
-    probabilities statistics:  each probe seed is a new split (TEST_FRACTION of each class held out)
-    and a new initialisation;
-                 mean and 95% t-interval over seeds, and paired differences (the same splits) with
-                 their intervals
+                 probabilities
+    statistics:  each probe seed is a new split (TEST_FRACTION of each class held out) and a new
+                 initialisation; mean and 95% t-interval over seeds, and paired differences (the
+                 same splits) with their intervals
 
 probe.py runs these beside a floor, a shortcut and a ceiling (references.py); finetune.py scores its
 folds with them.

@@ -2,13 +2,11 @@
 and the ceiling.
 
     the shortcut   hand-made features a label may be read from without learning anything: per volume
-    (HANDMADE: a
-                   depth profile, an intensity histogram, pooled voxels) and per token (each token's
-                   own voxel statistics: handmade_token_features)
+                   (HANDMADE: a depth profile, an intensity histogram, pooled voxels) and per token
+                   (each token's own voxel statistics: handmade_token_features)
     the ceiling    SmallCNN, a small 3D CNN trained from scratch on the same training split by
-    fit_cnn, one net and one
-                   training loop for both: a head per volume (VOLUME_CNN) or a lesion logit per
-                   token (TOKEN_CNN)
+                   fit_cnn, one net and one training loop for both: a head per volume (VOLUME_CNN)
+                   or a lesion logit per token (TOKEN_CNN)
 
 A task is valid when its best hand-made features are near chance and the CNN is well above it
 (probe.py).

@@ -2,15 +2,14 @@
 while it trains).
 
     prepare_probe_set(cfg)   a labelled set kept in memory with one fixed split: cfg.probe_labels
-    (its `label`
-                             column), else the suite's valid task `lesion` on the varied labelled
-                             phantoms
+                             (its `label` column), else the suite's valid task `lesion` on the
+                             varied labelled phantoms
     probe_auroc(model, ...)  every probe_every_steps updates: held-out AUROC of linear read-outs of
-    the target encoder verdict(model, ...)      at the end of the run (summary_probe): the encoder's
-    read-outs beside a random init of its
-                             architecture (the floor) and the best hand-made features (the shortcut)
-                             on the same splits, paired, and the position share of both encoders'
-                             tokens
+                             the target encoder
+    verdict(model, ...)      at the end of the run (summary_probe): the encoder's read-outs beside a
+                             random init of its architecture (the floor) and the best hand-made
+                             features (the shortcut) on the same splits, paired, and the position
+                             share of both encoders' tokens
 
 train.py uses these; the full suite, with the supervised ceiling and every task, is probe.py.
 """

@@ -6,19 +6,20 @@ test_preemption.py and test_xla.py use it for the multi-process stories. Faults,
     nan_5_7      updates 5 to 7 have a non-finite loss in every process (a rollback follows)
     read_once    process 1's first checkpoint read fails (a transient storage error)
     read_twice   process 1's first two checkpoint reads fail (a transient error a single retry does
-    not outlast) read_always  every checkpoint read of process 1 fails
+                 not outlast)
+    read_always  every checkpoint read of process 1 fails
     bad_files    process 1 cannot read the Heidelberg-style volumes (a quarter of the phantoms)
     no_data      process 1 cannot read any volume
     exit_report  each process prints how many gloo worker threads are left when the interpreter
-    starts its
-                 teardown (0 once the process group was left)
+                 starts its teardown (0 once the process group was left)
     report       each process prints the update it resumed at and how many checkpoint states it
-    built race_lock    the process waits at the run folder's lock until the file $OCTJEPA_TEST_GO
-    exists (after touching
-                 $OCTJEPA_TEST_READY.PID), then judges a gone holder slowly (0.5 s): a second
-                 process judges meanwhile
+                 built
+    race_lock    the process waits at the run folder's lock until the file $OCTJEPA_TEST_GO exists
+                 (after touching $OCTJEPA_TEST_READY.PID), then judges a gone holder slowly (0.5 s):
+                 a second process judges meanwhile
     no_flock     flock fails as on a filesystem without file locks (NFS mounted nolock, some FUSE
-    mounts): ENOLCK sigkill_at_3 the process is SIGKILLed (the OOM killer) during its third update
+                 mounts): ENOLCK
+    sigkill_at_3 the process is SIGKILLed (the OOM killer) during its third update
     stall_in_save
                  the process stalls in its second checkpoint, after its fencing check and before the
                  write (a suspended job, a VM pause): it touches $OCTJEPA_TEST_READY and waits until
