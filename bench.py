@@ -15,10 +15,12 @@ XLA) interleaved, with compile and grad_checkpointing auto decided as train.py d
 their model FLOP/s with the peak of a large matmul measured in the same run and dtype (MFU), with
 the card's spec sheet (CARD_PEAKS) and with a plain ViT encoder of the same width; it counts the
 torch ops and CUDA launches of one update by phase (count_update_ops), and --sdpa picks the
-attention kernel. Memory: CUDA max allocated; CPU peak RSS growth. Targets: CPU fp32 demo >= 70% of
+attention kernel. Memory: CUDA max allocated; CPU peak RSS growth, and per variant the host memory
+its update adds at peak (host_peak_bytes). Targets: CPU fp32 demo >= 70% of
 the matmul peak; GPU bf16 production >= 40%. With --shard fsdp (under torchrun, or on XLA) the two
 interleaved updates are unsharded and sharded instead, each with the weights, EMA target and AdamW
-state it holds per device (measured on the tensors) and, on CUDA, the peak its update adds to them:
+state it holds per device (measured on the tensors) and, on CUDA and the CPU, the peak its update adds
+to them:
 
     torchrun --nproc_per_node=8 bench.py train --config configs/pretrain_vitl.yaml --shard fsdp
 
@@ -351,16 +353,36 @@ LAUNCHES = (
 )
 
 
+def host_peak_bytes(prof: torch.profiler.profile) -> int:
+    """The most host (CPU) memory the profiled code held at once beyond what was held when it
+    began: the running sum of its allocations and frees, in order (the CPU allocator keeps no peak
+    of its own, and RSS only rises, so this is the figure per update that CUDA's
+    max_memory_allocated gives)."""
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+        key=lambda e: e.start_ns(),
+    )
+    held = peak = 0
+    for e in events:
+        if e.device_type() == torch.autograd.DeviceType.CPU:
+            held += e.nbytes()
+            peak = max(peak, held)
+    return peak
+
+
 def count_update_ops(update, rt: runtime.Runtime) -> dict:
     """What one call of `update` (a train_update) asks of the device, by the UPDATE_PHASES function
     it is in: torch operators called from Python or autograd (aten ops not inside another), and on
-    CUDA the kernel and CUDA-graph launches. Ops with no Python frame run in autograd's device
-    thread: backward, counted in forward_backward."""
+    CUDA the kernel and CUDA-graph launches; and the host memory it adds at peak (host_peak_bytes).
+    Ops with no Python frame run in autograd's device thread: backward, counted in
+    forward_backward."""
     activities = [torch.profiler.ProfilerActivity.CPU] + (
         [torch.profiler.ProfilerActivity.CUDA] if rt.kind == "cuda" else []
     )
     try:
-        with torch.profiler.profile(activities=activities, with_stack=True) as prof:
+        with torch.profiler.profile(
+            activities=activities, with_stack=True, profile_memory=True
+        ) as prof:
             update()
             synchronize(rt)
     except RuntimeError as e:  # a profiler that cannot start here must not cost the benchmark
@@ -385,6 +407,7 @@ def count_update_ops(update, rt: runtime.Runtime) -> dict:
         "launches": dict(launches),
         "total_aten_ops": sum(ops.values()),
         "total_launches": sum(launches.values()),
+        "host_peak_bytes": host_peak_bytes(prof),
     }
 
 
@@ -545,6 +568,8 @@ def time_updates(
         if rt.kind == "cuda":  # the last update alone: what it added to the memory already held
             v["update_peak_bytes"] = torch.cuda.max_memory_allocated() - v["resident"]
         v["ops"] = count_update_ops(v["update"], rt) if rt.kind != "xla" else None
+        if rt.kind == "cpu" and v["ops"] and "error" not in v["ops"]:
+            v["update_peak_bytes"] = v["ops"]["host_peak_bytes"]
     return {"variants": variants, "load_average_1min": [load_before[0], load_after[0]]}
 
 
@@ -640,9 +665,19 @@ def bench_train(
     return out
 
 
+def peak_bytes_per_device(figures: dict):
+    """The state a variant holds per device plus the most its update adds to it (bench_train's
+    figures): its peak memory in an update, or None where the update's peak was not measured."""
+    if figures["update_peak_bytes"] is None:
+        return None
+    return sum(figures["state_bytes_per_device"].values()) + figures["update_peak_bytes"]
+
+
 def ratios(figures: dict, first: dict, timed: dict, first_timed: dict) -> dict:
-    """A variant's figures over the first variant's (bench_train): time, state, FLOPs, activations."""
+    """A variant's figures over the first variant's (bench_train): time, state, peak memory, FLOPs,
+    activations."""
     times, first_times = np.array(timed["times"]), np.array(first_timed["times"])
+    peaks = peak_bytes_per_device(figures), peak_bytes_per_device(first)
     return {
         "step_time_median": figures["step_time_s_median"] / first["step_time_s_median"],
         "step_time_paired_median": float(np.median(times / first_times)),
@@ -652,6 +687,7 @@ def ratios(figures: dict, first: dict, timed: dict, first_timed: dict) -> dict:
             sum(figures["state_bytes_per_device"].values())
             / sum(first["state_bytes_per_device"].values())
         ),
+        "peak_memory": peaks[0] / peaks[1] if None not in peaks else None,
         "model_flops": figures["model_flops_per_sample"] / first["model_flops_per_sample"],
         "activation_bytes_estimate": (
             figures["activation_bytes_per_sample_estimate"]
@@ -701,7 +737,12 @@ def format_train_report(out: dict) -> str:
             f"{ratio['step_time_paired_median']:.3f}x, min {ratio['step_time_min']:.3f}x, CPU time "
             f"{ratio['cpu_time_median']:.3f}x), "
             f"{ratio['state_bytes_per_device']:.3f}x the state per device, "
-            f"{ratio['model_flops']:.3f}x the FLOPs and {ratio['activation_bytes_estimate']:.3f}x"
+            + (
+                f"{ratio['peak_memory']:.3f}x the peak memory (state and update), "
+                if ratio["peak_memory"] is not None
+                else ""
+            )
+            + f"{ratio['model_flops']:.3f}x the FLOPs and {ratio['activation_bytes_estimate']:.3f}x"
             " the estimated activations"
             + (
                 f"; compile time {out[name]['compile_time_s']:.1f} s (first update less a median"
