@@ -136,10 +136,13 @@ class Config:
     # linear (ViT's: one linear map of each tubelet) | hmlp (three non-overlapping convolutions with
     # GELU: a nonlinear map of the tubelet's own voxels)
     patch_stem: str = "hmlp"
-    # the hmlp stem's first cell [cd, ch, cw] in voxels: cells -> E/2 channels, 2x2x2 cells -> E/2,
-    # the rest of the tubelet -> E (patch_size a multiple of 2x the cell on each axis); its cost
-    # falls with the cell's size (docs/performance.md)
+    # the hmlp stem's first cell [cd, ch, cw] in voxels: cells -> stem_width x E channels, 2x2x2
+    # cells -> stem_width x E, the rest of the tubelet -> E (patch_size a multiple of 2x the cell on
+    # each axis); its cost falls with the cell's size (docs/performance.md)
     stem_cell: List[int] = field(default_factory=lambda: [1, 2, 2])
+    # the hmlp stem's channels before its last layer, a share of embed_dim (a whole number of
+    # channels); Touvron's 2D stem: 0.25. Its cost falls with it, about as its square
+    stem_width: float = 0.5
     embed_dim: int = 96  # context/target encoder width
     depth: int = 4  # encoder blocks
     num_heads: int = 4  # encoder attention heads (embed_dim must divide by it)
@@ -582,18 +585,23 @@ def load_config(
 
 
 def hmlp_stem_problem(
-    patch_size: Sequence[int], embed_dim: int, cell: Sequence[int]
+    patch_size: Sequence[int], embed_dim: int, cell: Sequence[int], width: float
 ) -> Optional[str]:
     """Why the hmlp stem cannot embed tubelets of patch_size at width embed_dim from first cells of
-    `cell` voxels, or None when it can: it cuts each tubelet into cells, then 2x2x2 of those, then
-    the rest, with embed_dim / 2 channels in between (the one rule of config.validate and
+    `cell` voxels with `width` x embed_dim channels in between, or None when it can: it cuts each
+    tubelet into cells, then 2x2x2 of those, then the rest (the one rule of config.validate and
     model.tubelet_embedding)."""
-    if embed_dim % 2 or any(c < 1 or p % (2 * c) for p, c in zip(patch_size, cell)):
+    if any(c < 1 or p % (2 * c) for p, c in zip(patch_size, cell)):
         return (
             f"hmlp cuts each tubelet into cells of stem_cell {list(cell)} voxels, then 2x2x2 of"
             " those, then the rest: it needs each axis of patch_size a multiple of twice the"
-            f" cell's and an even embed_dim, got patch_size {list(patch_size)} and embed_dim"
-            f" {embed_dim}"
+            f" cell's, got patch_size {list(patch_size)}"
+        )
+    channels = embed_dim * width
+    if not channels >= 1 or channels % 1:  # NaN and inf too
+        return (
+            f"hmlp's inner maps have stem_width x embed_dim channels: {width} x {embed_dim} ="
+            f" {channels:g} is not a whole number of channels"
         )
     return None
 
@@ -670,14 +678,14 @@ def validate(cfg: Config) -> None:
             " whole sub-blocks: each a positive divisor of patch_size on its axis, e.g. 1,2,1."
         )
     stem_problem = (
-        hmlp_stem_problem(cfg.patch_size, cfg.embed_dim, cfg.stem_cell)
+        hmlp_stem_problem(cfg.patch_size, cfg.embed_dim, cfg.stem_cell, cfg.stem_width)
         if cfg.patch_stem == "hmlp"
         else None
     )
     if stem_problem:
         raise ConfigError(
             f"patch_stem: {stem_problem}; use e.g. patch_size 4,8,8 with stem_cell 1,2,2 (4,16,16"
-            " with 1,4,4), or patch_stem linear."
+            " with 1,4,4) and stem_width 0.5 or 0.25, or patch_stem linear."
         )
     if cfg.embed_dim % cfg.num_heads or cfg.pred_embed_dim % cfg.pred_num_heads:
         raise ConfigError(

@@ -169,21 +169,21 @@ def cells_last(weight: torch.Tensor) -> torch.Tensor:
 
 class HMLPStem(nn.Sequential):
     """The hierarchical MLP stem (Touvron et al., ECCV 2022): cells of `cell` voxels (1x2x2 by
-    default; Touvron's 2D stem cuts 4x4) -> E/2 channels, 2x2x2 of those -> E/2, the rest of the
-    tubelet -> E, with GELU between. Its layers are Conv3d's whose kernel is their stride (keys
+    default; Touvron's 2D stem cuts 4x4) -> C = width x E channels (E/2 by default; Touvron's: E/4),
+    2x2x2 of those -> C, the rest of the tubelet -> E, with GELU between. Its layers are Conv3d's whose kernel is their stride (keys
     {0,2,4}.weight/bias), computed as three matmuls on each tubelet's cells (equal to the
     convolutions to rounding; a demo update 0.875x as long on one CPU thread:
     experiments/speed/stem_ab.py)."""
 
-    def __init__(self, patch_size: Sequence[int], dim: int, cell: Sequence[int]):
-        cell = tuple(cell)
+    def __init__(self, patch_size: Sequence[int], dim: int, cell: Sequence[int], width: float):
+        cell, channels = tuple(cell), round(dim * width)
         rest = tuple(p // (2 * c) for p, c in zip(patch_size, cell))
         super().__init__(
-            nn.Conv3d(1, dim // 2, kernel_size=cell, stride=cell),
+            nn.Conv3d(1, channels, kernel_size=cell, stride=cell),
             nn.GELU(),
-            nn.Conv3d(dim // 2, dim // 2, kernel_size=(2, 2, 2), stride=(2, 2, 2)),
+            nn.Conv3d(channels, channels, kernel_size=(2, 2, 2), stride=(2, 2, 2)),
             nn.GELU(),
-            nn.Conv3d(dim // 2, dim, kernel_size=rest, stride=rest),
+            nn.Conv3d(channels, dim, kernel_size=rest, stride=rest),
         )
 
     def forward(self, volume: torch.Tensor) -> torch.Tensor:
@@ -200,37 +200,41 @@ class HMLPStem(nn.Sequential):
         )
         # [B, gd, gh, gw, rest, 2x2x2 cells, cell voxels]
         x = x.reshape(B, gd, gh, gw, rd * rh * rw, 8, cd * ch * cw)
-        x = self[1](F.linear(x, self[0].weight.flatten(1), self[0].bias))  # [..., rest, 8, E/2]
-        # [..., rest, E/2]
+        x = self[1](F.linear(x, self[0].weight.flatten(1), self[0].bias))  # [..., rest, 8, C]
+        # [..., rest, C]
         x = self[3](F.linear(x.flatten(-2), cells_last(self[2].weight), self[2].bias))
         x = F.linear(x.flatten(-2), cells_last(self[4].weight), self[4].bias)  # [B, gd, gh, gw, E]
         return x.permute(0, 4, 1, 2, 3)
 
 
 # In training the hmlp stem is recomputed in backward in this many parts, with or without grad
-# checkpointing: its inner maps are the largest activations a context token has (9/8 E values a
+# checkpointing: its inner maps are the largest activations a context token has (9/4 C values a
 # first cell) and its FLOPs a few percent of an update (experiments/NOTES.md 30)
 STEM_CHUNKS = 4
 
 
 def tubelet_embedding(
-    patch_size: Sequence[int], dim: int, stem: str, cell: Sequence[int] = (1, 2, 2)
+    patch_size: Sequence[int],
+    dim: int,
+    stem: str,
+    cell: Sequence[int] = (1, 2, 2),
+    width: float = 0.5,
 ) -> nn.Module:
     """The tubelet embedding, volume [B,1,D,H,W] -> [B,E,gd,gh,gw]: each token a function of its own
     tubelet's voxels only, so no masked voxel reaches a context token. 'linear': one Conv3d whose
-    kernel is its stride (ViT's). 'hmlp': HMLPStem from first cells of `cell` voxels, a nonlinear
-    map of the same voxels. ValueError for another stem, or a tubelet hmlp cannot cut
+    kernel is its stride (ViT's). 'hmlp': HMLPStem from first cells of `cell` voxels through width x
+    dim channels, a nonlinear map of the same voxels. ValueError for another stem, or a tubelet hmlp cannot cut
     (config.hmlp_stem_problem)."""
     if stem == "linear":
         return nn.Conv3d(1, dim, kernel_size=tuple(patch_size), stride=tuple(patch_size))
     problem = (
-        hmlp_stem_problem(patch_size, dim, cell)
+        hmlp_stem_problem(patch_size, dim, cell, width)
         if stem == "hmlp"
         else f"patch_stem {stem!r}: expected linear or hmlp"
     )
     if problem:
         raise ValueError(problem)
-    return HMLPStem(patch_size, dim, cell)
+    return HMLPStem(patch_size, dim, cell, width)
 
 
 class Encoder(nn.Module):
@@ -248,13 +252,14 @@ class Encoder(nn.Module):
         mlp_ratio,
         patch_stem: str,
         stem_cell: Sequence[int] = (1, 2, 2),
+        stem_width: float = 0.5,
     ):
         super().__init__()
         self.grid, self.patch_size = (
             [s // p for s, p in zip(image_size, patch_size)],
             list(patch_size),
         )
-        self.patch_embed = tubelet_embedding(patch_size, dim, patch_stem, stem_cell)
+        self.patch_embed = tubelet_embedding(patch_size, dim, patch_stem, stem_cell, stem_width)
         self.register_buffer("pos_embed", sincos_pos_embed_3d(dim, self.grid), persistent=False)
         self.blocks = nn.ModuleList([Block(dim, num_heads, mlp_ratio) for _ in range(depth)])
         self.norm = nn.LayerNorm(dim)
@@ -367,6 +372,7 @@ MODEL_FIELDS = (
     "patch_size",
     "patch_stem",
     "stem_cell",
+    "stem_width",
     "embed_dim",
     "depth",
     "num_heads",
@@ -393,6 +399,7 @@ class VJEPA3D(nn.Module):
         patch_size: Sequence[int] = RECIPE.patch_size,
         patch_stem: str = RECIPE.patch_stem,
         stem_cell: Sequence[int] = RECIPE.stem_cell,
+        stem_width: float = RECIPE.stem_width,
         embed_dim: int = RECIPE.embed_dim,
         depth: int = RECIPE.depth,
         num_heads: int = RECIPE.num_heads,
@@ -420,6 +427,7 @@ class VJEPA3D(nn.Module):
             mlp_ratio=mlp_ratio,
             patch_stem=patch_stem,
             stem_cell=stem_cell,
+            stem_width=stem_width,
         )
         self.predictor = Predictor(
             grid=self.grid,
@@ -664,11 +672,13 @@ def training_flops_per_sample(cfg) -> dict:
     n = n_context + n_target
     patch_voxels = math.prod(cfg.patch_size)
     hmlp = cfg.patch_stem == "hmlp"
-    # hmlp: a cell's voxels -> E/2, as many FLOPs a voxel at any cell size
-    first_per_token = 2 * patch_voxels * (cfg.embed_dim // 2 if hmlp else cfg.embed_dim)
+    # hmlp: a cell's voxels -> C = stem_width x E, as many FLOPs a voxel at any cell size
+    channels = cfg.embed_dim * cfg.stem_width if hmlp else cfg.embed_dim
+    first_per_token = 2 * patch_voxels * channels
     cells = patch_voxels / math.prod(cfg.stem_cell)  # per token
-    # + 2x2x2 cells -> E/2 (2 x cells x 8 x E/2 x E/2 / 8), last (2 x cells / 8 x E/2 x E)
-    embed_per_token = first_per_token + (cells * cfg.embed_dim**2 * 5 / 8 if hmlp else 0)
+    # + 2x2x2 cells -> C (2 x cells / 8 x 8C x C), last (2 x cells / 8 x C x E)
+    second_and_last = 2 * cells * channels * (channels + cfg.embed_dim / 8)
+    embed_per_token = first_per_token + (second_and_last if hmlp else 0)
     # the context encoder embeds its tokens only
     first, embed = n_context * first_per_token, n * embed_per_token
     context = (
@@ -698,8 +708,8 @@ def activation_bytes_per_sample(cfg) -> float:
     Per pre-norm block and token: norm in/out (2), qkv (3), attention out, residual, norm2 in/out
     (2) and the MLP hidden before and after GELU (2 x mlp_ratio) values of the width, in the compute
     dtype; with grad_checkpointing only the block inputs are kept, plus all of one block's while
-    backward recomputes it. The hmlp stem's two inner maps before and after GELU, 9/8 x E values per
-    first cell of every context token, are recomputed at the end of backward, when the blocks' are
+    backward recomputes it. The hmlp stem's two inner maps before and after GELU, 9/4 x C values per
+    first cell of every context token (C = stem_width x E), are recomputed at the end of backward, when the blocks' are
     freed, a STEM_CHUNKS-th of them at a time (Encoder.embed_tubelets)."""
     n_context, n_target = cfg.token_counts()
     bytes_per_value = 2 if cfg.use_bf16 else 4
@@ -710,7 +720,8 @@ def activation_bytes_per_sample(cfg) -> float:
     values = values + max(widths) * full_block if cfg.grad_checkpointing else values * full_block
     if cfg.patch_stem == "hmlp":
         cells = math.prod(cfg.patch_size) / math.prod(cfg.stem_cell)
-        stem = n_context * cells * cfg.embed_dim * 9 / 8  # the context tokens' tubelets
+        # the context tokens' tubelets
+        stem = n_context * cells * cfg.embed_dim * cfg.stem_width * 9 / 4
         values = max(values, stem / STEM_CHUNKS)
     return values * bytes_per_value + math.prod(cfg.image_size) * 4
 

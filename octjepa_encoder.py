@@ -27,18 +27,23 @@ import safetensors.torch
 
 
 def hmlp_stem_problem(
-    patch_size: Sequence[int], embed_dim: int, cell: Sequence[int]
+    patch_size: Sequence[int], embed_dim: int, cell: Sequence[int], width: float
 ) -> Optional[str]:
     """Why the hmlp stem cannot embed tubelets of patch_size at width embed_dim from first cells of
-    `cell` voxels, or None when it can: it cuts each tubelet into cells, then 2x2x2 of those, then
-    the rest, with embed_dim / 2 channels in between (the one rule of config.validate and
+    `cell` voxels with `width` x embed_dim channels in between, or None when it can: it cuts each
+    tubelet into cells, then 2x2x2 of those, then the rest (the one rule of config.validate and
     model.tubelet_embedding)."""
-    if embed_dim % 2 or any(c < 1 or p % (2 * c) for p, c in zip(patch_size, cell)):
+    if any(c < 1 or p % (2 * c) for p, c in zip(patch_size, cell)):
         return (
             f"hmlp cuts each tubelet into cells of stem_cell {list(cell)} voxels, then 2x2x2 of"
             " those, then the rest: it needs each axis of patch_size a multiple of twice the"
-            f" cell's and an even embed_dim, got patch_size {list(patch_size)} and embed_dim"
-            f" {embed_dim}"
+            f" cell's, got patch_size {list(patch_size)}"
+        )
+    channels = embed_dim * width
+    if not channels >= 1 or channels % 1:  # NaN and inf too
+        return (
+            f"hmlp's inner maps have stem_width x embed_dim channels: {width} x {embed_dim} ="
+            f" {channels:g} is not a whole number of channels"
         )
     return None
 
@@ -156,21 +161,21 @@ def cells_last(weight: torch.Tensor) -> torch.Tensor:
 
 class HMLPStem(nn.Sequential):
     """The hierarchical MLP stem (Touvron et al., ECCV 2022): cells of `cell` voxels (1x2x2 by
-    default; Touvron's 2D stem cuts 4x4) -> E/2 channels, 2x2x2 of those -> E/2, the rest of the
-    tubelet -> E, with GELU between. Its layers are Conv3d's whose kernel is their stride (keys
+    default; Touvron's 2D stem cuts 4x4) -> C = width x E channels (E/2 by default; Touvron's: E/4),
+    2x2x2 of those -> C, the rest of the tubelet -> E, with GELU between. Its layers are Conv3d's whose kernel is their stride (keys
     {0,2,4}.weight/bias), computed as three matmuls on each tubelet's cells (equal to the
     convolutions to rounding; a demo update 0.875x as long on one CPU thread:
     experiments/speed/stem_ab.py)."""
 
-    def __init__(self, patch_size: Sequence[int], dim: int, cell: Sequence[int]):
-        cell = tuple(cell)
+    def __init__(self, patch_size: Sequence[int], dim: int, cell: Sequence[int], width: float):
+        cell, channels = tuple(cell), round(dim * width)
         rest = tuple(p // (2 * c) for p, c in zip(patch_size, cell))
         super().__init__(
-            nn.Conv3d(1, dim // 2, kernel_size=cell, stride=cell),
+            nn.Conv3d(1, channels, kernel_size=cell, stride=cell),
             nn.GELU(),
-            nn.Conv3d(dim // 2, dim // 2, kernel_size=(2, 2, 2), stride=(2, 2, 2)),
+            nn.Conv3d(channels, channels, kernel_size=(2, 2, 2), stride=(2, 2, 2)),
             nn.GELU(),
-            nn.Conv3d(dim // 2, dim, kernel_size=rest, stride=rest),
+            nn.Conv3d(channels, dim, kernel_size=rest, stride=rest),
         )
 
     def forward(self, volume: torch.Tensor) -> torch.Tensor:
@@ -187,8 +192,8 @@ class HMLPStem(nn.Sequential):
         )
         # [B, gd, gh, gw, rest, 2x2x2 cells, cell voxels]
         x = x.reshape(B, gd, gh, gw, rd * rh * rw, 8, cd * ch * cw)
-        x = self[1](F.linear(x, self[0].weight.flatten(1), self[0].bias))  # [..., rest, 8, E/2]
-        # [..., rest, E/2]
+        x = self[1](F.linear(x, self[0].weight.flatten(1), self[0].bias))  # [..., rest, 8, C]
+        # [..., rest, C]
         x = self[3](F.linear(x.flatten(-2), cells_last(self[2].weight), self[2].bias))
         x = F.linear(x.flatten(-2), cells_last(self[4].weight), self[4].bias)  # [B, gd, gh, gw, E]
         return x.permute(0, 4, 1, 2, 3)
@@ -198,23 +203,27 @@ STEM_CHUNKS = 4
 
 
 def tubelet_embedding(
-    patch_size: Sequence[int], dim: int, stem: str, cell: Sequence[int] = (1, 2, 2)
+    patch_size: Sequence[int],
+    dim: int,
+    stem: str,
+    cell: Sequence[int] = (1, 2, 2),
+    width: float = 0.5,
 ) -> nn.Module:
     """The tubelet embedding, volume [B,1,D,H,W] -> [B,E,gd,gh,gw]: each token a function of its own
     tubelet's voxels only, so no masked voxel reaches a context token. 'linear': one Conv3d whose
-    kernel is its stride (ViT's). 'hmlp': HMLPStem from first cells of `cell` voxels, a nonlinear
-    map of the same voxels. ValueError for another stem, or a tubelet hmlp cannot cut
+    kernel is its stride (ViT's). 'hmlp': HMLPStem from first cells of `cell` voxels through width x
+    dim channels, a nonlinear map of the same voxels. ValueError for another stem, or a tubelet hmlp cannot cut
     (config.hmlp_stem_problem)."""
     if stem == "linear":
         return nn.Conv3d(1, dim, kernel_size=tuple(patch_size), stride=tuple(patch_size))
     problem = (
-        hmlp_stem_problem(patch_size, dim, cell)
+        hmlp_stem_problem(patch_size, dim, cell, width)
         if stem == "hmlp"
         else f"patch_stem {stem!r}: expected linear or hmlp"
     )
     if problem:
         raise ValueError(problem)
-    return HMLPStem(patch_size, dim, cell)
+    return HMLPStem(patch_size, dim, cell, width)
 
 
 class Encoder(nn.Module):
@@ -232,13 +241,14 @@ class Encoder(nn.Module):
         mlp_ratio,
         patch_stem: str,
         stem_cell: Sequence[int] = (1, 2, 2),
+        stem_width: float = 0.5,
     ):
         super().__init__()
         self.grid, self.patch_size = (
             [s // p for s, p in zip(image_size, patch_size)],
             list(patch_size),
         )
-        self.patch_embed = tubelet_embedding(patch_size, dim, patch_stem, stem_cell)
+        self.patch_embed = tubelet_embedding(patch_size, dim, patch_stem, stem_cell, stem_width)
         self.register_buffer("pos_embed", sincos_pos_embed_3d(dim, self.grid), persistent=False)
         self.blocks = nn.ModuleList([Block(dim, num_heads, mlp_ratio) for _ in range(depth)])
         self.norm = nn.LayerNorm(dim)
@@ -316,7 +326,11 @@ def pool_tokens(tokens: torch.Tensor, grid: Sequence[int], pool: str = "mean_poo
     return tokens.unflatten(1, tuple(grid)).mean(dim=(1, 3)).flatten(1)
 
 
-UNWRITTEN_ARCHITECTURE = {1: {"patch_stem": "linear"}, 3: {"stem_cell": [1, 2, 2]}}
+UNWRITTEN_ARCHITECTURE = {
+    1: {"patch_stem": "linear"},
+    3: {"stem_cell": [1, 2, 2]},
+    4: {"stem_width": 0.5},
+}
 
 
 FULLY_BOUND_VERSION = 3
@@ -350,6 +364,7 @@ class ExportedEncoder(Encoder):
             mlp_ratio=a["mlp_ratio"],
             patch_stem=a["patch_stem"],
             stem_cell=a["stem_cell"],
+            stem_width=a["stem_width"],
         )
         self.architecture = a  # config.json's, with the fields its format_version did not write
         self.config = config
@@ -424,7 +439,11 @@ def monai_vit(encoder: ExportedEncoder, img_size: Optional[Sequence[int]] = None
     )
     if a["patch_stem"] != "linear":
         vit.patch_embedding.patch_embeddings = tubelet_embedding(
-            encoder.patch_size, a["embed_dim"], a["patch_stem"], a["stem_cell"]
+            encoder.patch_size,
+            a["embed_dim"],
+            a["patch_stem"],
+            a["stem_cell"],
+            a["stem_width"],
         )
     state = vit.state_dict()  # its norm_cross_attn (unused without cross-attention) stays as built
     for key, value in encoder.state_dict().items():
@@ -538,9 +557,9 @@ def load(folder: str) -> OCTJEPAEncoder:
     strict (every key, every shape)."""
     with open(os.path.join(folder, "config.json")) as f:
         config = json.load(f)
-    if config.get("format") != 'octjepa-encoder' or config.get("format_version") not in [3, 4]:
+    if config.get("format") != 'octjepa-encoder' or config.get("format_version") not in [3, 4, 5]:
         raise ValueError(f"{folder}/config.json: format {config.get('format')!r} version "
-                         f"{config.get('format_version')!r}, expected 'octjepa-encoder' version 3 to 4.")
+                         f"{config.get('format_version')!r}, expected 'octjepa-encoder' version 3 to 5.")
     path = os.path.join(folder, 'model.safetensors')
     with open(path, "rb") as f:
         payload = f.read()

@@ -71,15 +71,16 @@ def describe_run(
 
 # The recipe's update time over the linear stem without the local loss, as bench.py measured it
 # interleaved in one process (`python bench.py train --config CONFIG --variants eager,linear`), by the
-# sizes it was measured at (image_size, patch_size, embed_dim, depth, stem_cell) and device kind:
+# sizes it was measured at (image_size, patch_size, embed_dim, depth, stem_cell, stem_width) and
+# device kind:
 # (ratio, how it was measured), of the hmlp stem with the local loss. Where a config's sizes are not
 # here, the dry run says so.
 MEASURED_RECIPE_TIME = {
-    ((64, 384, 384), (4, 16, 16), 384, 12, (1, 4, 4), "cpu"): (
+    ((64, 384, 384), (4, 16, 16), 384, 12, (1, 4, 4), 0.5, "cpu"): (
         1.00,
         "median of 3, fp32, batch 1, pretrain_single_domain.yaml; docs/performance.md",
     ),
-    ((64, 384, 384), (4, 16, 16), 1024, 24, (1, 4, 4), "cpu"): (
+    ((64, 384, 384), (4, 16, 16), 1024, 24, (1, 4, 4), 0.5, "cpu"): (
         1.15,
         "median of 3 pairs in 2 runs, 1.05x to 1.17x, fp32, batch 1, grad checkpointing,"
         " pretrain_vitl.yaml; docs/performance.md",
@@ -104,6 +105,7 @@ def describe_recipe_cost(cfg: Config, device_kind: str) -> str:
         cfg.embed_dim,
         cfg.depth,
         tuple(cfg.stem_cell),
+        cfg.stem_width,
         device_kind,
     )
     flags = (
@@ -111,7 +113,7 @@ def describe_recipe_cost(cfg: Config, device_kind: str) -> str:
         f" {','.join(map(str, cfg.patch_size))} --embed_dim {cfg.embed_dim} --depth {cfg.depth}"
         f" --num_heads {cfg.num_heads} --pred_embed_dim {cfg.pred_embed_dim} --pred_depth"
         f" {cfg.pred_depth} --pred_num_heads {cfg.pred_num_heads} --stem_cell"
-        f" {','.join(map(str, cfg.stem_cell))}"
+        f" {','.join(map(str, cfg.stem_cell))} --stem_width {cfg.stem_width:g}"
     )
     time = (
         f"measured {MEASURED_RECIPE_TIME[sizes][0]:.2f}x the time ({MEASURED_RECIPE_TIME[sizes][1]})"
@@ -123,7 +125,11 @@ def describe_recipe_cost(cfg: Config, device_kind: str) -> str:
     )
     return (
         f"recipe cost       {cfg.patch_stem} stem"
-        + (f" from {'x'.join(map(str, cfg.stem_cell))} cells" if cfg.patch_stem == "hmlp" else "")
+        + (
+            f" from {'x'.join(map(str, cfg.stem_cell))} cells, {cfg.stem_width:g} x E channels"
+            if cfg.patch_stem == "hmlp"
+            else ""
+        )
         + f", local loss {cfg.local_loss_weight:g}:"
         f" {flops / plain_flops:.2f}x the FLOPs (+{(flops - plain_flops) / 1e9:.1f} GFLOP) and"
         f" +{extra / 2**30:.2f} GiB of activations per sample over a linear stem without the"

@@ -36,9 +36,10 @@ except ImportError:
 
 EXPORT_FORMAT = "octjepa-encoder"
 # bump when config.json or the weights' layout changes meaning; newer exports are refused
-EXPORT_VERSION = 4
+EXPORT_VERSION = 5
 # (2: architecture.patch_stem; 3: the weights bind all of config.json, provenance and code files'
-# sha256 included; 4: architecture.stem_cell) the names Hugging Face's hub tools read
+# sha256 included; 4: architecture.stem_cell; 5: architecture.stem_width) the names Hugging Face's
+# hub tools read
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 EARLIER_WEIGHTS_FILE = "encoder.safetensors"  # what exports before 2026-11-25 named their weights
 # the model card of an export (export.model_card), the file Hugging Face's hub shows
@@ -53,13 +54,18 @@ ARCHITECTURE_FIELDS = (
     "patch_size",
     "patch_stem",
     "stem_cell",
+    "stem_width",
     "embed_dim",
     "depth",
     "num_heads",
     "mlp_ratio",
 )
 # the fields earlier format_versions did not write, as they were then: {last version without: fields}
-UNWRITTEN_ARCHITECTURE = {1: {"patch_stem": "linear"}, 3: {"stem_cell": [1, 2, 2]}}
+UNWRITTEN_ARCHITECTURE = {
+    1: {"patch_stem": "linear"},
+    3: {"stem_cell": [1, 2, 2]},
+    4: {"stem_width": 0.5},
+}
 # from this format_version on, the weights bind all of config.json (export_contract)
 FULLY_BOUND_VERSION = 3
 PREPROCESSING_FIELDS = (
@@ -195,6 +201,7 @@ class ExportedEncoder(Encoder):
             mlp_ratio=a["mlp_ratio"],
             patch_stem=a["patch_stem"],
             stem_cell=a["stem_cell"],
+            stem_width=a["stem_width"],
         )
         self.architecture = a  # config.json's, with the fields its format_version did not write
         self.config = config
@@ -269,7 +276,11 @@ def monai_vit(encoder: ExportedEncoder, img_size: Optional[Sequence[int]] = None
     )
     if a["patch_stem"] != "linear":
         vit.patch_embedding.patch_embeddings = tubelet_embedding(
-            encoder.patch_size, a["embed_dim"], a["patch_stem"], a["stem_cell"]
+            encoder.patch_size,
+            a["embed_dim"],
+            a["patch_stem"],
+            a["stem_cell"],
+            a["stem_width"],
         )
     state = vit.state_dict()  # its norm_cross_attn (unused without cross-attention) stays as built
     for key, value in encoder.state_dict().items():

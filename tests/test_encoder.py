@@ -479,7 +479,7 @@ def test_monai_unetr_segments_with_the_encoder_inside_at_both_shipped_patch_size
     pytest.importorskip("monai", reason="monai (requirements-dev.txt) is not installed")
     exported = load_encoder(export_dir)  # [4, 8, 8], trained
     config = json.loads(Path(export_dir, "config.json").read_text())
-    production = [  # the hmlp stem from 1x2x2 and from 1x4x4 cells
+    production = [  # the hmlp stem from 1x2x2 and from 1x4x4 cells, E/2 and E/4 channels inside
         pretrained.ExportedEncoder(
             {
                 **config,
@@ -487,12 +487,15 @@ def test_monai_unetr_segments_with_the_encoder_inside_at_both_shipped_patch_size
                     **config["architecture"],
                     "patch_size": [4, 16, 16],
                     "stem_cell": cell,
+                    "stem_width": width,
                 },
             }
         )
-        for cell in ([1, 2, 2], [1, 4, 4])
+        for cell, width in (([1, 2, 2], 0.5), ([1, 4, 4], 0.5), ([1, 4, 4], 0.25))
     ]
     assert production[1].patch_embed[0].kernel_size == (1, 4, 4)
+    embed_dim = config["architecture"]["embed_dim"]
+    assert production[2].patch_embed[0].out_channels == embed_dim // 4
     size = [16, 32, 32]  # UNETR's grid: [1, 2, 2]
     volume = torch.randn(2, 1, *size, generator=torch.Generator().manual_seed(10))
     for encoder in (exported, *production):
@@ -554,16 +557,22 @@ def test_an_export_of_format_version_1_loads_with_the_linear_stem_it_had_when_as
     assert float((encoder.encode(volume) - trained.encode(volume)).abs().max()) <= 1e-6
 
 
-def test_an_export_of_format_version_3_loads_by_default_with_the_1x2x2_stem_cells_it_had(
-    export_dir, trained_checkpoint, tmp_path
+@pytest.mark.parametrize(
+    "version, unwritten", [(3, ("stem_cell", "stem_width")), (4, ("stem_width",))]
+)
+def test_an_export_of_an_earlier_fully_bound_format_loads_by_default_with_the_stem_it_had(
+    export_dir, trained_checkpoint, tmp_path, version, unwritten
 ):
-    """Format 4 added architecture.stem_cell; a format 3 export (its weights bind all of
-    config.json too) loads as it was written, with the hmlp stem's cells of then, and no
-    allow_older_format."""
+    """Format 4 added architecture.stem_cell, format 5 stem_width; a format 3 or 4 export (its
+    weights bind all of config.json too) loads as it was written, with the hmlp stem's 1x2x2 cells
+    and E/2 channels of then, and no allow_older_format."""
     config = json.loads(Path(export_dir, "config.json").read_text())
     assert config["architecture"]["stem_cell"] == [1, 2, 2]
-    config["format_version"] = 3
-    del config["architecture"]["stem_cell"], config["weights"]
+    assert config["architecture"]["stem_width"] == 0.5
+    config["format_version"] = version
+    del config["weights"]
+    for name in unwritten:
+        del config["architecture"][name]
     save_encoder(
         safetensors.torch.load_file(Path(export_dir, "model.safetensors")), config, str(tmp_path)
     )
@@ -571,6 +580,7 @@ def test_an_export_of_format_version_3_loads_by_default_with_the_1x2x2_stem_cell
     volume = torch.randn(2, 1, *cfg.image_size, generator=torch.Generator().manual_seed(11))
     for loaded in (load_encoder(str(tmp_path)), octjepa_encoder.load(str(tmp_path))):
         assert loaded.architecture["stem_cell"] == [1, 2, 2]
+        assert loaded.architecture["stem_width"] == 0.5
         assert float((loaded.encode(volume) - trained.encode(volume)).abs().max()) <= 1e-6
 
 
@@ -1557,4 +1567,4 @@ def test_the_model_card_says_the_folder_is_data_what_its_checks_prove_and_how_to
     assert "load_encoder" in docs_block("python", 0) and "torch.hub.load" in docs_block("python", 1)
     assert "damage" in docs and "not a hostile sender" in docs and "--with_loader_code" in docs
     config = json.loads((Path(export_dir) / "config.json").read_text())
-    assert config["format_version"] == pretrained.EXPORT_VERSION == 4 and "code" not in config
+    assert config["format_version"] == pretrained.EXPORT_VERSION == 5 and "code" not in config

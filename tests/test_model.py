@@ -68,8 +68,9 @@ def test_production_config_is_the_29_4m_vjepa3d_plus_the_recipes_hmlp_stem_and_l
     )
     assert abs(n_plain - 29.4e6) / 29.4e6 < 0.03
     e, voxels, cell = cfg.embed_dim, math.prod(cfg.patch_size), math.prod(cfg.stem_cell)
+    c = round(e * cfg.stem_width)  # the stem's inner channels
     # the first cell, 2x2x2 of those, the rest
-    hmlp = (cell + 1) * e // 2 + (8 * e // 2 + 1) * e // 2 + (voxels // (8 * cell) * e // 2 + 1) * e
+    hmlp = (cell + 1) * c + (8 * c + 1) * c + (voxels // (8 * cell) * c + 1) * e
     local_head = (e + 1) * LOCAL_FEATURES * math.prod(cfg.local_loss_split)
     assert n - n_plain == hmlp - (voxels + 1) * e + local_head
 
@@ -228,22 +229,25 @@ def test_each_hmlp_token_is_a_nonlinear_function_of_its_own_tubelets_voxels_only
 
 
 @pytest.mark.parametrize(
-    "patch, cell, shape",
+    "patch, cell, width, shape",
     [
-        (PATCH, [1, 2, 2], [2, 1, 8, 32, 32]),
-        ([4, 16, 16], [1, 2, 2], [1, 1, 9, 35, 50]),
-        ([4, 16, 16], [1, 4, 4], [1, 1, 9, 35, 50]),
-        ([4, 16, 8], [2, 2, 1], [2, 1, 8, 32, 17]),
-        ([2, 4, 4], [1, 2, 2], [3, 1, 2, 4, 4]),
+        (PATCH, [1, 2, 2], 0.5, [2, 1, 8, 32, 32]),
+        ([4, 16, 16], [1, 2, 2], 0.5, [1, 1, 9, 35, 50]),
+        ([4, 16, 16], [1, 4, 4], 0.5, [1, 1, 9, 35, 50]),
+        ([4, 16, 16], [1, 4, 4], 0.25, [1, 1, 9, 35, 50]),
+        ([4, 16, 8], [2, 2, 1], 0.75, [2, 1, 8, 32, 17]),
+        ([2, 4, 4], [1, 2, 2], 0.5, [3, 1, 2, 4, 4]),
     ],
 )
-def test_the_hmlp_stem_computes_its_three_convolutions_and_their_gradients(patch, cell, shape):
+def test_the_hmlp_stem_computes_its_three_convolutions_and_their_gradients(
+    patch, cell, width, shape
+):
     """Its matmuls on each tubelet's cells are the three Conv3d's its weights belong to (exported
-    and loaded as such), at any first cell, voxels past the last whole tubelet dropped as a
-    convolution drops them."""
+    and loaded as such), at any first cell and width, voxels past the last whole tubelet dropped as
+    a convolution drops them."""
     torch.manual_seed(0)
-    stem = tubelet_embedding(patch, 32, "hmlp", cell)
-    assert stem[0].kernel_size == tuple(cell)
+    stem = tubelet_embedding(patch, 32, "hmlp", cell, width)
+    assert stem[0].kernel_size == tuple(cell) and stem[0].out_channels == 32 * width
     x = torch.randn(shape)
 
     def convolutions(volume):
@@ -271,13 +275,14 @@ def test_the_hmlp_stem_is_refused_for_a_tubelet_it_cannot_cut_naming_the_sizes_b
     from config import ConfigError
 
     # config and model once disagreed on the odd width
-    for patch, dim in (([4, 6, 8], 64), ([4, 8, 8], 63)):
-        with pytest.raises(
-            ValueError,
-            match=rf"got patch_size \[{patch[0]}, {patch[1]}, {patch[2]}\] and embed_dim {dim}",
-        ):
-            tubelet_embedding(patch, dim, "hmlp")
-        with pytest.raises(ConfigError, match="patch_stem: hmlp cuts each tubelet"):
+    for patch, dim, width, problem in (
+        ([4, 6, 8], 64, 0.5, r"cuts each tubelet .* got patch_size \[4, 6, 8\]"),
+        ([4, 8, 8], 63, 0.5, r"0.5 x 63 = 31.5 is not a whole number of channels"),
+        ([4, 8, 8], 64, 0.001, r"0.001 x 64 = 0.064 is not a whole number of channels"),
+    ):
+        with pytest.raises(ValueError, match=problem):
+            tubelet_embedding(patch, dim, "hmlp", (1, 2, 2), width)
+        with pytest.raises(ConfigError, match="patch_stem: hmlp.*" + problem):
             load_config(
                 [
                     "--patch_size",
@@ -292,6 +297,8 @@ def test_the_hmlp_stem_is_refused_for_a_tubelet_it_cannot_cut_naming_the_sizes_b
                     "1,1,1",
                     "--patch_stem",
                     "hmlp",
+                    "--stem_width",
+                    str(width),
                 ]
             )
     with pytest.raises(ValueError, match="'conv'"):
@@ -301,10 +308,16 @@ def test_the_hmlp_stem_is_refused_for_a_tubelet_it_cannot_cut_naming_the_sizes_b
 
 
 @pytest.mark.parametrize(
-    "stem, cell", [("linear", [1, 2, 2]), ("hmlp", [1, 2, 2]), ("hmlp", [1, 4, 4])]
+    "stem, cell, width",
+    [
+        ("linear", [1, 2, 2], 0.5),
+        ("hmlp", [1, 2, 2], 0.5),
+        ("hmlp", [1, 4, 4], 0.5),
+        ("hmlp", [1, 4, 4], 0.25),
+    ],
 )
 def test_the_counted_flops_of_the_target_encoder_are_what_torch_counts_besides_attention(
-    stem, cell
+    stem, cell, width
 ):
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -317,6 +330,7 @@ def test_the_counted_flops_of_the_target_encoder_are_what_torch_counts_besides_a
         num_heads=4,
         patch_stem=stem,
         stem_cell=cell,
+        stem_width=width,
     )
     model = VJEPA3D.from_config(cfg)
     with FlopCounterMode(display=False) as counter:

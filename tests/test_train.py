@@ -913,10 +913,13 @@ def test_bench_times_the_recipe_beside_the_linear_stem_in_one_process(capsys):
     import bench
 
     cfg = load_config(["--config", SMOKE, "--patch_stem", "hmlp", "--local_loss_weight", "0.5"])
-    out = bench.bench_train(cfg, warmup=1, repeats=2, names=["eager", "linear", "linear_local"])
-    assert out["variants"] == ["eager", "linear", "linear_local"]
+    names = ["eager", "linear", "linear_local", "hmlp_1x4x4_narrow"]
+    out = bench.bench_train(cfg, warmup=1, repeats=2, names=names)
+    assert out["variants"] == names
     linear, linear_local = out["linear_over_eager"], out["linear_local_over_eager"]
     assert 0 < linear["model_flops"] < linear_local["model_flops"] < 1
+    # the stem from larger cells with E/4 channels: fewer FLOPs than the config's 1x2x2 cells, E/2
+    assert 0 < out["hmlp_1x4x4_narrow_over_eager"]["model_flops"] < 1
     assert linear["activation_bytes_estimate"] <= 1 and linear["step_time_median"] > 0
     assert out["linear"]["loss"] != out["loss"]  # another model, not the same one timed twice
     # each variant's own peak on the CPU too: the state it holds and the most its update adds

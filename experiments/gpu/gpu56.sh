@@ -8,8 +8,9 @@
 #      three arms, recipe / linear stem with the local loss / linear stem, and learn.yaml's depth splits 1,1,1 / 1,2,1 /
 #      1,4,1; seeds 0-2, several at once, each probed as it ends). It writes its phantom sets and caches on the CPU
 #      cores first; meanwhile the GPU is free for
-#   2. bench.py train at ViT-L (pretrain_vitl.yaml, one device, batch 2, bf16): the recipe, the linear stem with the
-#      local loss and without it, interleaved in one process: ms/update, MFU of the same-run matmul peak, peak memory;
+#   2. bench.py train at ViT-L (pretrain_vitl.yaml, one device, batch 2, bf16): the recipe (the stem from 1x4x4
+#      cells with E/2 and with E/4 channels), the linear stem with the local loss and without it, interleaved in one
+#      process: ms/update, MFU of the same-run matmul peak, peak memory;
 #   3. experiments/gpu/reference.py at ViT-L: the update against facebookresearch/jepa's (REF, default .ref/jepa),
 #      eager, same architecture and inputs;
 #   then the arms train for TRAIN seconds (runs still going get SIGTERM: train.py saves the update it is on, and the
@@ -51,9 +52,9 @@ start)
   { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     $py -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available())'
   } >> "$out/gpu56.log" 2>&1
-  log "bench: the recipe from 1x2x2 and 1x4x4 cells, linear_local and linear at ViT-L, interleaved"
+  log "bench at ViT-L, interleaved: the config's recipe, the stem with E/2 and E/4 channels, linear_local, linear"
   timeout --signal=INT --kill-after=15 "${BENCH:-150}" $py bench.py train "${vitl[@]}" --device $device \
-    --per_core_batch_size 2 --variants eager,hmlp_1x4x4,linear_local,linear --warmup 2 --repeats 8 \
+    --per_core_batch_size 2 --variants eager,hmlp_1x4x4,hmlp_1x4x4_narrow,linear_local,linear --warmup 2 --repeats 6 \
     --json "$out/bench_vitl.json" >> "$out/gpu56.log" 2>&1
   log "bench: rc $?"
   log "reference: octjepa against facebookresearch/jepa at ViT-L, eager"

@@ -10,13 +10,13 @@ last checkpoint as soon as the run ends:
   geometry  the production tubelet (4x16x16) on 16x128x128 inputs from the same 32x128x128 phantoms
             (learn.yaml's 256-token grid), 3000 updates, seeds 0-2, issue 56's three arms: the recipe
             (hmlp stem, local loss 0.5 on depth quarters), the linear stem with that local loss, the
-            linear stem without it; and the recipe from 1x4x4 first cells (the cheaper stem)
+            linear stem without it; and the recipe from 1x4x4 first cells (the cheaper stem), with
+            E/2 and with E/4 channels inside the stem
   splits    learn.yaml (hmlp stem) with local_loss_split 1,1,1 / 1,2,1 / 1,4,1, seeds 0-2: is the
-  split tuned to where
-            the suite's drusen and fluid sit? (probed on lesion and on the tasks beyond it)
+            split tuned to where the suite's drusen and fluid sit? (probed on lesion and on the tasks
+            beyond it)
   demo      configs/demo.yaml with the recipe, on its plain phantoms and on varied ones, seeds 0-2:
-  each run's own
-            end-of-run verdict (summary_probe)
+            each run's own end-of-run verdict (summary_probe)
 
 The phantom sets and caches are written first (with --go, the runs then wait for that file: another
 job can time the GPU meanwhile). Runs still going after --train_seconds get SIGTERM (train.py saves
@@ -93,6 +93,14 @@ def arms(smoke: bool) -> dict:
                 + GEOMETRY
                 + RECIPE
                 + ["--local_loss_split", "1,4,1", "--stem_cell", "1,4,4"]
+                + seed,
+            ),
+            (
+                f"geo_narrow_s{s}",
+                learn
+                + GEOMETRY
+                + RECIPE
+                + ["--local_loss_split", "1,4,1", "--stem_cell", "1,4,4", "--stem_width", "0.25"]
                 + seed,
             ),
             (f"geo_linear_local_s{s}", learn + GEOMETRY + LINEAR_LOCAL + seed),
