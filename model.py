@@ -169,11 +169,11 @@ def cells_last(weight: torch.Tensor) -> torch.Tensor:
 
 class HMLPStem(nn.Sequential):
     """The hierarchical MLP stem (Touvron et al., ECCV 2022): cells of `cell` voxels (1x2x2 by
-    default; Touvron's 2D stem cuts 4x4) -> C = width x E channels (E/2 by default; Touvron's: E/4),
-    2x2x2 of those -> C, the rest of the tubelet -> E, with GELU between. Its layers are Conv3d's whose kernel is their stride (keys
-    {0,2,4}.weight/bias), computed as three matmuls on each tubelet's cells (equal to the
-    convolutions to rounding; a demo update 0.875x as long on one CPU thread:
-    experiments/speed/stem_ab.py)."""
+    default; Touvron's 2D stem cuts 4x4) -> C = width x E channels (E/2 by default; Touvron's:
+    E/4), 2x2x2 of those -> C, the rest of the tubelet -> E, with GELU between. Its layers are
+    Conv3d's whose kernel is their stride (keys {0,2,4}.weight/bias), computed as three matmuls on
+    each tubelet's cells (equal to the convolutions to rounding; a demo update 0.875x as long on
+    one CPU thread: experiments/speed/stem_ab.py)."""
 
     def __init__(self, patch_size: Sequence[int], dim: int, cell: Sequence[int], width: float):
         cell, channels = tuple(cell), round(dim * width)
@@ -222,9 +222,9 @@ def tubelet_embedding(
 ) -> nn.Module:
     """The tubelet embedding, volume [B,1,D,H,W] -> [B,E,gd,gh,gw]: each token a function of its own
     tubelet's voxels only, so no masked voxel reaches a context token. 'linear': one Conv3d whose
-    kernel is its stride (ViT's). 'hmlp': HMLPStem from first cells of `cell` voxels through width x
-    dim channels, a nonlinear map of the same voxels. ValueError for another stem, or a tubelet hmlp cannot cut
-    (config.hmlp_stem_problem)."""
+    kernel is its stride (ViT's). 'hmlp': HMLPStem from first cells of `cell` voxels through width
+    x dim channels, a nonlinear map of the same voxels. ValueError for another stem, or a tubelet
+    or width hmlp cannot take (config.hmlp_stem_problem)."""
     if stem == "linear":
         return nn.Conv3d(1, dim, kernel_size=tuple(patch_size), stride=tuple(patch_size))
     problem = (
@@ -709,8 +709,8 @@ def activation_bytes_per_sample(cfg) -> float:
     (2) and the MLP hidden before and after GELU (2 x mlp_ratio) values of the width, in the compute
     dtype; with grad_checkpointing only the block inputs are kept, plus all of one block's while
     backward recomputes it. The hmlp stem's two inner maps before and after GELU, 9/4 x C values per
-    first cell of every context token (C = stem_width x E), are recomputed at the end of backward, when the blocks' are
-    freed, a STEM_CHUNKS-th of them at a time (Encoder.embed_tubelets)."""
+    first cell of every context token (C = stem_width x E), are recomputed at the end of backward,
+    when the blocks' are freed, a STEM_CHUNKS-th of them at a time (Encoder.embed_tubelets)."""
     n_context, n_target = cfg.token_counts()
     bytes_per_value = 2 if cfg.use_bf16 else 4
     full_block = 9 + 2 * cfg.mlp_ratio  # values per token and width

@@ -126,7 +126,8 @@ def describe_recipe_cost(cfg: Config, device_kind: str) -> str:
     return (
         f"recipe cost       {cfg.patch_stem} stem"
         + (
-            f" from {'x'.join(map(str, cfg.stem_cell))} cells, {cfg.stem_width:g} x E channels"
+            f" from {'x'.join(map(str, cfg.stem_cell))} cells through"
+            f" {round(cfg.embed_dim * cfg.stem_width)} channels"
             if cfg.patch_stem == "hmlp"
             else ""
         )

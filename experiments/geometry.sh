@@ -4,9 +4,9 @@
 # dense task `lesion_tokens` (10 splits, attentive, beside its random init).
 #   experiments/geometry.sh ARM SEED     # ARM: recipe (hmlp stem from 1x2x2 cells, local loss 0.5 on depth
 #                                        # quarters), cell (the same from 1x4x4 cells: 64 cells a tubelet, as
-#                                        # learn.yaml's stem at 4x8x8), narrow (the cell arm with stem_width 0.25:
-#                                        # E/4 channels inside the stem, Touvron's), linear_local (linear stem, the same local
-#                                        # loss), linear (linear stem alone)
+#                                        # learn.yaml's stem at 4x8x8), narrow (the cell arm with stem_width
+#                                        # 0.25: E/4 channels inside the stem, as Touvron's), linear_local
+#                                        # (linear stem, the same local loss), linear (linear stem alone)
 #   experiments/geometry.sh reference    # the hand-made features and the CNNs at this geometry, on the same splits
 #                                        # (the CNN: ~9 min a split on 2 cores, about 3 hours for the three tasks)
 # Writes experiments/geometry/geo_ARM_sS.json (the probe report, with the pretraining run's wall and CPU seconds
@@ -26,7 +26,8 @@ arm=$1 seed=$2
 case $arm in
   recipe) flags=(--patch_stem hmlp --local_loss_weight 0.5 --local_loss_split 1,4,1) ;;
   cell) flags=(--patch_stem hmlp --stem_cell 1,4,4 --local_loss_weight 0.5 --local_loss_split 1,4,1) ;;
-  narrow) flags=(--patch_stem hmlp --stem_cell 1,4,4 --stem_width 0.25 --local_loss_weight 0.5 --local_loss_split 1,4,1) ;;
+  narrow) flags=(--patch_stem hmlp --stem_cell 1,4,4 --stem_width 0.25 --local_loss_weight 0.5
+                 --local_loss_split 1,4,1) ;;
   linear_local) flags=(--patch_stem linear --local_loss_weight 0.5 --local_loss_split 1,4,1) ;;
   linear) flags=(--patch_stem linear --local_loss_weight 0) ;;
   *) echo "ARM is recipe, cell, narrow, linear_local or linear, got '$arm'" >&2; exit 2 ;;

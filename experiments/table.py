@@ -2,21 +2,24 @@
 (experiments/run.sh) and experiments/learn/reference.json (the hand-made features and the supervised
 CNN on the same splits).
 
-    python experiments/table.py runs NAME [NAME...]          # one row per run and task: every read-out, + random init
-    python experiments/table.py arms ARM [ARM...]            # one row per arm (runs ARM_s0, ARM_s1, ...) and task:
-                                                             # the mean over pretraining seeds of
-                                                             each read-out, the # 95% interval over
-                                                             seeds, and the runs that beat hand-made
-    python experiments/table.py compare ARM_A ARM_B [READOUT...]   # paired differences A - B over pretraining
-                                                             # seeds (default: every read-out they hold)
-    python experiments/table.py reference                    # the floor's companions: hand-made features and CNN
-    python experiments/table.py demo ARM [ARM...]            # demo runs (experiments/demo.sh: experiments/demo/ARM_sK.json):
-                                                             # each seed's summary probe, and per
-                                                             arm the paired # difference to random
-                                                             init over the seeds
-    python experiments/table.py --reports splits10 arms vrlong   # the reports (and reference.json) of another folder
-                                                             # of experiments/ than learn/: 10-split
-                                                             probes
+    python experiments/table.py runs NAME [NAME...]   # one row per run and task: every read-out,
+                                                      # + random init
+    python experiments/table.py arms ARM [ARM...]     # one row per arm (runs ARM_s0, ARM_s1, ...)
+                                                      # and task: the mean over pretraining seeds of
+                                                      # each read-out, the 95% interval over seeds,
+                                                      # and the runs that beat hand-made
+    python experiments/table.py compare ARM_A ARM_B [READOUT...]   # paired differences A - B over
+                                                      # pretraining seeds (default: every read-out
+                                                      # they hold)
+    python experiments/table.py reference             # the floor's companions: hand-made features
+                                                      # and CNN
+    python experiments/table.py demo ARM [ARM...]     # demo runs (experiments/demo.sh:
+                                                      # experiments/demo/ARM_sK.json): each seed's
+                                                      # summary probe, and per arm the paired
+                                                      # difference to random init over the seeds
+    python experiments/table.py --reports splits10 arms vrlong   # the reports (and reference.json)
+                                                      # of another folder of experiments/ than
+                                                      # learn/: 10-split probes
 
 Each run's value is the mean over its probe seeds (splits); an arm's interval is a t-interval over
 its pretraining seeds, paired by seed in `compare` (the seed also draws the init and the data
