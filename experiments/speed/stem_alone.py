@@ -23,14 +23,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import bench  # noqa: E402
 from config import load_config  # noqa: E402
 from model import Encoder, token_voxel_statistics  # noqa: E402
 
-STEMS = {
-    "linear": {"patch_stem": "linear"},
-    "hmlp_1x4x4": {"patch_stem": "hmlp", "stem_cell": [1, 4, 4], "stem_width": 0.5},
-    "hmlp_1x4x4_narrow": {"patch_stem": "hmlp", "stem_cell": [1, 4, 4], "stem_width": 0.25},
-}
+# bench.py's recipe variants whose stems are timed here
+STEMS = {name: bench.RECIPES[name] for name in ("linear", "hmlp_1x4x4", "hmlp_1x4x4_narrow")}
 
 
 def embedding_only(cfg) -> Encoder:
