@@ -491,9 +491,10 @@ RECIPES = {
     "linear": {"patch_stem": "linear", "local_loss_weight": 0.0},
     "linear_local": {"patch_stem": "linear"},
     "hmlp": {"patch_stem": "hmlp"},
-    # the larger first cell, with E/2 and E/4 channels inside the stem
+    # the larger first cell, with E/2 and E/4 channels inside the stem; the first cell two slices deep
     "hmlp_1x4x4": {"patch_stem": "hmlp", "stem_cell": [1, 4, 4], "stem_width": 0.5},
     "hmlp_1x4x4_narrow": {"patch_stem": "hmlp", "stem_cell": [1, 4, 4], "stem_width": 0.25},
+    "hmlp_2x4x4": {"patch_stem": "hmlp", "stem_cell": [2, 4, 4], "stem_width": 0.5},
 }
 
 

@@ -5,7 +5,9 @@
 #   experiments/geometry.sh ARM SEED     # ARM: recipe (hmlp stem from 1x2x2 cells, local loss 0.5 on depth
 #                                        # quarters), cell (the same from 1x4x4 cells: 64 cells a tubelet, as
 #                                        # learn.yaml's stem at 4x8x8), narrow (the cell arm with stem_width
-#                                        # 0.25: E/4 channels inside the stem, as Touvron's), linear_local
+#                                        # 0.25: E/4 channels inside the stem, as Touvron's), deep_cell
+#                                        # (the cell arm from 2x4x4 cells: a first cell two slices
+#                                        # deep, half the first maps), linear_local
 #                                        # (linear stem, the same local loss), linear (linear stem alone)
 #   experiments/geometry.sh reference    # the hand-made features and the CNNs at this geometry, on the same splits
 #                                        # (the CNN: ~9 min a split on 2 cores, about 3 hours for the three tasks)
@@ -28,9 +30,10 @@ case $arm in
   cell) flags=(--patch_stem hmlp --stem_cell 1,4,4 --local_loss_weight 0.5 --local_loss_split 1,4,1) ;;
   narrow) flags=(--patch_stem hmlp --stem_cell 1,4,4 --stem_width 0.25 --local_loss_weight 0.5
                  --local_loss_split 1,4,1) ;;
+  deep_cell) flags=(--patch_stem hmlp --stem_cell 2,4,4 --local_loss_weight 0.5 --local_loss_split 1,4,1) ;;
   linear_local) flags=(--patch_stem linear --local_loss_weight 0.5 --local_loss_split 1,4,1) ;;
   linear) flags=(--patch_stem linear --local_loss_weight 0) ;;
-  *) echo "ARM is recipe, cell, narrow, linear_local or linear, got '$arm'" >&2; exit 2 ;;
+  *) echo "ARM is recipe, cell, narrow, deep_cell, linear_local or linear, got '$arm'" >&2; exit 2 ;;
 esac
 name="geo_${arm}_s$seed"
 log="experiments/runs/$name.log"

@@ -235,6 +235,7 @@ def test_each_hmlp_token_is_a_nonlinear_function_of_its_own_tubelets_voxels_only
         ([4, 16, 16], [1, 2, 2], 0.5, [1, 1, 9, 35, 50]),
         ([4, 16, 16], [1, 4, 4], 0.5, [1, 1, 9, 35, 50]),
         ([4, 16, 16], [1, 4, 4], 0.25, [1, 1, 9, 35, 50]),
+        ([4, 16, 16], [2, 4, 4], 0.5, [1, 1, 9, 35, 50]),
         ([4, 16, 8], [2, 2, 1], 0.75, [2, 1, 8, 32, 17]),
         ([2, 4, 4], [1, 2, 2], 0.5, [3, 1, 2, 4, 4]),
     ],
@@ -314,6 +315,7 @@ def test_the_hmlp_stem_is_refused_for_a_tubelet_it_cannot_cut_naming_the_sizes_b
         ("hmlp", [1, 2, 2], 0.5),
         ("hmlp", [1, 4, 4], 0.5),
         ("hmlp", [1, 4, 4], 0.25),
+        ("hmlp", [2, 4, 4], 0.5),
     ],
 )
 def test_the_counted_flops_of_the_target_encoder_are_what_torch_counts_besides_attention(

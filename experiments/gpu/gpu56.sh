@@ -9,15 +9,15 @@
 #      1,4,1; seeds 0-2, several at once, each probed as it ends). It writes its phantom sets and caches on the CPU
 #      cores first; meanwhile the GPU is free for
 #   2. bench.py train at ViT-L (pretrain_vitl.yaml, one device, batch 2, bf16): the recipe (the stem from 1x4x4
-#      cells with E/2 and with E/4 channels), the linear stem with the local loss and without it, interleaved in one
-#      process: ms/update, MFU of the same-run matmul peak, peak memory;
+#      cells with E/2 and with E/4 channels, from 2x4x4 cells with E/2), the linear stem with the local loss and
+#      without it, interleaved in one process: ms/update, MFU of the same-run matmul peak, peak memory;
 #   3. experiments/gpu/reference.py at ViT-L: the update against facebookresearch/jepa's (REF, default .ref/jepa),
 #      eager, same architecture and inputs;
 #   then the arms train for TRAIN seconds (runs still going get SIGTERM: train.py saves the update it is on, and the
 #   probe report says which update it read). finish waits for the probes and returns reports.tar.gz (probe JSON,
 #   timings, commands), logs.tar.gz and ckpts_K.tar.gz (slim target encoders, to probe again on a CPU).
 # OUT after start: gpu56.log, bench_vitl.json, reference.json; after finish: the arms' archives too.
-# TRAIN, PROBE: recipe.py's budgets (default 240 and 150 s); BENCH, REF_SECONDS: steps 2 and 3's timeouts (150, 120).
+# TRAIN, PROBE: recipe.py's budgets (default 240 and 150 s); BENCH, REF_SECONDS: steps 2 and 3's timeouts (170, 120).
 set -u
 cd "$(dirname "$0")/../.."
 repo=$(pwd)
@@ -52,10 +52,10 @@ start)
   { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     $py -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available())'
   } >> "$out/gpu56.log" 2>&1
-  log "bench at ViT-L, interleaved: the config's recipe, the stem with E/2 and E/4 channels, linear_local, linear"
-  timeout --signal=INT --kill-after=15 "${BENCH:-150}" $py bench.py train "${vitl[@]}" --device $device \
-    --per_core_batch_size 2 --variants eager,hmlp_1x4x4,hmlp_1x4x4_narrow,linear_local,linear --warmup 2 --repeats 6 \
-    --json "$out/bench_vitl.json" >> "$out/gpu56.log" 2>&1
+  log "bench at ViT-L, interleaved: the config's recipe, its stem at E/4, from 2x4x4 cells, linear_local, linear"
+  timeout --signal=INT --kill-after=15 "${BENCH:-170}" $py bench.py train "${vitl[@]}" --device $device \
+    --per_core_batch_size 2 --variants eager,hmlp_1x4x4,hmlp_1x4x4_narrow,hmlp_2x4x4,linear_local,linear \
+    --warmup 2 --repeats 6 --json "$out/bench_vitl.json" >> "$out/gpu56.log" 2>&1
   log "bench: rc $?"
   log "reference: octjepa against facebookresearch/jepa at ViT-L, eager"
   timeout --signal=INT --kill-after=15 "${REF_SECONDS:-120}" env OUT="$out" $py experiments/gpu/reference.py \

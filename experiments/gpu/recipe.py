@@ -11,7 +11,7 @@ last checkpoint as soon as the run ends:
             (learn.yaml's 256-token grid), 3000 updates, seeds 0-2, issue 56's three arms: the recipe
             (hmlp stem, local loss 0.5 on depth quarters), the linear stem with that local loss, the
             linear stem without it; and the recipe from 1x4x4 first cells (the cheaper stem), with
-            E/2 and with E/4 channels inside the stem
+            E/2 and with E/4 channels inside the stem, and from 2x4x4 first cells with E/2
   splits    learn.yaml (hmlp stem) with local_loss_split 1,1,1 / 1,2,1 / 1,4,1, seeds 0-2: is the
             split tuned to where the suite's drusen and fluid sit? (probed on lesion and on the tasks
             beyond it)
@@ -101,6 +101,14 @@ def arms(smoke: bool) -> dict:
                 + GEOMETRY
                 + RECIPE
                 + ["--local_loss_split", "1,4,1", "--stem_cell", "1,4,4", "--stem_width", "0.25"]
+                + seed,
+            ),
+            (
+                f"geo_deep_cell_s{s}",
+                learn
+                + GEOMETRY
+                + RECIPE
+                + ["--local_loss_split", "1,4,1", "--stem_cell", "2,4,4"]
                 + seed,
             ),
             (f"geo_linear_local_s{s}", learn + GEOMETRY + LINEAR_LOCAL + seed),

@@ -3,7 +3,8 @@ one process, with the local loss's targets beside them.
 
     python experiments/speed/stem_alone.py [CONFIG] [--repeats N] [--json OUT]   # default: pretrain_vitl.yaml
 
-For each stem (the linear one; the hmlp stem from 1x4x4 cells with E/2 and with E/4 channels), in an
+For each stem (the linear one; the hmlp stem from 1x4x4 cells with E/2 and with E/4 channels, and
+from 2x4x4 cells with E/2), in an
 Encoder without blocks, as an update runs it on one volume: the target encoder's embedding of every
 token (no gradient) and the context encoder's of its tokens only (Encoder.embed_kept, a random
 mask's context tokens), forward and backward, the stem recomputed in backward as in training. The
@@ -28,7 +29,10 @@ from config import load_config  # noqa: E402
 from model import Encoder, token_voxel_statistics  # noqa: E402
 
 # bench.py's recipe variants whose stems are timed here
-STEMS = {name: bench.RECIPES[name] for name in ("linear", "hmlp_1x4x4", "hmlp_1x4x4_narrow")}
+STEMS = {
+    name: bench.RECIPES[name]
+    for name in ("linear", "hmlp_1x4x4", "hmlp_1x4x4_narrow", "hmlp_2x4x4")
+}
 
 
 def embedding_only(cfg) -> Encoder:
