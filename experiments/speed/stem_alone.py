@@ -4,12 +4,12 @@ one process, with the local loss's targets beside them.
     python experiments/speed/stem_alone.py [CONFIG] [--repeats N] [--json OUT]   # default: pretrain_vitl.yaml
 
 For each stem (the linear one; the hmlp stem from 1x4x4 cells with E/2 and with E/4 channels, and
-from 2x4x4 cells with E/2), in an
-Encoder without blocks, as an update runs it on one volume: the target encoder's embedding of every
-token (no gradient) and the context encoder's of its tokens only (Encoder.embed_kept, a random
-mask's context tokens), forward and backward, the stem recomputed in backward as in training. The
-median seconds of `repeats` rounds after one warm-up, each round timing every stem once, and
-model.token_voxel_statistics (the local loss's targets) of the same volume.
+from 2x4x4 cells with E/2), in an Encoder without blocks, as an update runs it on one volume: the
+target encoder's embedding of every token (no gradient) and the context encoder's of its tokens
+only (Encoder.embed_kept, a random mask's context tokens), forward and backward, the stem recomputed
+in backward as in training. The median seconds of `repeats` rounds after one warm-up, each round
+timing every stem once, and model.token_voxel_statistics (the local loss's targets) of the same
+volume.
 """
 
 import argparse
