@@ -324,6 +324,20 @@ SDPA_BACKENDS = {
 }
 
 
+@contextlib.contextmanager
+def denormals_flushed(device_kind: str):
+    """A context in which the CPU (device_kind "cpu") flushes denormal floats to zero; elsewhere
+    nothing changes. At random init attention's softmax underflows into denormals, whose slow path
+    made one stem's update look 1.6% slower than another's over the same attention shapes
+    (experiments/NOTES.md 33): a CPU bench timed the values, not the work."""
+    flush = device_kind == "cpu" and torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        if flush:
+            torch.set_flush_denormal(False)
+
+
 def sdpa_backend(name: str):
     """A context in which scaled_dot_product_attention runs only SDPA_BACKENDS[name] (auto: a null
     context)."""
@@ -592,7 +606,7 @@ def bench_train(
     dtype = torch.bfloat16 if cfg.use_bf16 else torch.float32
     batch = runtime.to_device(synthetic_batch(cfg, cfg.per_core_batch_size * rt.local_replicas), rt)
     batch_size = len(batch["path"])
-    with sdpa_backend(sdpa):
+    with sdpa_backend(sdpa), denormals_flushed(rt.kind):
         timed = time_updates(cfg, rt, batch, warmup, repeats, list(names))
     variants = timed["variants"]
     first, *second = variants  # eager or unsharded; compiled or sharded (none on XLA unsharded)
@@ -600,7 +614,7 @@ def bench_train(
     peak = matmul_peak_flops(rt, dtype, seconds=max(1.0, 3 * step[first]) if repeats > 3 else 0.5)
     card_peak, card = card_peak_flops(rt, dtype)
     eager = variants[first]
-    with sdpa_backend(sdpa):
+    with sdpa_backend(sdpa), denormals_flushed(rt.kind):
         plain = plain_vit_flops(eager["model"], batch["volume"], cfg, rt, warmup, repeats)
     n_context, n_target = cfg.token_counts()
     tokens = n_context + n_target
@@ -648,6 +662,7 @@ def bench_train(
         "card": card,
         "card_peak_flops": card_peak,
         "sdpa": sdpa,
+        "denormals_flushed": rt.kind == "cpu",
         "auto_notes": notes,
         "plain_vit_mfu": plain / peak,
         "shard": cfg.shard,
@@ -706,7 +721,9 @@ def format_train_report(out: dict) -> str:
         f"train update on {out['device']} ({out['dtype']}, batch {out['batch_size']},"
         f" {out['tokens_per_sample']} tokens/sample, {out['parameters']:,} params,"
         f" {out['model_flops_per_sample'] / 1e9:.2f} GFLOP/sample, grad_checkpointing"
-        f" {out['grad_checkpointing']}, SDPA {out['sdpa']}), {out['repeats']} interleaved repeats,"
+        f" {out['grad_checkpointing']}, SDPA {out['sdpa']}"
+        f"{', denormals flushed' if out.get('denormals_flushed') else ''}),"
+        f" {out['repeats']} interleaved repeats,"
         f" load average {load_before:.1f} -> {load_after:.1f}:"
     ]
     first, *second = out["variants"]

@@ -479,7 +479,7 @@ def test_monai_unetr_segments_with_the_encoder_inside_at_both_shipped_patch_size
     pytest.importorskip("monai", reason="monai (requirements-dev.txt) is not installed")
     exported = load_encoder(export_dir)  # [4, 8, 8], trained
     config = json.loads(Path(export_dir, "config.json").read_text())
-    production = [  # the hmlp stem from 1x2x2 and from 1x4x4 cells, E/2 and E/4 channels inside
+    production = [  # the hmlp stem from 1x2x2, 1x4x4 and 2x4x4 cells, E/2 and E/4 channels inside
         pretrained.ExportedEncoder(
             {
                 **config,
@@ -491,9 +491,10 @@ def test_monai_unetr_segments_with_the_encoder_inside_at_both_shipped_patch_size
                 },
             }
         )
-        for cell, width in (([1, 2, 2], 0.5), ([1, 4, 4], 0.5), ([1, 4, 4], 0.25))
+        for cell, width in (([1, 2, 2], 0.5), ([1, 4, 4], 0.5), ([1, 4, 4], 0.25), ([2, 4, 4], 0.5))
     ]
     assert production[1].patch_embed[0].kernel_size == (1, 4, 4)
+    assert production[3].patch_embed[0].kernel_size == (2, 4, 4)
     embed_dim = config["architecture"]["embed_dim"]
     assert production[2].patch_embed[0].out_channels == embed_dim // 4
     size = [16, 32, 32]  # UNETR's grid: [1, 2, 2]

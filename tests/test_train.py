@@ -928,6 +928,17 @@ def test_bench_times_the_recipe_beside_the_linear_stem_in_one_process(capsys):
     assert "the peak memory (state and update)" in capsys.readouterr().out
 
 
+def test_a_cpu_bench_flushes_denormals_while_it_times_and_restores_them_after():
+    import bench
+
+    tiny = torch.tensor([1e-39])  # a float32 denormal
+    with bench.denormals_flushed("cpu"):
+        assert float(tiny * 1.0) == 0.0
+    assert float(tiny * 1.0) > 0.0
+    with bench.denormals_flushed("cuda"):  # not the CPU's: left as it is
+        assert float(tiny * 1.0) > 0.0
+
+
 def test_bench_measures_the_host_memory_an_update_adds_at_peak():
     """The CPU allocator keeps no peak and RSS only rises, so variants timed in one process each
     get theirs from the profiler's allocations and frees."""
