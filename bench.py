@@ -722,7 +722,7 @@ def format_train_report(out: dict) -> str:
         f" {out['tokens_per_sample']} tokens/sample, {out['parameters']:,} params,"
         f" {out['model_flops_per_sample'] / 1e9:.2f} GFLOP/sample, grad_checkpointing"
         f" {out['grad_checkpointing']}, SDPA {out['sdpa']}"
-        f"{', denormals flushed' if out.get('denormals_flushed') else ''}),"
+        f"{', denormals flushed' if out['denormals_flushed'] else ''}),"
         f" {out['repeats']} interleaved repeats,"
         f" load average {load_before:.1f} -> {load_after:.1f}:"
     ]
